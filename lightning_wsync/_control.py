@@ -1,0 +1,213 @@
+"""The control plane: connection to the shared store and the key layout on it.
+
+Every key lives under ``wsync/<job>/``. Keys that a wait depends on carry the
+version, sender epoch or group generation in their name, so a key written for one
+version can never satisfy a wait for another. Only two keys are overwritten:
+``latest`` and ``sender/current`` (pointers read by value, never waited on).
+
+    sender/epoch                  counter; each WeightSender takes the next epoch
+    sender/current                epoch of the newest sender
+    sender/<epoch>                JSON sender record (host, pid, transport, shm segment)
+    layout/<epoch>                JSON tensor table and buckets of that epoch
+    latest                        JSON {version, epoch, gen} of the newest published version
+    v/<version>                   JSON version record
+    v/<version>/ack/<rid>         "ok" or "error: <reason>" from receiver <rid>
+    v/<version>/acks              counter of acks (one poll tells whether any arrived)
+    closed/<epoch>                set by WeightSender.close()
+    members/next                  counter; each WeightReceiver takes the next rid
+    member/<rid>                  JSON member record (name, host, pid)
+    member/<rid>/hb               heartbeat counter
+    member/<rid>/gone             set by WeightReceiver.close()
+    member/<rid>/net              generation of the receiver's newest network link
+    pg/<epoch>/<rid>/<gen>/...    prefix of one sender-receiver process group
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_wsync.errors import WeightSyncStoreError
+
+ENV_STORE = "WSYNC_STORE"
+ENV_JOB = "WSYNC_JOB"
+ENV_HOST_ID = "WSYNC_HOST_ID"
+ENV_ADDR = "WSYNC_ADDR"
+
+
+@dataclass(frozen=True)
+class StoreHandle:
+    """A connected store plus what is known about where it lives."""
+
+    store: dist.Store
+    address: str | None  # "host:port" when known
+    is_server: bool  # this process hosts the TCPStore
+
+
+def resolve_job(job: str | None, owner: str) -> str:
+    job = job if job is not None else os.environ.get(ENV_JOB)
+    if not job:
+        raise ValueError(
+            f"{owner}: job={job!r}; pass job='<run name>' or set {ENV_JOB} (torchrun with "
+            f"--rdzv-backend=wsync sets it to the --rdzv-id)"
+        )
+    if "/" in job:
+        raise ValueError(f"{owner}: job={job!r} must not contain '/'; pick a name like 'exp1'")
+    return job
+
+
+def connect_store(
+    spec: dist.Store | str | None, *, serve: bool, timeout_s: float, owner: str
+) -> StoreHandle:
+    """Open the control-plane store.
+
+    ``spec`` is a Store, ``"host:port"``, or None for ``$WSYNC_STORE``. With ``serve``
+    a TCPStore is hosted at that address when the port can be bound here (or is 0);
+    otherwise this process connects as a client.
+    """
+    if isinstance(spec, dist.Store):
+        return StoreHandle(spec, None, False)
+    if spec is None:
+        spec = os.environ.get(ENV_STORE)
+        if not spec:
+            raise ValueError(
+                f"{owner}: store=None and {ENV_STORE} is not set; pass store='host:port' (or a "
+                f"torch.distributed.Store), or launch with torchrun --rdzv-backend=wsync which sets {ENV_STORE}"
+            )
+    if not isinstance(spec, str):
+        raise TypeError(f"{owner}: store={spec!r} must be a torch.distributed.Store or a 'host:port' string")
+    host, port = parse_address(spec, f"{owner}: store")
+    timeout = timedelta(seconds=timeout_s)
+    if serve:
+        try:
+            server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+            return StoreHandle(server, f"{host}:{server.port}", True)
+        except (RuntimeError, OSError):
+            if port == 0:
+                raise WeightSyncStoreError(
+                    f"{owner}: could not host a TCPStore on {host!r} with a free port; pass a "
+                    f"local address as store='ADDR:0'"
+                ) from None
+            # Port taken (the torchrun agent or another sender hosts it): join as a client.
+    try:
+        client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as exc:
+        raise WeightSyncStoreError(
+            f"{owner}: cannot reach the control-plane store at {spec!r} within timeout_s={timeout_s}: "
+            f"{_first_line(exc)}; start the trainer (or `lightning-wsync store`) first, or fix store="
+        ) from exc
+    return StoreHandle(client, f"{host}:{port}", False)
+
+
+def parse_address(spec: str, what: str) -> tuple[str, int]:
+    host, sep, port_text = spec.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ValueError(f"{what}={spec!r} is not 'host:port' (e.g. '127.0.0.1:29400')")
+    return host.strip("[]"), int(port_text)
+
+
+def local_address(store_address: str | None) -> str:
+    """The address other hosts reach this process at: ``$WSYNC_ADDR``, else the
+    interface that routes to the store, else 127.0.0.1."""
+    explicit = os.environ.get(ENV_ADDR)
+    if explicit:
+        return explicit
+    if store_address is not None:
+        host, port = parse_address(store_address, "store")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, port or 1))  # UDP connect sends nothing; it picks the route
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def host_id() -> str:
+    """Identity of this host for the same-host decision: ``$WSYNC_HOST_ID`` wins, else
+    hostname plus kernel boot id (network namespaces share both, hence the override)."""
+    explicit = os.environ.get(ENV_HOST_ID)
+    if explicit:
+        return explicit
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a running (not zombie) process on this host."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Control:
+    """Typed access to one job's keys on the store. Thread-safe as the store is."""
+
+    def __init__(self, store: dist.Store, job: str) -> None:
+        self.job = job
+        self.raw = store
+        self.store = dist.PrefixStore(f"wsync/{job}/", store)
+
+    def clone(self) -> Control:
+        """A second connection (where the store supports it) for a thread that may block."""
+        try:
+            return Control(self.raw.clone(), self.job)
+        except (RuntimeError, AttributeError):
+            return self
+
+    # -- primitives ---------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def get_text(self, key: str) -> str | None:
+        """The value at ``key``, or None when absent (never blocks waiting for it)."""
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def get_json(self, key: str) -> Any:
+        text = self.get_text(key)
+        return None if text is None else json.loads(text)
+
+    def set_text(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def set_json(self, key: str, value: object) -> None:
+        self.store.set(key, json.dumps(value, separators=(",", ":")))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(key, amount))
+
+    def delete(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)
+        except RuntimeError:
+            pass  # stores without delete (FileStore on old torch) keep the key; harmless
+
+    def prefix_store(self, prefix: str) -> dist.Store:
+        return dist.PrefixStore(prefix, self.store)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

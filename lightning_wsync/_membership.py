@@ -1,0 +1,118 @@
+"""Receivers as the sender sees them: registration, heartbeats, and why one is gone.
+
+A receiver registers under a fresh id (``members/next``), writes its record and then
+bumps ``member/<rid>/hb`` every ``heartbeat_s``. The sender compares counter values
+against its own clock, so hosts need no synchronised clocks. A receiver is gone when
+it closed (``gone`` key), when its process no longer exists (same host only), or when
+its heartbeat has not moved for ``heartbeat_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from lightning_wsync._control import Control, pid_alive
+from lightning_wsync.transport.net import NetSendLink
+
+
+@dataclass
+class Member:
+    rid: int
+    name: str
+    host: str
+    pid: int
+    hb: int = 0
+    hb_seen_at: float = 0.0  # time.monotonic() when hb last changed
+    gone_reason: str | None = None
+    link: NetSendLink | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+def state_key(rid: int) -> str:
+    """JSON ``{"acked": <newest version held>, "error": [version, reason] | null}``."""
+    return f"member/{rid}/state"
+
+
+def encode_state(acked: int, error: tuple[int, str] | None) -> str:
+    return json.dumps({"acked": acked, "error": list(error) if error else None})
+
+
+class Membership:
+    """The sender's view of the receivers, refreshed from its background thread."""
+
+    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float) -> None:
+        self._ctl = control
+        self._host_id = host_id
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._next_rid = 0
+        self._members: dict[int, Member] = {}
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        ctl = self._ctl
+        registered = ctl.add("members/next", 0)
+        while self._next_rid < registered:
+            record = ctl.get_json(f"member/{self._next_rid}")
+            if record is None:
+                break  # registering right now; its record lands on a later refresh
+            member = Member(self._next_rid, str(record["name"]), str(record["host"]), int(record["pid"]))
+            member.hb, member.hb_seen_at = ctl.add(f"member/{member.rid}/hb", 0), time.monotonic()
+            with self._lock:
+                self._members[member.rid] = member
+            self._next_rid += 1
+        now = time.monotonic()
+        for member in self.members():
+            if member.gone_reason is not None:
+                continue
+            hb = ctl.add(f"member/{member.rid}/hb", 0)
+            if hb != member.hb:
+                member.hb, member.hb_seen_at = hb, now
+            reason = self._gone_reason(member, now)
+            if reason is not None:
+                member.gone_reason = reason
+                if member.link is not None:
+                    member.link.close(timeout_s=0)
+
+    def _gone_reason(self, member: Member, now: float) -> str | None:
+        if self._ctl.has(f"member/{member.rid}/gone"):
+            return "closed"
+        if member.host == self._host_id and not pid_alive(member.pid):
+            return f"process {member.pid} exited"
+        silent = now - member.hb_seen_at
+        if silent > self._heartbeat_timeout_s:
+            return f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
+        return None
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return list(self._members.values())
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members() if m.gone_reason is None]
+
+    def get(self, rid: int) -> Member | None:
+        with self._lock:
+            return self._members.get(rid)
+
+    def failure(self, rid: int) -> str | None:
+        """Why ``rid`` cannot take deliveries now, or None while it looks healthy."""
+        member = self.get(rid)
+        if member is None:
+            return "unknown receiver"
+        if member.gone_reason is not None:
+            return member.gone_reason
+        if member.link is not None and member.link.error is not None:
+            return f"network link failed: {member.link.error}"
+        if member.host == self._host_id and not pid_alive(member.pid):
+            return f"process {member.pid} exited"
+        return None
+
+    def heartbeat_age_s(self, rid: int) -> float | None:
+        member = self.get(rid)
+        return None if member is None else time.monotonic() - member.hb_seen_at

@@ -1,0 +1,378 @@
+"""WeightReceiver: keep a rollout module at the newest complete version, applied on request.
+
+::
+
+    policy = Policy()
+    with WeightReceiver(policy) as receiver:            # store and job from WSYNC_* env
+        receiver.wait_for_version(0, timeout_s=60)      # the initial weights
+        while True:
+            run_rollout(policy)
+            receiver.update()                           # newest complete version, if newer
+
+A background thread registers the receiver, sends heartbeats and watches the store for
+new versions and sender restarts. From a sender on this host, ``update()`` copies the
+shared snapshot straight into the module (torn copies are detected and redone); from a
+sender on another host, a network link stages each version privately and verifies it
+first. Either way the module is only ever written by ``update()`` on the caller's
+thread, and only with a complete version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_wsync._control import Control, connect_store, host_id, local_address, resolve_job
+from lightning_wsync._manifest import Layout, copy_out, select_tensors
+from lightning_wsync._membership import encode_state, state_key
+from lightning_wsync.config import ReceiverConfig
+from lightning_wsync.errors import (
+    WeightSyncClosedError,
+    WeightSyncError,
+    WeightSyncIntegrityError,
+    WeightSyncSchemaError,
+    WeightSyncTimeoutError,
+)
+from lightning_wsync.transport.net import NetReceiveLink
+from lightning_wsync.transport.shm import ShmReceiveLink
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.002
+
+
+def _default_name() -> str:
+    rank = os.environ.get("RANK")
+    role = os.environ.get("WSYNC_ROLE", "receiver")
+    if rank is not None:
+        return f"{role}-{rank}@{socket.gethostname()}"
+    return f"{role}@{socket.gethostname()}:{os.getpid()}"
+
+
+class _Source:
+    """Where the current sender epoch's versions come from on this receiver."""
+
+    def __init__(self, epoch: int, layout: Layout, shm: ShmReceiveLink | None, net: NetReceiveLink | None) -> None:
+        self.epoch = epoch
+        self.layout = layout
+        self.shm = shm
+        self.net = net
+
+    def close(self) -> None:
+        if self.net is not None:
+            self.net.close()
+        if self.shm is not None:
+            self.shm.close()
+
+
+class WeightReceiver:
+    """Receives the versions a :class:`WeightSender` publishes into ``module``.
+
+    Args:
+        module: the rollout module; its parameters and buffers are updated in place.
+        store: a ``torch.distributed.Store`` or ``"host:port"`` (always joined as a
+            client). Default ``$WSYNC_STORE``.
+        config: a :class:`ReceiverConfig`; or pass its fields as keyword arguments.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        store: dist.Store | str | None = None,
+        job: str | None = None,
+        *,
+        config: ReceiverConfig | None = None,
+        **options: object,
+    ) -> None:
+        if config is not None and options:
+            raise TypeError(f"WeightReceiver: pass either config= or keyword options, not both (got {sorted(options)})")
+        cfg = config if config is not None else ReceiverConfig(job=job, **options)  # type: ignore[arg-type]
+        self.config = cfg
+        self._tensors = select_tensors(module, cfg.include, cfg.exclude)
+        job_name = resolve_job(cfg.job if config is None or job is None else job, "WeightReceiver")
+        handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
+        self._store_address = handle.address
+        self._ctl = Control(handle.store, job_name)
+        self._watch_ctl = self._ctl.clone()
+        self._host = host_id()
+        self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
+
+        self.version: int | None = None
+        self._source: _Source | None = None
+        self._ordered: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None
+        self._latest: tuple[int, int, int] | None = None  # (version, epoch, gen) seen on the store
+        self._error: WeightSyncError | None = None
+        self._sender_closed = False
+        self._closed = False
+        self._acks: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
+        self._acked = -1
+        self._cond = threading.Condition()
+        self._apply_lock = threading.Lock()
+        self._stop = threading.Event()
+
+        self.rid = self._ctl.add("members/next", 1) - 1
+        self.name = cfg.name or _default_name()
+        self._ctl.set_text(state_key(self.rid), encode_state(-1, None))
+        self._ctl.add(f"member/{self.rid}/hb", 1)
+        self._ctl.set_json(f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid()})
+        self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
+        self._thread.start()
+        log.info("WeightReceiver %r (rid=%d) joined job %r", self.name, self.rid, job_name)
+
+    # -- user API -----------------------------------------------------------------
+    def update(self) -> int | None:
+        """Apply the newest complete version if it is newer than the one held.
+
+        Never waits on the network: it copies from shared memory or from a version
+        already staged. Returns the version applied, or None.
+        """
+        self._raise_if_unusable()
+        with self._apply_lock:
+            source = self._source
+            if source is None:
+                return None
+            if source.net is not None:
+                applied = self._apply_staged(source.net)
+            else:
+                applied = self._apply_shared(source)
+        if applied is not None:
+            self.version = applied
+            self._acks.put((applied, None))
+            log.debug("applied version %d", applied)
+        return applied
+
+    def wait_for_version(self, min_version: int = 0, timeout_s: float | None = None) -> int:
+        """Block until a version >= ``min_version`` is applied to the module; return it.
+
+        Raises:
+            WeightSyncTimeoutError: none arrived within ``timeout_s`` (default: the config's).
+            WeightSyncClosedError: the sender closed before publishing such a version.
+            WeightSyncSchemaError: this module does not match what the sender publishes.
+        """
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.update()
+            if self.version is not None and self.version >= min_version:
+                return self.version
+            if self._sender_closed and not self._newer_pending():
+                raise WeightSyncClosedError(
+                    f"WeightReceiver {self.name!r}: the sender of job {self._ctl.job!r} closed; the newest "
+                    f"version held is {self.version!r}, below min_version={min_version!r}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                latest = None if self._latest is None else self._latest[0]
+                raise WeightSyncTimeoutError(
+                    f"WeightReceiver {self.name!r}: no version >= {min_version!r} within timeout_s={timeout_s} "
+                    f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
+                    f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
+                )
+            with self._cond:
+                self._cond.wait(timeout=min(remaining, 0.05))
+
+    @property
+    def latest_published(self) -> int | None:
+        """Newest version the sender has published (as last seen on the store)."""
+        return None if self._latest is None else self._latest[0]
+
+    @property
+    def sender_closed(self) -> bool:
+        return self._sender_closed
+
+    # -- applying -------------------------------------------------------------------
+    def _apply_shared(self, source: _Source) -> int | None:
+        assert source.shm is not None
+        latest = self._latest
+        if latest is None or latest[1] != source.epoch or (self.version is not None and latest[0] <= self.version):
+            return None
+        deadline = time.monotonic() + self.config.timeout_s
+        attempt = 0
+        while True:
+            latest = self._latest
+            assert latest is not None
+            version, epoch, gen = latest
+            if epoch != source.epoch:
+                return None  # a new sender took over; the watcher is switching sources
+            if attempt < 2:
+                if source.shm.try_apply(gen, self._ordered):
+                    return version
+            else:
+                # Pushes keep landing while we copy: stage privately so the module is
+                # written once, from bytes known to be whole.
+                if self._staging is None:
+                    self._staging = torch.empty(source.layout.total_bytes, dtype=torch.uint8)
+                if source.shm.stage(gen, self._staging):
+                    copy_out(source.layout, self._staging, self._ordered)
+                    return version
+            attempt += 1
+            if time.monotonic() > deadline:
+                self.version = None  # the module may hold a torn copy now; say so
+                raise WeightSyncIntegrityError(
+                    f"WeightReceiver {self.name!r}: the shared snapshot changed under every copy for "
+                    f"timeout_s={self.config.timeout_s}; the trainer pushes faster than this receiver copies "
+                    f"(push less often, or raise timeout_s)"
+                )
+            with self._cond:  # the watcher thread notifies when `latest` moves on
+                self._cond.wait(timeout=_POLL_S)
+
+    def _apply_staged(self, link: NetReceiveLink) -> int | None:
+        with link.lock:
+            staged = link.staged_version
+            if staged is None or (self.version is not None and staged <= self.version):
+                return None
+            copy_out(link.layout, link.staging, self._ordered)
+            return staged
+
+    def _newer_pending(self) -> bool:
+        source = self._source
+        if source is not None and source.net is not None:
+            staged = source.net.staged_version
+            return staged is not None and (self.version is None or staged > self.version)
+        return self._latest is not None and (self.version is None or self._latest[0] > self.version)
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise WeightSyncClosedError(f"WeightReceiver {self.name!r} is closed; create a new one")
+        if self._error is not None:
+            raise self._error
+
+    # -- background ---------------------------------------------------------------
+    def _watch(self) -> None:
+        ctl = self._watch_ctl
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    ctl.add(f"member/{self.rid}/hb", 1)
+                    next_beat = now + self.config.heartbeat_s
+                self._flush_acks(ctl)
+                self._follow_sender(ctl)
+                if self._source is not None:
+                    latest = ctl.get_json("latest")
+                    if latest is not None:
+                        record = (int(latest["version"]), int(latest["epoch"]), int(latest["gen"]))
+                        if record != self._latest:
+                            with self._cond:
+                                self._latest = record
+                                self._cond.notify_all()
+                    if not self._sender_closed and ctl.has(f"closed/{self._source.epoch}"):
+                        with self._cond:
+                            self._sender_closed = True
+                            self._cond.notify_all()
+            except RuntimeError as exc:
+                log.warning("receiver %r: store unreachable (%s); keeping version %r", self.name,
+                            str(exc).strip()[:200], self.version)  # fmt: skip
+                self._stop.wait(min(1.0, self.config.heartbeat_s))
+            self._stop.wait(_POLL_S)
+
+    def _follow_sender(self, ctl: Control) -> None:
+        current = ctl.get_text("sender/current")
+        if current is None or (self._source is not None and int(current) == self._source.epoch):
+            return
+        epoch = int(current)
+        record = ctl.get_json(f"sender/{epoch}")
+        layout_text = ctl.get_text(f"layout/{epoch}")
+        if record is None or layout_text is None:
+            return
+        layout = Layout.from_json(layout_text)
+        try:
+            layout.check_module(self._tensors, self.name)
+        except WeightSyncSchemaError as exc:
+            latest = ctl.get_json("latest")
+            self._error = exc
+            ctl.set_text(state_key(self.rid), encode_state(self._acked, (int(latest["version"]) if latest else 0, str(exc))))
+            log.error("%s", exc)
+            with self._cond:
+                self._cond.notify_all()
+            self._stop.set()
+            return
+        with self._apply_lock:
+            if self._source is not None:
+                self._source.close()
+            self._source = self._make_source(ctl, epoch, layout, record)
+            self._ordered = [self._tensors[e.name] for e in layout.entries]
+            self._staging = None
+            self._sender_closed = False
+        log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
+                 "shared memory" if self._source.shm is not None else f"network/{record['backend']}")  # fmt: skip
+
+    def _make_source(self, ctl: Control, epoch: int, layout: Layout, record: dict[str, object]) -> _Source:
+        transport = str(record["transport"])
+        same_host = record["host"] == self._host and record["shm"] is not None
+        if transport == "shm" and not same_host:
+            raise WeightSyncError(
+                f"WeightReceiver {self.name!r}: the sender uses transport='shm' but runs on host "
+                f"{record['host']!r}, not here ({self._host!r}); use transport='auto' or 'gloo' on the sender"
+            )
+        if transport in ("auto", "shm") and same_host:
+            return _Source(epoch, layout, ShmReceiveLink(str(record["shm"]), layout), None)
+        backend = str(record["backend"])
+        device = self._device if backend == "nccl" else torch.device("cpu")
+        link = NetReceiveLink(
+            self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
+            addr=local_address(self._store_address), timeout_s=self.config.timeout_s, device=device,
+            on_staged=self._on_staged, on_rejected=self._on_rejected,
+        )  # fmt: skip
+        return _Source(epoch, layout, None, link)
+
+    def _on_staged(self, version: int) -> None:
+        self._acks.put((version, None))
+        with self._cond:
+            self._cond.notify_all()
+
+    def _on_rejected(self, version: int, reason: str) -> None:
+        log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
+        self._acks.put((-1, (version, reason)))
+
+    def _flush_acks(self, ctl: Control) -> None:
+        error: tuple[int, str] | None = None
+        changed = False
+        while True:
+            try:
+                version, err = self._acks.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            self._acked = max(self._acked, version)
+            error = err or error
+        if changed:
+            ctl.set_text(state_key(self.rid), encode_state(self._acked, error))
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the job. The module keeps the version it holds."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self._flush_acks(self._ctl)
+            self._ctl.set_text(f"member/{self.rid}/gone", "1")
+        except RuntimeError:
+            pass  # store already gone: the sender sees the heartbeat stop instead
+        with self._apply_lock:
+            if self._source is not None:
+                self._source.close()
+                self._source = None
+        log.info("WeightReceiver %r (rid=%d) closed at version %r", self.name, self.rid, self.version)
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,376 @@
+"""WeightSender: snapshot a module's weights into a flat buffer, deliver in the background.
+
+::
+
+    with WeightSender(model, store="127.0.0.1:29400", job="exp1") as sender:
+        for step in range(1, 101):
+            train_step()
+            if step % 10 == 0:
+                handle = sender.push(step)          # returns after the snapshot
+        print(handle.wait(timeout_s=30))            # PushReport(version=100, delivered=..., failed=...)
+
+``push`` blocks only while the weights are copied into the snapshot buffer. A
+background thread publishes the version on the store and, for receivers on other hosts,
+per-receiver threads send it over their own process groups. Receivers on this host copy
+it straight from the shared-memory snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_wsync._control import Control, StoreHandle, connect_store, host_id, local_address, resolve_job
+from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync._membership import Member, Membership, state_key
+from lightning_wsync._snapshot import Snapshot
+from lightning_wsync.config import SenderConfig
+from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
+from lightning_wsync.transport.net import NetSendLink
+from lightning_wsync.transport.shm import ShmSegment, remove_stale_segments, segment_name
+
+log = logging.getLogger(__name__)
+
+_MEMBERSHIP_REFRESH_S = 0.05
+_KEEP_VERSION_RECORDS = 4
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """Outcome of one push.
+
+    Attributes:
+        version: the version pushed.
+        delivered: receivers holding this version or a newer one (for receivers on this
+            host: applied to their module; across hosts: staged and verified).
+        failed: receiver name -> reason, for each receiver that was live when the
+            version was published and did not get it within the timeout.
+        stall_s: how long ``push()`` blocked the caller.
+        latency_s: from ``push()`` to the last delivery seen (None if none).
+        bytes: bytes in the snapshot.
+    """
+
+    version: int
+    delivered: tuple[str, ...]
+    failed: dict[str, str] = field(default_factory=dict)
+    stall_s: float = 0.0
+    latency_s: float | None = None
+    bytes: int = 0
+
+
+class PushHandle:
+    """Returned by :meth:`WeightSender.push`; ``wait()`` reports who got the version."""
+
+    def __init__(self, sender: WeightSender, version: int, started: float, stall_s: float) -> None:
+        self.version = version
+        self.stall_s = stall_s
+        self._sender = sender
+        self._started = started
+        self._published = threading.Event()
+        self._targets: list[Member] = []
+        self._report: PushReport | None = None
+
+    def _set_targets(self, targets: list[Member]) -> None:
+        self._targets = targets
+        self._published.set()
+
+    def wait(self, timeout_s: float | None = None) -> PushReport:
+        """Wait up to ``timeout_s`` (default: the sender's) for every receiver that was
+        live at publication to hold this version; never longer."""
+        if self._report is not None:
+            return self._report
+        timeout_s = self._sender.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        self._published.wait(timeout=timeout_s)
+        self._report = self._sender._collect(self, self._targets, deadline, timeout_s)
+        return self._report
+
+
+class WeightSender:
+    """Publishes versions of ``module``'s weights to every :class:`WeightReceiver` of a job.
+
+    Args:
+        module: the module whose parameters and persistent buffers are sent.
+        store: a ``torch.distributed.Store``, or ``"host:port"`` (hosted here when the
+            port is free or 0, else joined as a client). Default ``$WSYNC_STORE``.
+        config: a :class:`SenderConfig`; or pass its fields as keyword arguments.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        store: dist.Store | str | None = None,
+        job: str | None = None,
+        *,
+        config: SenderConfig | None = None,
+        **options: object,
+    ) -> None:
+        if config is not None and options:
+            raise TypeError(f"WeightSender: pass either config= or keyword options, not both (got {sorted(options)})")
+        cfg = config if config is not None else SenderConfig(job=job, **options)  # type: ignore[arg-type]
+        if config is not None and job is not None:
+            cfg = SenderConfig(**{**cfg.__dict__, "job": job})
+        self.config = cfg
+        self._tensors = select_tensors(module, cfg.include, cfg.exclude)
+        if not self._tensors:
+            names = list(module.state_dict().keys())[:5]
+            raise ValueError(
+                f"WeightSender: include={cfg.include!r} exclude={cfg.exclude!r} select no tensor of the "
+                f"module (first names: {names!r}); loosen the patterns"
+            )
+        on_cuda = any(t.is_cuda for t in self._tensors.values())
+        if cfg.transport == "nccl" and not on_cuda:
+            raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
+        job_name = resolve_job(cfg.job, "WeightSender")
+        self._store: StoreHandle = connect_store(store, serve=True, timeout_s=cfg.timeout_s, owner="WeightSender")
+        self._ctl = Control(self._store.store, job_name)
+        self._report_ctl = self._ctl.clone()
+        self._report_lock = threading.Lock()
+
+        self.layout = build_layout(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
+        self._ordered = [self._tensors[e.name] for e in self.layout.entries]
+        self._host = host_id()
+        self._addr = local_address(self._store.address)
+        self.epoch = self._ctl.add("sender/epoch", 1)
+        latest = self._ctl.get_json("latest")
+        self.latest_version: int | None = None if latest is None else int(latest["version"])
+
+        use_device = on_cuda and cfg.transport in ("auto", "nccl")
+        segment = None
+        if not use_device and cfg.transport in ("auto", "shm"):
+            remove_stale_segments()
+            segment = ShmSegment(segment_name(job_name, self.epoch), self.layout.total_bytes, create=True)
+        device = next(iter(self._tensors.values())).device if use_device else torch.device("cpu")
+        self._snapshot = Snapshot(self.layout, segment=segment, device=device)
+        self._backend = "nccl" if use_device else "gloo"
+        self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+
+        self._ctl.set_text(f"layout/{self.epoch}", self.layout.to_json())
+        self._ctl.set_json(
+            f"sender/{self.epoch}",
+            {
+                "epoch": self.epoch,
+                "host": self._host,
+                "pid": os.getpid(),
+                "transport": cfg.transport,
+                "backend": self._backend,
+                "shm": segment.name if segment is not None else None,
+                "addr": self._addr,
+            },
+        )
+        self._ctl.set_text("sender/current", str(self.epoch))
+
+        self._closed = False
+        self._last_handle: PushHandle | None = None
+        self._pending: list[PushHandle] = []
+        self._published_versions: list[int] = []
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_background, args=(weakref.ref(self), self._stop), name=f"wsync-sender-{job_name}", daemon=True
+        )
+        self._thread.start()
+        log.info(
+            "WeightSender job=%r epoch=%d: %d tensors, %.1f MiB, transport=%s, store=%s%s",
+            job_name, self.epoch, len(self.layout.entries), self.layout.total_bytes / 2**20,
+            cfg.transport, self._store.address, " (hosted here)" if self._store.is_server else "",
+        )  # fmt: skip
+
+    @property
+    def store_address(self) -> str | None:
+        """``host:port`` of the control-plane store (useful with ``store='host:0'``)."""
+        return self._store.address
+
+    @property
+    def store(self) -> dist.Store:
+        return self._store.store
+
+    def push(self, version: int) -> PushHandle:
+        """Snapshot the weights as ``version`` and deliver them in the background.
+
+        Blocks only for the copy into the snapshot buffer.
+
+        Raises:
+            ValueError: ``version`` is not an int above the last published version.
+            WeightSyncClosedError: the sender was closed.
+        """
+        if self._closed:
+            raise WeightSyncClosedError("WeightSender.push() after close(); create a new WeightSender")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"WeightSender.push: version={version!r} must be an int >= 0 (e.g. the global step)")
+        if self.latest_version is not None and version <= self.latest_version:
+            raise ValueError(
+                f"WeightSender.push: version={version!r} is not above the last published version "
+                f"{self.latest_version} of job {self._ctl.job!r}; versions must strictly increase "
+                f"(push a higher number, or use a new job name)"
+            )
+        started = time.perf_counter()
+        self._snapshot.write(version, self._ordered)
+        stall = time.perf_counter() - started
+        self.latest_version = version
+        handle = PushHandle(self, version, started, stall)
+        handle._targets = self._members.live()  # in-memory view; push() never touches the store
+        with self._wake:
+            self._pending.append(handle)
+            self._last_handle = handle
+            self._wake.notify()
+        log.debug("version %d snapshotted in %.4f s", version, stall)
+        return handle
+
+    # -- background ---------------------------------------------------------------
+    def _publish_pending(self) -> None:
+        with self._wake:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        newest = self._snapshot.newest()
+        assert newest is not None
+        version, gen = newest
+        ctl = self._ctl
+        ctl.set_json(f"v/{version}", {"version": version, "epoch": self.epoch, "gen": gen})
+        ctl.set_json("latest", {"version": version, "epoch": self.epoch, "gen": gen})
+        self._members.refresh()  # a receiver that registered just before the push is a target
+        live = self._members.live()
+        for handle in pending:  # receivers live at push time, plus any found since
+            known = {m.rid for m in handle._targets}
+            handle._set_targets(handle._targets + [m for m in live if m.rid not in known])
+        self._published_versions.append(version)
+        while len(self._published_versions) > _KEEP_VERSION_RECORDS:
+            ctl.delete(f"v/{self._published_versions.pop(0)}")
+
+    def _sync_links(self) -> None:
+        for member in self._members.live():
+            gen = self._ctl.add(f"member/{member.rid}/net", 0)
+            if gen == 0 or (member.link is not None and member.link.gen >= gen):
+                continue
+            if member.link is not None:
+                member.link.close(timeout_s=0)
+            member.link = NetSendLink(
+                self._ctl, self._snapshot, epoch=self.epoch, rid=member.rid, gen=gen,
+                backend=self._backend, addr=self._addr, timeout_s=self.config.timeout_s,
+            )  # fmt: skip
+
+    def _collect(self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float) -> PushReport:
+        pending = {m.rid: m for m in targets}
+        delivered: list[str] = []
+        failed: dict[str, str] = {}
+        last_delivery: float | None = None
+        while pending:
+            with self._report_lock:
+                states = self._report_ctl.store.multi_get([state_key(rid) for rid in pending])
+            for (rid, member), raw in zip(list(pending.items()), states):
+                state = _decode(raw)
+                acked, error = int(state["acked"]), state["error"]
+                if acked >= handle.version:
+                    delivered.append(member.label)
+                    last_delivery = time.perf_counter()
+                elif error is not None and int(error[0]) >= handle.version:
+                    failed[member.label] = f"rejected version {error[0]}: {error[1]}"
+                elif (reason := self._members.failure(rid)) is not None:
+                    failed[member.label] = reason
+                else:
+                    continue
+                del pending[rid]
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                for rid, member in pending.items():
+                    age = self._members.heartbeat_age_s(rid)
+                    failed[member.label] = (
+                        f"no acknowledgement of version {handle.version} within timeout_s={timeout_s} "
+                        f"(last heartbeat {age:.1f} s ago); it is stalled or slow: check it, or raise timeout_s"
+                    )
+                break
+            time.sleep(0.0005)
+        return PushReport(
+            version=handle.version,
+            delivered=tuple(delivered),
+            failed=failed,
+            stall_s=handle.stall_s,
+            latency_s=None if last_delivery is None else last_delivery - handle._started,
+            bytes=self.layout.total_bytes,
+        )
+
+    def receivers(self) -> list[str]:
+        """Names of the receivers currently considered live."""
+        return [m.label for m in self._members.live()]
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        """Wait (bounded) for the last push to be delivered, then signal receivers and stop.
+
+        Args:
+            flush_timeout_s: bound on waiting for the last push; default ``timeout_s``;
+                0 closes at once.
+        """
+        if self._closed:
+            return
+        last = self._last_handle
+        if last is not None and flush_timeout_s != 0:
+            last.wait(flush_timeout_s)
+        self._closed = True
+        try:
+            self._ctl.set_text(f"closed/{self.epoch}", "1")
+        except RuntimeError as exc:
+            log.warning("could not signal close on the store: %s", exc)
+        self._stop.set()
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout=10)
+        self._snapshot.close()
+        for member in self._members.members():
+            if member.link is not None:
+                member.link.close()
+        if self._snapshot.segment is not None:
+            self._snapshot.segment.close()
+        log.info("WeightSender job=%r epoch=%d closed", self._ctl.job, self.epoch)
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(flush_timeout_s=0 if exc_type is not None else None)
+
+
+def _decode(raw: bytes) -> dict[str, object]:
+    value = json.loads(raw)
+    assert isinstance(value, dict)
+    return value
+
+
+def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:
+    """Publishes pushes and tracks receivers; holds the sender only weakly."""
+    last_refresh = 0.0
+    while not stop.is_set():
+        sender = ref()
+        if sender is None:
+            return
+        try:
+            with sender._wake:
+                if not sender._pending:
+                    sender._wake.wait(timeout=_MEMBERSHIP_REFRESH_S)
+            if stop.is_set():
+                return
+            sender._publish_pending()
+            now = time.monotonic()
+            if now - last_refresh >= _MEMBERSHIP_REFRESH_S:
+                sender._members.refresh()
+                sender._sync_links()
+                last_refresh = now
+        except (RuntimeError, WeightSyncStoreError) as exc:
+            log.warning("sender background step failed (will retry): %s", str(exc).strip()[:300])
+            stop.wait(0.2)
+        finally:
+            del sender

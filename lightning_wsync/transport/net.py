@@ -1,0 +1,242 @@
+"""Cross-host data plane: one two-rank process group per (sender epoch, receiver, generation).
+
+Groups are standalone ``ProcessGroupGloo``/``ProcessGroupNCCL`` objects on a prefix of
+the shared store, never the default group (that one belongs to Lightning's DDP), and
+one per receiver so a receiver that dies or stalls fails only its own group. After a
+failure the receiver takes a new generation and both sides build a fresh group under
+a new prefix, so nothing of the broken group can satisfy a wait of the new one.
+
+A version travels as: announcement key on the store, header ``[version, gen, bytes,
+buckets]``, each bucket, trailer ``[gen after send, checksum of each bucket]``. The
+receiver stages the bytes privately and accepts them only when the trailer's generation
+equals the header's (the sender's snapshot was not overwritten mid-send) and, on CPU,
+every bucket's xxh3 checksum matches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_wsync._control import Control
+from lightning_wsync._manifest import Layout
+from lightning_wsync._snapshot import Snapshot, bucket_checksums
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.002
+
+
+def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s: float) -> dist.ProcessGroup:
+    """A standalone two-rank group; blocks (GIL released) until the peer joins or timeout."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    if backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
+    raise ValueError(f"unknown network backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+def _shutdown(pg: dist.ProcessGroup | None) -> None:
+    if pg is None:
+        return
+    try:
+        pg.abort() if hasattr(pg, "abort") else None  # noqa: B018 - both group types have it on 2.13
+    except RuntimeError:
+        pass
+
+
+def group_prefix(epoch: int, rid: int, gen: int) -> str:
+    return f"pg/{epoch}/{rid}/{gen}/"
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+class NetSendLink:
+    """The sender's side of one receiver's group: a thread that sends each new version."""
+
+    def __init__(
+        self,
+        control: Control,
+        snapshot: Snapshot,
+        *,
+        epoch: int,
+        rid: int,
+        gen: int,
+        backend: str,
+        addr: str,
+        timeout_s: float,
+    ) -> None:
+        self.rid = rid
+        self.gen = gen
+        self.error: str | None = None
+        self.sent_version: int | None = None
+        self._control = control
+        self._snapshot = snapshot
+        self._epoch = epoch
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}g{gen}", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        ctl = self._control.clone()
+        prefix = group_prefix(self._epoch, self.rid, self.gen)
+        pg: dist.ProcessGroup | None = None
+        try:
+            pg = make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr, self._timeout_s)
+            n = 0
+            while not self._stop.is_set():
+                item = self._snapshot.wait_newer(self.sent_version, 0.2)
+                if item is None:
+                    continue
+                self._send(pg, ctl, prefix + f"ann/{n}", *item)
+                n += 1
+        except Exception as exc:  # noqa: BLE001 - any failure ends this link only
+            if not self._stop.is_set():
+                self.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
+        finally:
+            _shutdown(pg)
+
+    def _send(self, pg: dist.ProcessGroup, ctl: Control, ann_key: str, version: int, gen: int) -> None:
+        snap, layout = self._snapshot, self._snapshot.layout
+        device = snap.buffer.device
+        sums = snap.checksums(gen) if not snap.buffer.is_cuda else [0] * len(layout.buckets)
+        ctl.set_text(ann_key, str(version))
+        header = torch.tensor([version, gen, layout.total_bytes, len(layout.buckets)], dtype=torch.int64)
+        pg.send([header.to(device)], 1, 0).wait()
+        for a, b in layout.buckets:
+            pg.send([snap.buffer[a:b]], 1, 0).wait()
+        intact = sums is not None and snap.sequence == gen
+        trailer = torch.tensor(
+            [gen if intact else -1] + [_signed(s) for s in (sums or [0] * len(layout.buckets))], dtype=torch.int64
+        )
+        pg.send([trailer.to(device)], 1, 0).wait()
+        self.sent_version = version
+        log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+
+class NetReceiveLink:
+    """The receiver's side: a thread that (re)builds its group and stages each version."""
+
+    def __init__(
+        self,
+        control: Control,
+        layout: Layout,
+        *,
+        epoch: int,
+        rid: int,
+        backend: str,
+        addr: str,
+        timeout_s: float,
+        device: torch.device,
+        on_staged: Callable[[int], None],
+        on_rejected: Callable[[int, str], None],
+    ) -> None:
+        self.layout = layout
+        self.staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.lock = threading.Lock()  # held while staging is being applied
+        self.staged_version: int | None = None
+        self.epoch = epoch
+        self._control = control
+        self._rid = rid
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._on_staged = on_staged
+        self._on_rejected = on_rejected
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctl = self._control.clone()
+        while not self._stop.is_set():
+            gen = ctl.add(f"member/{self._rid}/net", 1)
+            prefix = group_prefix(self.epoch, self._rid, gen)
+            pg: dist.ProcessGroup | None = None
+            try:
+                pg = make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr, self._timeout_s)
+                self._serve(pg, ctl, prefix)
+            except Exception as exc:  # noqa: BLE001 - rebuild the group and go on
+                if not self._stop.is_set():
+                    log.info("network link gen=%d ended (%s); rebuilding", gen, str(exc).strip()[:200])
+            finally:
+                _shutdown(pg)
+
+    def _serve(self, pg: dist.ProcessGroup, ctl: Control, prefix: str) -> None:
+        device = self.staging.device
+        nb = len(self.layout.buckets)
+        n = 0
+        while not self._stop.is_set():
+            ann = prefix + f"ann/{n}"
+            while not ctl.has(ann):
+                if self._stop.wait(_POLL_S):
+                    return
+            header = torch.empty(4, dtype=torch.int64, device=device)
+            pg.recv([header], 0, 0).wait()
+            version, gen, total, buckets = (int(x) for x in header.cpu())
+            if total != self.layout.total_bytes or buckets != nb:
+                raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
+            with self.lock:  # waits for an update() that is copying the previous version out
+                self.staged_version = None
+            for a, b in self.layout.buckets:
+                pg.recv([self.staging[a:b]], 0, 0).wait()
+            trailer = torch.empty(1 + nb, dtype=torch.int64, device=device)
+            pg.recv([trailer], 0, 0).wait()
+            n += 1
+            values = trailer.cpu().tolist()
+            if values[0] != gen:
+                log.debug("version %d was overwritten during its send; waiting for the next", version)
+                continue
+            if not self.staging.is_cuda:
+                sums = [_signed(s) for s in bucket_checksums(self.staging, self.layout)]
+                bad = [i for i, (x, y) in enumerate(zip(sums, values[1:])) if x != y]
+                if bad:
+                    a, b = self.layout.buckets[bad[0]]
+                    self._on_rejected(
+                        version, f"checksum mismatch in {len(bad)} bucket(s), first bytes [{a}, {b})"
+                    )
+                    continue
+            with self.lock:
+                self.staged_version = version
+            self._on_staged(version)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, poll_s: float = _POLL_S) -> bool:
+    """Poll ``predicate`` until true or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)

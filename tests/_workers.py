@@ -1,0 +1,104 @@
+"""Models and child-process entry points shared by the multi-process tests."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def mixed_model(seed: int = 0) -> nn.Module:
+    """fp32 and bf16 parameters plus an int64 buffer."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16).to(torch.bfloat16), nn.LayerNorm(16))
+    m.register_buffer("steps", torch.arange(5, dtype=torch.int64) * (seed + 1))
+    return m
+
+
+def big_model(mb: int, seed: int = 0) -> nn.Module:
+    """About ``mb`` MiB of fp32 in a few large matrices."""
+    torch.manual_seed(seed)
+    side = 1024
+    n = max(1, mb // 4)  # each 1024x1024 fp32 matrix is 4 MiB
+    m = nn.ParameterList([nn.Parameter(torch.empty(side, side).uniform_(-1, 1)) for _ in range(n)])
+    return m
+
+
+def build(spec: tuple[str, int]) -> nn.Module:
+    kind, arg = spec
+    if kind == "mixed":
+        return mixed_model(arg)
+    if kind == "big":
+        return big_model(arg, seed=1)
+    raise ValueError(spec)
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def mutate(module: nn.Module, version: int) -> None:
+    """Change every tensor deterministically so each version has distinct bytes."""
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            if t.is_floating_point():
+                t.add_(0.01 * version)
+            else:
+                t.add_(version)
+
+
+def receiver_main(
+    store: str, job: str, name: str, spec: tuple[str, int], results: "mp.Queue[Any]", options: dict[str, Any]
+) -> None:
+    """Follow the job: report (name, version, digest, pid) after each version applied."""
+    torch.set_num_threads(1)
+    from lightning_wsync import WeightReceiver, WeightSyncClosedError, WeightSyncError
+
+    module = build(spec)
+    for t in module.state_dict().values():
+        t.detach().zero_()
+    try:
+        with WeightReceiver(module, store=store, job=job, name=name, **options) as receiver:
+            results.put(("ready", name, os.getpid()))
+            want = 0
+            while True:
+                try:
+                    version = receiver.wait_for_version(want, timeout_s=120)
+                except WeightSyncClosedError:
+                    results.put(("closed", name, receiver.version))
+                    return
+                results.put(("version", name, version, digest(module)))
+                want = version + 1
+    except WeightSyncError as exc:
+        results.put(("error", name, type(exc).__name__, str(exc)))
+
+
+def collect(results: "mp.Queue[Any]", kind: str, names: set[str], timeout_s: float) -> dict[str, tuple[Any, ...]]:
+    """Read messages until one of ``kind`` arrived from each of ``names``."""
+    import time
+
+    got: dict[str, tuple[Any, ...]] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(got) < names:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"timed out waiting for {kind!r} from {sorted(names - set(got))}; got {got}")
+        try:
+            msg = results.get(timeout=remaining)
+        except queue.Empty:
+            continue
+        if msg[0] == "error":
+            raise AssertionError(f"receiver failed: {msg}")
+        if msg[0] == kind and msg[1] in names:
+            got[msg[1]] = msg
+    return got

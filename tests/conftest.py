@@ -1,0 +1,64 @@
+"""Shared fixtures: free ports, leak checks, and child processes cleaned up by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail a test that leaves wsync threads running or changes WSYNC_* variables."""
+    env_before = {k: v for k, v in os.environ.items() if k.startswith("WSYNC_")}
+    yield
+    leaked = [t.name for t in threading.enumerate() if t.name.startswith("wsync-") and t.is_alive()]
+    for t in threading.enumerate():
+        if t.name.startswith("wsync-"):
+            t.join(timeout=5)
+    leaked = [t.name for t in threading.enumerate() if t.name.startswith("wsync-") and t.is_alive()]
+    assert not leaked, f"threads left running: {leaked}"
+    env_after = {k: v for k, v in os.environ.items() if k.startswith("WSYNC_")}
+    assert env_after == env_before, "test leaked WSYNC_* environment variables"
+
+
+class Children:
+    """Processes started by a test; all killed (SIGKILL, by PID) when the test ends."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+
+    def track(self, pid: int) -> int:
+        self.pids.append(pid)
+        return pid
+
+    def kill_all(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    c = Children()
+    try:
+        yield c
+    finally:
+        c.kill_all()

@@ -1,0 +1,23 @@
+"""The public API is exactly lightning_wsync.__all__."""
+
+import lightning_wsync
+
+
+def test_all_is_pinned():
+    assert sorted(lightning_wsync.__all__) == [
+        "PushHandle",
+        "PushReport",
+        "ReceiverConfig",
+        "SenderConfig",
+        "WeightReceiver",
+        "WeightSender",
+        "WeightSyncAuthError",
+        "WeightSyncClosedError",
+        "WeightSyncError",
+        "WeightSyncIntegrityError",
+        "WeightSyncSchemaError",
+        "WeightSyncStoreError",
+        "WeightSyncTimeoutError",
+    ]
+    for name in lightning_wsync.__all__:
+        assert getattr(lightning_wsync, name).__module__.startswith("lightning_wsync")

@@ -1,0 +1,132 @@
+"""The core push through real processes, a real TCPStore and real gloo groups."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+from _workers import build, collect, digest, mutate, receiver_main
+
+from lightning_wsync import WeightReceiver, WeightSender, WeightSyncSchemaError
+
+pytestmark = pytest.mark.timeout(240)
+CTX = mp.get_context("spawn")
+
+
+def start(children, store, job, name, spec, results, **options):
+    p = CTX.Process(target=receiver_main, args=(store, job, name, spec, results, options), daemon=True)
+    p.start()
+    children.track(p.pid)
+    return p
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport):
+    spec = ("mixed", 0)
+    model = build(spec)
+    results = CTX.Queue()
+    store = f"127.0.0.1:{port}"
+    names = {"r0", "r1", "r2"}
+    with WeightSender(model, store=store, job="five", transport=transport, timeout_s=20) as sender:
+        procs = [start(children, store, "five", n, spec, results) for n in sorted(names)]
+        collect(results, "ready", names, timeout_s=120)
+        for version in range(1, 6):
+            mutate(model, version)
+            want = digest(model)
+            report = sender.push(version).wait(timeout_s=60)
+            assert sorted(report.delivered) == sorted(names), report
+            assert report.failed == {}
+            got = collect(results, "version", names, timeout_s=60)
+            assert {n: (m[2], m[3]) for n, m in got.items()} == {n: (version, want) for n in names}
+    for p in procs:  # the sender's close reaches every receiver
+        p.join(timeout=60)
+        assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_sigkill_mid_push_isolated(children, port, transport):
+    spec = ("big", 256)
+    model = build(spec)
+    results = CTX.Queue()
+    store = f"127.0.0.1:{port}"
+    names = {"r0", "r1", "r2"}
+    timeout_s = 8.0
+    with WeightSender(model, store=store, job="kill", transport=transport, timeout_s=timeout_s) as sender:
+        procs = {n: start(children, store, "kill", n, spec, results) for n in sorted(names)}
+        collect(results, "ready", names, timeout_s=120)
+        assert sorted(sender.push(1).wait(timeout_s=60).delivered) == sorted(names)
+        collect(results, "version", names, timeout_s=60)
+
+        mutate(model, 2)
+        handle = sender.push(2)
+        os.kill(procs["r0"].pid, signal.SIGKILL)
+        started = time.monotonic()
+        report = handle.wait(timeout_s=timeout_s)
+        assert time.monotonic() - started <= timeout_s + 2
+        assert set(report.failed) == {"r0"}, report
+        assert sorted(report.delivered) == ["r1", "r2"]
+        got = collect(results, "version", {"r1", "r2"}, timeout_s=60)
+        assert {m[2] for m in got.values()} == {2} and {m[3] for m in got.values()} == {digest(model)}
+
+        mutate(model, 3)
+        report = sender.push(3).wait(timeout_s=60)
+        assert sorted(report.delivered) == ["r1", "r2"] and report.failed == {}, report
+        collect(results, "version", {"r1", "r2"}, timeout_s=60)
+
+        start(children, store, "kill", "late", spec, results)  # no push follows: it must get 3 at once
+        late = collect(results, "version", {"late"}, timeout_s=120)["late"]
+        assert late[2:] == (3, digest(model))
+
+
+def test_mismatched_module_gets_schema_error(port):
+    store = f"127.0.0.1:{port}"
+    model = build(("mixed", 0))
+    wrong = build(("mixed", 0))
+    wrong[1] = torch.nn.Linear(48, 17).to(torch.bfloat16)
+    with WeightSender(model, store=store, job="schema", timeout_s=5) as sender:
+        with WeightReceiver(wrong, store=store, job="schema", name="odd") as receiver:
+            report = sender.push(1).wait(timeout_s=10)
+            with pytest.raises(WeightSyncSchemaError, match=r"receiver 'odd': tensor '1.weight' has shape \(17, 48\)"):
+                receiver.wait_for_version(1, timeout_s=10)
+            assert report.delivered == ()
+            assert "'1.weight' has shape (17, 48)" in report.failed["odd"]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"bucket_mb": 0}, r"bucket_mb=0 must be a number > 0"),
+        ({"transport": "carrier-pigeon"}, r"transport='carrier-pigeon' is unknown; choose one of \('auto', 'shm', 'gloo', 'nccl'\)"),
+        ({"dtype": "int8"}, r"dtype='int8' is not supported"),
+        ({"timeout_s": -1}, r"timeout_s=-1 must be a number > 0"),
+        ({"include": "*.weight"}, r"include='\*.weight' must be a list of glob patterns"),
+        ({"include": ["nothing*"]}, r"select no tensor of the module"),
+    ],
+)
+def test_bad_sender_arguments(port, options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        WeightSender(build(("mixed", 0)), store=f"127.0.0.1:{port}", job="bad", **options)
+
+
+def test_bad_versions(port):
+    with WeightSender(build(("mixed", 0)), store=f"127.0.0.1:{port}", job="ver") as sender:
+        with pytest.raises(ValueError, match=r"version=-1 must be an int >= 0"):
+            sender.push(-1)
+        sender.push(3)
+        with pytest.raises(ValueError, match=r"version=3 is not above the last published version 3"):
+            sender.push(3)
+        with pytest.raises(ValueError, match=r"version='4' must be an int"):
+            sender.push("4")  # type: ignore[arg-type]
+
+
+def test_missing_store_and_job_say_how_to_pass_them(monkeypatch):
+    monkeypatch.delenv("WSYNC_STORE", raising=False)
+    monkeypatch.delenv("WSYNC_JOB", raising=False)
+    with pytest.raises(ValueError, match=r"job=None; pass job='<run name>' or set WSYNC_JOB"):
+        WeightReceiver(build(("mixed", 0)), store="127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"store=None and WSYNC_STORE is not set"):
+        WeightReceiver(build(("mixed", 0)), job="x")
