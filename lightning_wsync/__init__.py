@@ -1,5 +1,6 @@
 """lightning_wsync: versioned, failure-isolated weight sync from a trainer to rollout workers."""
 
+from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 from lightning_wsync.config import ReceiverConfig, SenderConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -14,6 +15,8 @@ from lightning_wsync.receiver import WeightReceiver
 from lightning_wsync.sender import PushHandle, PushReport, WeightSender
 
 __all__ = [
+    "ExperienceReader",
+    "ExperienceWriter",
     "PushHandle",
     "PushReport",
     "ReceiverConfig",

@@ -171,7 +171,7 @@ class Control:
     def clone(self) -> Control:
         """A second connection (where the store supports it) for a thread that may block."""
         try:
-            return Control(self.raw.clone(), self.job)
+            return Control(self.raw.clone(), self.job)  # type: ignore[attr-defined]  # missing from stubs
         except (RuntimeError, AttributeError):
             return self
 

@@ -43,6 +43,12 @@ def encode_state(acked: int, error: tuple[int, str] | None) -> str:
     return json.dumps({"acked": acked, "error": list(error) if error else None})
 
 
+def decode_state(raw: bytes) -> tuple[int, tuple[int, str] | None]:
+    value = json.loads(raw)
+    error = value["error"]
+    return int(value["acked"]), None if error is None else (int(error[0]), str(error[1]))
+
+
 class Membership:
     """The sender's view of the receivers, refreshed from its background thread."""
 

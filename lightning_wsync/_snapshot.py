@@ -19,7 +19,7 @@ from lightning_wsync.transport.shm import ShmSegment
 def bucket_checksums(buffer: torch.Tensor, layout: Layout) -> list[int]:
     """xxh3-64 of every bucket of a CPU buffer."""
     data = buffer.numpy()
-    return [xxhash.xxh3_64_intdigest(memoryview(data[a:b])) for a, b in layout.buckets]
+    return [xxhash.xxh3_64_intdigest(data[a:b].data) for a, b in layout.buckets]
 
 
 class Snapshot:

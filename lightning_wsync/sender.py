@@ -17,7 +17,6 @@ it straight from the shared-memory snapshot.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -32,7 +31,7 @@ from torch import nn
 
 from lightning_wsync._control import Control, StoreHandle, connect_store, host_id, local_address, resolve_job
 from lightning_wsync._manifest import build_layout, select_tensors
-from lightning_wsync._membership import Member, Membership, state_key
+from lightning_wsync._membership import Member, Membership, decode_state, state_key
 from lightning_wsync._snapshot import Snapshot
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
@@ -269,8 +268,7 @@ class WeightSender:
             with self._report_lock:
                 states = self._report_ctl.store.multi_get([state_key(rid) for rid in pending])
             for (rid, member), raw in zip(list(pending.items()), states):
-                state = _decode(raw)
-                acked, error = int(state["acked"]), state["error"]
+                acked, error = decode_state(raw)
                 if acked >= handle.version:
                     delivered.append(member.label)
                     last_delivery = time.perf_counter()
@@ -342,12 +340,6 @@ class WeightSender:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(flush_timeout_s=0 if exc_type is not None else None)
-
-
-def _decode(raw: bytes) -> dict[str, object]:
-    value = json.loads(raw)
-    assert isinstance(value, dict)
-    return value
 
 
 def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:

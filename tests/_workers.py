@@ -102,3 +102,12 @@ def collect(results: "mp.Queue[Any]", kind: str, names: set[str], timeout_s: flo
         if msg[0] == kind and msg[1] in names:
             got[msg[1]] = msg
     return got
+
+
+def writer_main(store: str, job: str, producer: int, count: int) -> None:
+    """Put ``count`` items whose contents encode (producer, index)."""
+    from lightning_wsync.channel import ExperienceWriter
+
+    writer = ExperienceWriter(store=store, job=job, capacity=4, timeout_s=60)
+    for i in range(count):
+        writer.put({"who": torch.tensor([producer, i]), "x": torch.full((3,), float(i), dtype=torch.bfloat16)}, version=i)

@@ -5,6 +5,8 @@ import lightning_wsync
 
 def test_all_is_pinned():
     assert sorted(lightning_wsync.__all__) == [
+        "ExperienceReader",
+        "ExperienceWriter",
         "PushHandle",
         "PushReport",
         "ReceiverConfig",

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -33,26 +34,38 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.002
 
 
-def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s: float) -> dist.ProcessGroup:
+class _Work(Protocol):
+    def wait(self) -> bool: ...
+
+
+class PeerGroup(Protocol):
+    """What this module uses of a standalone gloo/NCCL backend object."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _Work: ...
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work: ...
+    def abort(self) -> None: ...
+
+
+def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s: float) -> PeerGroup:
     """A standalone two-rank group; blocks (GIL released) until the peer joins or timeout."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from stubs
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
+        return cast(PeerGroup, dist.ProcessGroupGloo(store, rank, 2, opts))
     if backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
+        return cast(PeerGroup, dist.ProcessGroupNCCL(store, rank, 2, nccl_opts))
     raise ValueError(f"unknown network backend {backend!r}; expected 'gloo' or 'nccl'")
 
 
-def _shutdown(pg: dist.ProcessGroup | None) -> None:
+def _shutdown(pg: PeerGroup | None) -> None:
     if pg is None:
         return
     try:
-        pg.abort() if hasattr(pg, "abort") else None  # noqa: B018 - both group types have it on 2.13
+        pg.abort()
     except RuntimeError:
         pass
 
@@ -101,7 +114,7 @@ class NetSendLink:
     def _run(self) -> None:
         ctl = self._control.clone()
         prefix = group_prefix(self._epoch, self.rid, self.gen)
-        pg: dist.ProcessGroup | None = None
+        pg: PeerGroup | None = None
         try:
             pg = make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr, self._timeout_s)
             n = 0
@@ -118,7 +131,7 @@ class NetSendLink:
         finally:
             _shutdown(pg)
 
-    def _send(self, pg: dist.ProcessGroup, ctl: Control, ann_key: str, version: int, gen: int) -> None:
+    def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, version: int, gen: int) -> None:
         snap, layout = self._snapshot, self._snapshot.layout
         device = snap.buffer.device
         sums = snap.checksums(gen) if not snap.buffer.is_cuda else [0] * len(layout.buckets)
@@ -178,7 +191,7 @@ class NetReceiveLink:
         while not self._stop.is_set():
             gen = ctl.add(f"member/{self._rid}/net", 1)
             prefix = group_prefix(self.epoch, self._rid, gen)
-            pg: dist.ProcessGroup | None = None
+            pg: PeerGroup | None = None
             try:
                 pg = make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr, self._timeout_s)
                 self._serve(pg, ctl, prefix)
@@ -188,7 +201,7 @@ class NetReceiveLink:
             finally:
                 _shutdown(pg)
 
-    def _serve(self, pg: dist.ProcessGroup, ctl: Control, prefix: str) -> None:
+    def _serve(self, pg: PeerGroup, ctl: Control, prefix: str) -> None:
         device = self.staging.device
         nb = len(self.layout.buckets)
         n = 0
