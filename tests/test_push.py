@@ -130,3 +130,57 @@ def test_missing_store_and_job_say_how_to_pass_them(monkeypatch):
         WeightReceiver(build(("mixed", 0)), store="127.0.0.1:1")
     with pytest.raises(ValueError, match=r"store=None and WSYNC_STORE is not set"):
         WeightReceiver(build(("mixed", 0)), job="x")
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_stalled_receiver_fails_alone_and_catches_up(children, port, transport):
+    spec = ("big", 64)
+    model = build(spec)
+    results = CTX.Queue()
+    store = f"127.0.0.1:{port}"
+    names = {"r0", "r1"}
+    timeout_s = 3.0
+    with WeightSender(model, store=store, job="stall", transport=transport, timeout_s=timeout_s) as sender:
+        procs = {n: start(children, store, "stall", n, spec, results) for n in sorted(names)}
+        collect(results, "ready", names, timeout_s=120)
+        assert sorted(sender.push(1).wait(timeout_s=60).delivered) == sorted(names)
+        collect(results, "version", names, timeout_s=60)
+
+        os.kill(procs["r0"].pid, signal.SIGSTOP)
+        try:
+            for version in (2, 3):
+                mutate(model, version)
+                handle = sender.push(version)
+                assert handle.stall_s < timeout_s
+                started = time.monotonic()
+                report = handle.wait(timeout_s=timeout_s)
+                assert time.monotonic() - started <= timeout_s + 2
+                assert report.delivered == ("r1",), report
+                if version == 2:
+                    assert "r0" in report.failed and "timeout_s=3.0" in report.failed["r0"]
+                got = collect(results, "version", {"r1"}, timeout_s=60)["r1"]
+                assert got[2:] == (version, digest(model))
+        finally:
+            os.kill(procs["r0"].pid, signal.SIGCONT)
+        # Resumed, r0 catches up with the newest version on its own (its group is rebuilt).
+        while True:
+            got = collect(results, "version", {"r0"}, timeout_s=60)["r0"]
+            if got[2] == 3:
+                break
+        assert got[3] == digest(model)
+
+
+def test_bfloat16_on_the_wire_and_name_filters(port):
+    torch.manual_seed(3)
+    src = torch.nn.ModuleDict({"base": torch.nn.Linear(8, 8), "lora_a": torch.nn.Linear(8, 2, bias=False)})
+    dst = torch.nn.ModuleDict({"base": torch.nn.Linear(8, 8), "lora_a": torch.nn.Linear(8, 2, bias=False)})
+    base_before = dst["base"].weight.detach().clone()
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="bf16", dtype="bfloat16", include=["lora_*"], timeout_s=5) as sender:
+        with WeightReceiver(dst, store=store, job="bf16", include=["lora_*"]) as receiver:
+            weight_ref = dst["lora_a"].weight
+            sender.push(1)
+            assert receiver.wait_for_version(1, timeout_s=10) == 1
+    assert dst["lora_a"].weight is weight_ref and dst["lora_a"].weight.dtype == torch.float32
+    assert torch.equal(dst["lora_a"].weight, src["lora_a"].weight.to(torch.bfloat16).float())
+    assert torch.equal(dst["base"].weight, base_before)  # excluded: untouched

@@ -210,6 +210,7 @@ class NetReceiveLink:
             while not ctl.has(ann):
                 if self._stop.wait(_POLL_S):
                     return
+            ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
             header = torch.empty(4, dtype=torch.int64, device=device)
             pg.recv([header], 0, 0).wait()
             version, gen, total, buckets = (int(x) for x in header.cpu())
