@@ -24,6 +24,8 @@ version can never satisfy a wait for another. Only two keys are overwritten:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -33,12 +35,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_wsync.errors import WeightSyncStoreError
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncStoreError
 
 ENV_STORE = "WSYNC_STORE"
 ENV_JOB = "WSYNC_JOB"
 ENV_HOST_ID = "WSYNC_HOST_ID"
 ENV_ADDR = "WSYNC_ADDR"
+ENV_SECRET = "WSYNC_SECRET"
+_SIGNED = "wsync_signed"
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ class StoreHandle:
     store: dist.Store
     address: str | None  # "host:port" when known
     is_server: bool  # this process hosts the TCPStore
+
+
+def resolve_secret(secret: str | None) -> bytes | None:
+    secret = secret if secret is not None else os.environ.get(ENV_SECRET)
+    return secret.encode() if secret else None
 
 
 def resolve_job(job: str | None, owner: str) -> str:
@@ -163,17 +172,61 @@ def pid_alive(pid: int) -> bool:
 class Control:
     """Typed access to one job's keys on the store. Thread-safe as the store is."""
 
-    def __init__(self, store: dist.Store, job: str) -> None:
+    def __init__(self, store: dist.Store, job: str, secret: bytes | None = None) -> None:
         self.job = job
         self.raw = store
+        self.secret = secret
         self.store = dist.PrefixStore(f"wsync/{job}/", store)
 
     def clone(self) -> Control:
         """A second connection (where the store supports it) for a thread that may block."""
         try:
-            return Control(self.raw.clone(), self.job)  # type: ignore[attr-defined]  # missing from stubs
+            return Control(self.raw.clone(), self.job, self.secret)  # type: ignore[attr-defined]  # missing from stubs
         except (RuntimeError, AttributeError):
             return self
+
+    # -- signed records -------------------------------------------------------------
+    def _mac(self, key: str, body: str) -> str:
+        assert self.secret is not None
+        message = f"wsync/{self.job}/{key}\0{body}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, value: object) -> str:
+        """``value`` as JSON, wrapped with an HMAC over key and body when a secret is set."""
+        body = json.dumps(value, separators=(",", ":"))
+        if self.secret is None:
+            return body
+        return json.dumps({_SIGNED: body, "mac": self._mac(key, body)}, separators=(",", ":"))
+
+    def open(self, key: str, raw: bytes | str) -> Any:
+        """Inverse of :meth:`seal`; raises :class:`WeightSyncAuthError` on a bad or missing MAC."""
+        value = json.loads(raw)
+        signed = isinstance(value, dict) and _SIGNED in value
+        if self.secret is None:
+            if signed:
+                raise WeightSyncAuthError(
+                    f"record {key!r} of job {self.job!r} is signed but this process has no secret; "
+                    f"set the job's secret with secret= or WSYNC_SECRET"
+                )
+            return value
+        if not signed:
+            raise WeightSyncAuthError(
+                f"record {key!r} of job {self.job!r} is not signed, but this process requires the shared "
+                f"secret; set the same secret= / WSYNC_SECRET on every peer"
+            )
+        body = str(value[_SIGNED])
+        if not hmac.compare_digest(str(value.get("mac", "")), self._mac(key, body)):
+            raise WeightSyncAuthError(
+                f"record {key!r} of job {self.job!r} is signed with a different secret; set the same "
+                f"secret= / WSYNC_SECRET on every peer"
+            )
+        return json.loads(body)
+
+    def mac_bytes(self, message: bytes) -> bytes:
+        """HMAC-SHA256 of ``message`` with the job secret (32 zero bytes without one)."""
+        if self.secret is None:
+            return bytes(32)
+        return hmac.new(self.secret, f"wsync/{self.job}/".encode() + message, hashlib.sha256).digest()
 
     # -- primitives ---------------------------------------------------------------
     def has(self, key: str) -> bool:
@@ -186,14 +239,15 @@ class Control:
         return self.store.get(key).decode()
 
     def get_json(self, key: str) -> Any:
+        """The record at ``key`` (verified when a secret is set), or None when absent."""
         text = self.get_text(key)
-        return None if text is None else json.loads(text)
+        return None if text is None else self.open(key, text)
 
     def set_text(self, key: str, value: str) -> None:
         self.store.set(key, value)
 
     def set_json(self, key: str, value: object) -> None:
-        self.store.set(key, json.dumps(value, separators=(",", ":")))
+        self.store.set(key, self.seal(key, value))
 
     def add(self, key: str, amount: int) -> int:
         return int(self.store.add(key, amount))

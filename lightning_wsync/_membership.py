@@ -9,13 +9,16 @@ its heartbeat has not moved for ``heartbeat_timeout_s``.
 
 from __future__ import annotations
 
-import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from lightning_wsync._control import Control, pid_alive
+from lightning_wsync.errors import WeightSyncAuthError
 from lightning_wsync.transport.net import NetSendLink
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,12 +42,12 @@ def state_key(rid: int) -> str:
     return f"member/{rid}/state"
 
 
-def encode_state(acked: int, error: tuple[int, str] | None) -> str:
-    return json.dumps({"acked": acked, "error": list(error) if error else None})
+def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
+    return {"acked": acked, "error": list(error) if error else None}
 
 
-def decode_state(raw: bytes) -> tuple[int, tuple[int, str] | None]:
-    value = json.loads(raw)
+def decode_state(ctl: Control, rid: int, raw: bytes) -> tuple[int, tuple[int, str] | None]:
+    value = ctl.open(state_key(rid), raw)
     error = value["error"]
     return int(value["acked"]), None if error is None else (int(error[0]), str(error[1]))
 
@@ -64,7 +67,12 @@ class Membership:
         ctl = self._ctl
         registered = ctl.add("members/next", 0)
         while self._next_rid < registered:
-            record = ctl.get_json(f"member/{self._next_rid}")
+            try:
+                record = ctl.get_json(f"member/{self._next_rid}")
+            except WeightSyncAuthError as exc:
+                log.error("refused receiver rid=%d: %s", self._next_rid, exc)
+                self._next_rid += 1
+                continue
             if record is None:
                 break  # registering right now; its record lands on a later refresh
             member = Member(self._next_rid, str(record["name"]), str(record["host"]), int(record["pid"]))

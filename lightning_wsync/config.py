@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from omegaconf import MISSING
 
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,6 +44,8 @@ class SenderConfig:
         transport: ``"auto"`` (shared memory for receivers on this host, gloo/NCCL for the
             rest), ``"shm"``, ``"gloo"`` or ``"nccl"``.
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
+        secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
+            and peers without it are refused. See the README's trust model.
     """
 
     job: str | None = None
@@ -53,6 +56,7 @@ class SenderConfig:
     timeout_s: float = 30.0
     transport: str = "auto"
     heartbeat_timeout_s: float = 10.0
+    secret: str | None = None
 
     def __post_init__(self) -> None:
         owner = "WeightSender"
@@ -90,6 +94,7 @@ class ReceiverConfig:
         exclude: glob patterns of tensor names to leave out (must match the sender's).
         timeout_s: bound on connecting to the store and on each network receive.
         heartbeat_s: interval of the liveness signal the sender watches.
+        secret: shared secret (default ``$WSYNC_SECRET``); must equal the sender's.
     """
 
     job: str | None = None
@@ -98,6 +103,7 @@ class ReceiverConfig:
     exclude: list[str] = field(default_factory=list)
     timeout_s: float = 30.0
     heartbeat_s: float = 0.5
+    secret: str | None = None
 
     def __post_init__(self) -> None:
         owner = "WeightReceiver"
@@ -107,3 +113,93 @@ class ReceiverConfig:
         _positive(owner, "heartbeat_s", self.heartbeat_s, "e.g. heartbeat_s=0.5")
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"{owner}: name={self.name!r} must be non-empty and contain no '/'")
+
+
+@dataclass(kw_only=True)
+class CallbackConfig:
+    """Settings of :class:`~lightning_wsync.callback.WeightSyncCallback`, as a Hydra node.
+
+    The fields are the callback's keyword arguments; ``_target_`` lets
+    ``hydra.utils.instantiate(cfg.wsync)`` build the callback::
+
+        # conf/trainer.yaml
+        defaults:
+          - wsync: callback       # stored by register_configs()
+          - _self_
+        wsync:
+          every_n_steps: 10
+          module: policy
+
+    Attributes:
+        every_n_steps: push every this many optimizer steps (``trainer.global_step``).
+        module: attribute path of the submodule to send (``"policy"``,
+            ``"model.policy"``); None sends the whole LightningModule.
+        store: ``"host:port"`` of the control-plane store (default ``$WSYNC_STORE``).
+        max_version_lag: when set, after each push the trainer waits (at most
+            ``timeout_s``) until every live receiver holds one of the last
+            ``max_version_lag`` versions pushed before it (0: the one just pushed).
+        job, dtype, include, exclude, bucket_mb, timeout_s, transport,
+            heartbeat_timeout_s: as in :class:`SenderConfig`.
+    """
+
+    _target_: str = "lightning_wsync.callback.WeightSyncCallback"
+    _convert_: str = "all"  # lists reach the callback as lists, not ListConfig
+    every_n_steps: int = MISSING
+    module: str | None = None
+    store: str | None = None
+    job: str | None = None
+    dtype: str | None = None
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    bucket_mb: float = 32.0
+    timeout_s: float = 30.0
+    transport: str = "auto"
+    heartbeat_timeout_s: float = 10.0
+    max_version_lag: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "WeightSyncCallback"
+        if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
+            raise ValueError(
+                f"{owner}: every_n_steps={self.every_n_steps!r} must be an int >= 1 "
+                f"(optimizer steps between pushes), e.g. every_n_steps=10"
+            )
+        if self.module is not None and (
+            not isinstance(self.module, str) or not all(part.isidentifier() or part.isdigit() for part in self.module.split("."))
+        ):
+            raise ValueError(
+                f"{owner}: module={self.module!r} must be an attribute path such as 'policy' or "
+                f"'model.policy', or None for the whole LightningModule"
+            )
+        lag = self.max_version_lag
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+            raise ValueError(
+                f"{owner}: max_version_lag={lag!r} must be an int >= 0 (versions a receiver may fall "
+                f"behind), or None to never wait for receivers"
+            )
+        if self.store is not None and not isinstance(self.store, str):
+            raise TypeError(f"{owner}: store={self.store!r} must be a 'host:port' string or None for $WSYNC_STORE")
+        self.sender_config()  # validates the sender's fields
+
+    def sender_config(self) -> SenderConfig:
+        """The :class:`SenderConfig` these fields describe."""
+        return SenderConfig(
+            job=self.job, dtype=self.dtype, include=list(self.include), exclude=list(self.exclude),
+            bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, transport=self.transport,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+        )  # fmt: skip
+
+
+def register_configs(group: str = "wsync") -> None:
+    """Store the configs in Hydra's ConfigStore under ``group``.
+
+    Names: ``callback`` (:class:`CallbackConfig`), ``sender`` (:class:`SenderConfig`),
+    ``receiver`` (:class:`ReceiverConfig`). Call it before ``@hydra.main`` runs; an
+    app's YAML then selects one with ``defaults: [{wsync: callback}, _self_]``.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group=group, name="callback", node=CallbackConfig)
+    store.store(group=group, name="sender", node=SenderConfig)
+    store.store(group=group, name="receiver", node=ReceiverConfig)

@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync._control import Control, connect_store, host_id, local_address, resolve_job
+from lightning_wsync._control import Control, connect_store, host_id, local_address, resolve_job, resolve_secret
 from lightning_wsync._manifest import Layout, copy_out, select_tensors
 from lightning_wsync._membership import encode_state, state_key
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
+    WeightSyncAuthError,
     WeightSyncClosedError,
     WeightSyncError,
     WeightSyncIntegrityError,
@@ -48,6 +49,7 @@ from lightning_wsync.transport.shm import ShmReceiveLink
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
+_EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
 def _default_name() -> str:
@@ -101,7 +103,7 @@ class WeightReceiver:
         job_name = resolve_job(cfg.job if config is None or job is None else job, "WeightReceiver")
         handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
         self._store_address = handle.address
-        self._ctl = Control(handle.store, job_name)
+        self._ctl = Control(handle.store, job_name, resolve_secret(cfg.secret))
         self._watch_ctl = self._ctl.clone()
         self._host = host_id()
         self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
@@ -112,6 +114,9 @@ class WeightReceiver:
         self._staging: torch.Tensor | None = None
         self._latest: tuple[int, int, int] | None = None  # (version, epoch, gen) seen on the store
         self._error: WeightSyncError | None = None
+        self._last_refusal = ""
+        self._rejected_version = -2
+        self._refused_epochs: set[int] = set()
         self._sender_closed = False
         self._closed = False
         self._acks: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
@@ -122,7 +127,7 @@ class WeightReceiver:
 
         self.rid = self._ctl.add("members/next", 1) - 1
         self.name = cfg.name or _default_name()
-        self._ctl.set_text(state_key(self.rid), encode_state(-1, None))
+        self._ctl.set_json(state_key(self.rid), encode_state(-1, None))
         self._ctl.add(f"member/{self.rid}/hb", 1)
         self._ctl.set_json(f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid()})
         self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
@@ -258,45 +263,87 @@ class WeightReceiver:
                     ctl.add(f"member/{self.rid}/hb", 1)
                     next_beat = now + self.config.heartbeat_s
                 self._flush_acks(ctl)
-                self._follow_sender(ctl)
-                if self._source is not None:
-                    latest = ctl.get_json("latest")
-                    if latest is not None:
-                        record = (int(latest["version"]), int(latest["epoch"]), int(latest["gen"]))
-                        if record != self._latest:
-                            with self._cond:
-                                self._latest = record
-                                self._cond.notify_all()
-                    if not self._sender_closed and ctl.has(f"closed/{self._source.epoch}"):
-                        with self._cond:
-                            self._sender_closed = True
-                            self._cond.notify_all()
+                for step in (self._follow_sender, self._follow_versions):
+                    try:
+                        step(ctl)
+                    except WeightSyncAuthError as exc:
+                        self._refuse(exc)
             except RuntimeError as exc:
                 log.warning("receiver %r: store unreachable (%s); keeping version %r", self.name,
                             str(exc).strip()[:200], self.version)  # fmt: skip
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
             self._stop.wait(_POLL_S)
 
+    def _follow_versions(self, ctl: Control) -> None:
+        source = self._source
+        if isinstance(self._error, WeightSyncSchemaError):
+            latest = ctl.get_json("latest")
+            version = -1 if latest is None else int(latest["version"])
+            if version > self._rejected_version:  # tell the sender, version by version
+                self._rejected_version = version
+                self._acks.put((-1, (version, str(self._error))))
+            return
+        if source is None:
+            return
+        latest = ctl.get_json("latest")
+        if latest is not None:
+            record = (int(latest["version"]), int(latest["epoch"]), int(latest["gen"]))
+            if record != self._latest and (self._latest is None or record[0] > self._latest[0]):
+                with self._cond:
+                    self._latest = record
+                    self._cond.notify_all()
+        closed_key = f"closed/{source.epoch}"
+        if not self._sender_closed and ctl.has(closed_key) and ctl.get_json(closed_key):
+            with self._cond:
+                self._sender_closed = True
+                self._cond.notify_all()
+
+    def _refuse(self, exc: WeightSyncAuthError) -> None:
+        """A record failed authentication: fatal before a valid sender is known, else ignored."""
+        if self._source is None:
+            self._error = exc
+            with self._cond:
+                self._cond.notify_all()
+            self._stop.set()
+        if str(exc) != self._last_refusal:
+            log.error("receiver %r refused a record: %s", self.name, exc)
+            self._last_refusal = str(exc)
+
     def _follow_sender(self, ctl: Control) -> None:
-        current = ctl.get_text("sender/current")
-        if current is None or (self._source is not None and int(current) == self._source.epoch):
+        """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
+        current_text = ctl.get_text("sender/current")
+        if current_text is None:
             return
-        epoch = int(current)
-        record = ctl.get_json(f"sender/{epoch}")
-        layout_text = ctl.get_text(f"layout/{epoch}")
-        if record is None or layout_text is None:
+        current = int(current_text)
+        floor = self._source.epoch if self._source is not None else 0
+        if current <= floor:
             return
+        refusal: WeightSyncAuthError | None = None
+        for epoch in range(current, max(floor, current - _EPOCH_SCAN), -1):
+            if epoch in self._refused_epochs:
+                continue
+            try:
+                record = ctl.get_json(f"sender/{epoch}")
+                layout_text = ctl.get_json(f"layout/{epoch}")
+            except WeightSyncAuthError as exc:
+                self._refused_epochs.add(epoch)
+                refusal = exc
+                continue
+            if record is not None and layout_text is not None:
+                self._switch(ctl, epoch, record, layout_text)
+                return
+        if refusal is not None:
+            self._refuse(refusal)
+
+    def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
         layout = Layout.from_json(layout_text)
         try:
             layout.check_module(self._tensors, self.name)
         except WeightSyncSchemaError as exc:
-            latest = ctl.get_json("latest")
-            self._error = exc
-            ctl.set_text(state_key(self.rid), encode_state(self._acked, (int(latest["version"]) if latest else 0, str(exc))))
+            self._error = exc  # raised by update()/wait_for_version(); reported on each version
             log.error("%s", exc)
             with self._cond:
                 self._cond.notify_all()
-            self._stop.set()
             return
         with self._apply_lock:
             if self._source is not None:
@@ -348,7 +395,7 @@ class WeightReceiver:
             self._acked = max(self._acked, version)
             error = err or error
         if changed:
-            ctl.set_text(state_key(self.rid), encode_state(self._acked, error))
+            ctl.set_json(state_key(self.rid), encode_state(self._acked, error))
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
@@ -360,7 +407,7 @@ class WeightReceiver:
         self._thread.join(timeout=10)
         try:
             self._flush_acks(self._ctl)
-            self._ctl.set_text(f"member/{self.rid}/gone", "1")
+            self._ctl.set_json(f"member/{self.rid}/gone", True)
         except RuntimeError:
             pass  # store already gone: the sender sees the heartbeat stop instead
         with self._apply_lock:

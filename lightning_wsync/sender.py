@@ -29,7 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync._control import Control, StoreHandle, connect_store, host_id, local_address, resolve_job
+from lightning_wsync._control import (
+    Control,
+    StoreHandle,
+    connect_store,
+    host_id,
+    local_address,
+    resolve_job,
+    resolve_secret,
+)
 from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state, state_key
 from lightning_wsync._snapshot import Snapshot
@@ -132,7 +140,7 @@ class WeightSender:
             raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
         job_name = resolve_job(cfg.job, "WeightSender")
         self._store: StoreHandle = connect_store(store, serve=True, timeout_s=cfg.timeout_s, owner="WeightSender")
-        self._ctl = Control(self._store.store, job_name)
+        self._ctl = Control(self._store.store, job_name, resolve_secret(cfg.secret))
         self._report_ctl = self._ctl.clone()
         self._report_lock = threading.Lock()
 
@@ -154,7 +162,7 @@ class WeightSender:
         self._backend = "nccl" if use_device else "gloo"
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
 
-        self._ctl.set_text(f"layout/{self.epoch}", self.layout.to_json())
+        self._ctl.set_json(f"layout/{self.epoch}", self.layout.to_json())
         self._ctl.set_json(
             f"sender/{self.epoch}",
             {
@@ -268,7 +276,7 @@ class WeightSender:
             with self._report_lock:
                 states = self._report_ctl.store.multi_get([state_key(rid) for rid in pending])
             for (rid, member), raw in zip(list(pending.items()), states):
-                acked, error = decode_state(raw)
+                acked, error = decode_state(self._report_ctl, rid, raw)
                 if acked >= handle.version:
                     delivered.append(member.label)
                     last_delivery = time.perf_counter()
@@ -318,7 +326,7 @@ class WeightSender:
             last.wait(flush_timeout_s)
         self._closed = True
         try:
-            self._ctl.set_text(f"closed/{self.epoch}", "1")
+            self._ctl.set_json(f"closed/{self.epoch}", True)
         except RuntimeError as exc:
             log.warning("could not signal close on the store: %s", exc)
         self._stop.set()

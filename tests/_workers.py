@@ -83,24 +83,37 @@ def receiver_main(
         results.put(("error", name, type(exc).__name__, str(exc)))
 
 
-def collect(results: "mp.Queue[Any]", kind: str, names: set[str], timeout_s: float) -> dict[str, tuple[Any, ...]]:
+class Inbox:
+    """One queue per child: a child killed or stopped while writing (holding its queue's
+    lock) cannot block the others' reports."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self.queues: dict[str, Any] = {}
+
+    def queue(self, name: str) -> Any:
+        self.queues[name] = self._ctx.Queue()
+        return self.queues[name]
+
+
+def collect(inbox: Inbox, kind: str, names: set[str], timeout_s: float) -> dict[str, tuple[Any, ...]]:
     """Read messages until one of ``kind`` arrived from each of ``names``."""
     import time
 
     got: dict[str, tuple[Any, ...]] = {}
     deadline = time.monotonic() + timeout_s
     while set(got) < names:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {kind!r} from {sorted(names - set(got))}; got {got}")
-        try:
-            msg = results.get(timeout=remaining)
-        except queue.Empty:
-            continue
-        if msg[0] == "error":
-            raise AssertionError(f"receiver failed: {msg}")
-        if msg[0] == kind and msg[1] in names:
-            got[msg[1]] = msg
+        for name in sorted(names - set(got)):
+            try:
+                msg = inbox.queues[name].get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if msg[0] == "error":
+                raise AssertionError(f"receiver failed: {msg}")
+            if msg[0] == kind:
+                got[name] = msg
     return got
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from _workers import build, collect, digest, mutate, receiver_main
+from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncSchemaError
 
@@ -18,7 +18,7 @@ CTX = mp.get_context("spawn")
 
 
 def start(children, store, job, name, spec, results, **options):
-    p = CTX.Process(target=receiver_main, args=(store, job, name, spec, results, options), daemon=True)
+    p = CTX.Process(target=receiver_main, args=(store, job, name, spec, results.queue(name), options), daemon=True)
     p.start()
     children.track(p.pid)
     return p
@@ -28,7 +28,7 @@ def start(children, store, job, name, spec, results, **options):
 def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport):
     spec = ("mixed", 0)
     model = build(spec)
-    results = CTX.Queue()
+    results = Inbox(CTX)
     store = f"127.0.0.1:{port}"
     names = {"r0", "r1", "r2"}
     with WeightSender(model, store=store, job="five", transport=transport, timeout_s=20) as sender:
@@ -51,7 +51,7 @@ def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport):
 def test_sigkill_mid_push_isolated(children, port, transport):
     spec = ("big", 256)
     model = build(spec)
-    results = CTX.Queue()
+    results = Inbox(CTX)
     store = f"127.0.0.1:{port}"
     names = {"r0", "r1", "r2"}
     timeout_s = 8.0
@@ -136,7 +136,7 @@ def test_missing_store_and_job_say_how_to_pass_them(monkeypatch):
 def test_stalled_receiver_fails_alone_and_catches_up(children, port, transport):
     spec = ("big", 64)
     model = build(spec)
-    results = CTX.Queue()
+    results = Inbox(CTX)
     store = f"127.0.0.1:{port}"
     names = {"r0", "r1"}
     timeout_s = 3.0

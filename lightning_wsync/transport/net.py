@@ -15,7 +15,9 @@ every bucket's xxh3 checksum matches.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +78,15 @@ def group_prefix(epoch: int, rid: int, gen: int) -> str:
 
 def _signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
+
+
+_MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
+
+
+def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, gen: int, sums: list[int]) -> list[int]:
+    """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
+    message = f"{epoch}/{rid}/{version}/{gen}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
+    return list(struct.unpack(f"<{_MAC_WORDS}q", ctl.mac_bytes(message)))
 
 
 class NetSendLink:
@@ -141,9 +152,9 @@ class NetSendLink:
         for a, b in layout.buckets:
             pg.send([snap.buffer[a:b]], 1, 0).wait()
         intact = sums is not None and snap.sequence == gen
-        trailer = torch.tensor(
-            [gen if intact else -1] + [_signed(s) for s in (sums or [0] * len(layout.buckets))], dtype=torch.int64
-        )
+        words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
+        mac = trailer_mac(ctl, self._epoch, self.rid, version, gen, words)
+        trailer = torch.tensor([gen if intact else -1] + words + mac, dtype=torch.int64)
         pg.send([trailer.to(device)], 1, 0).wait()
         self.sent_version = version
         log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
@@ -220,16 +231,23 @@ class NetReceiveLink:
                 self.staged_version = None
             for a, b in self.layout.buckets:
                 pg.recv([self.staging[a:b]], 0, 0).wait()
-            trailer = torch.empty(1 + nb, dtype=torch.int64, device=device)
+            trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
             values = trailer.cpu().tolist()
             if values[0] != gen:
                 log.debug("version %d was overwritten during its send; waiting for the next", version)
                 continue
+            sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
+            if not hmac.compare_digest(
+                struct.pack(f"<{_MAC_WORDS}q", *mac),
+                struct.pack(f"<{_MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, gen, sent_sums)),
+            ):
+                self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
+                continue
             if not self.staging.is_cuda:
                 sums = [_signed(s) for s in bucket_checksums(self.staging, self.layout)]
-                bad = [i for i, (x, y) in enumerate(zip(sums, values[1:])) if x != y]
+                bad = [i for i, (x, y) in enumerate(zip(sums, sent_sums)) if x != y]
                 if bad:
                     a, b = self.layout.buckets[bad[0]]
                     self._on_rejected(
