@@ -41,6 +41,7 @@ from lightning_wsync.errors import (
     WeightSyncError,
     WeightSyncIntegrityError,
     WeightSyncSchemaError,
+    WeightSyncStoreError,
     WeightSyncTimeoutError,
 )
 from lightning_wsync.transport.net import NetReceiveLink
@@ -109,12 +110,14 @@ class WeightReceiver:
         self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
 
         self.version: int | None = None
+        self.rejected = 0  # versions refused on verification (checksum or signature)
         self._source: _Source | None = None
         self._ordered: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
         self._latest: tuple[int, int, int] | None = None  # (version, epoch, gen) seen on the store
         self._error: WeightSyncError | None = None
         self._last_refusal = ""
+        self._store_lost_since: float | None = None
         self._rejected_version = -2
         self._refused_epochs: set[int] = set()
         self._sender_closed = False
@@ -175,6 +178,13 @@ class WeightReceiver:
                     f"WeightReceiver {self.name!r}: the sender of job {self._ctl.job!r} closed; the newest "
                     f"version held is {self.version!r}, below min_version={min_version!r}"
                 )
+            lost = self._store_lost_since
+            if lost is not None and time.monotonic() - lost >= timeout_s:
+                raise WeightSyncStoreError(
+                    f"WeightReceiver {self.name!r}: the control-plane store {self._store_address!r} has been "
+                    f"unreachable for {time.monotonic() - lost:.1f} s; the module keeps version {self.version!r}. "
+                    f"The trainer (or `lightning-wsync store`) is gone: restart it, or exit and let torchrun restart this worker"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 latest = None if self._latest is None else self._latest[0]
@@ -193,7 +203,14 @@ class WeightReceiver:
 
     @property
     def sender_closed(self) -> bool:
+        """The sender announced its close (no newer version will come from it)."""
         return self._sender_closed
+
+    @property
+    def store_lost_s(self) -> float | None:
+        """Seconds since the store became unreachable, or None while it answers."""
+        lost = self._store_lost_since
+        return None if lost is None else time.monotonic() - lost
 
     # -- applying -------------------------------------------------------------------
     def _apply_shared(self, source: _Source) -> int | None:
@@ -268,9 +285,16 @@ class WeightReceiver:
                         step(ctl)
                     except WeightSyncAuthError as exc:
                         self._refuse(exc)
+                if self._store_lost_since is not None:
+                    log.info("receiver %r: store reachable again", self.name)
+                    self._store_lost_since = None
             except RuntimeError as exc:
-                log.warning("receiver %r: store unreachable (%s); keeping version %r", self.name,
-                            str(exc).strip()[:200], self.version)  # fmt: skip
+                if self._store_lost_since is None:
+                    self._store_lost_since = time.monotonic()
+                    log.warning("receiver %r: store %s unreachable (%s); keeping version %r", self.name,
+                                self._store_address, str(exc).strip().splitlines()[0][:200], self.version)  # fmt: skip
+                    with self._cond:
+                        self._cond.notify_all()
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
             self._stop.wait(_POLL_S)
 
@@ -380,6 +404,7 @@ class WeightReceiver:
             self._cond.notify_all()
 
     def _on_rejected(self, version: int, reason: str) -> None:
+        self.rejected += 1
         log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
         self._acks.put((-1, (version, reason)))
 

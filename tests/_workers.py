@@ -57,6 +57,11 @@ def mutate(module: nn.Module, version: int) -> None:
                 t.add_(version)
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
 def receiver_main(
     store: str, job: str, name: str, spec: tuple[str, int], results: "mp.Queue[Any]", options: dict[str, Any]
 ) -> None:
@@ -77,7 +82,7 @@ def receiver_main(
                 except WeightSyncClosedError:
                     results.put(("closed", name, receiver.version))
                     return
-                results.put(("version", name, version, digest(module)))
+                results.put(("version", name, version, digest(module), _rss_kib()))
                 want = version + 1
     except WeightSyncError as exc:
         results.put(("error", name, type(exc).__name__, str(exc)))
@@ -124,3 +129,58 @@ def writer_main(store: str, job: str, producer: int, count: int) -> None:
     writer = ExperienceWriter(store=store, job=job, capacity=4, timeout_s=60)
     for i in range(count):
         writer.put({"who": torch.tensor([producer, i]), "x": torch.full((3,), float(i), dtype=torch.bfloat16)}, version=i)
+
+
+def corrupting_receiver_main(
+    store: str, job: str, name: str, spec: tuple[str, int], results: Any, options: dict[str, Any], bad_version: int
+) -> None:
+    """A receiver whose network link flips one byte of ``bad_version`` after it arrives."""
+    import lightning_wsync.transport.net as net
+
+    real_make_group = net.make_group
+
+    class Corrupting:
+        def __init__(self, pg: Any) -> None:
+            self.pg = pg
+            self.version = -1
+            self.armed = False
+
+        def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+            work = self.pg.recv(tensors, src, tag)
+            tensor, outer = tensors[0], self
+
+            class Work:
+                def wait(self) -> bool:
+                    ok = bool(work.wait())
+                    if tensor.dtype == torch.int64 and tensor.numel() == 4:  # header
+                        outer.version = int(tensor[0])
+                        outer.armed = outer.version == bad_version
+                    elif tensor.dtype == torch.uint8 and outer.armed:
+                        tensor.view(-1)[tensor.numel() // 2] ^= 0x40
+                        outer.armed = False
+                    return ok
+
+            return Work()
+
+        def send(self, *args: Any) -> Any:
+            return self.pg.send(*args)
+
+        def abort(self) -> None:
+            self.pg.abort()
+
+    net.make_group = lambda *a, **k: Corrupting(real_make_group(*a, **k))  # type: ignore[assignment]
+    receiver_main(store, job, name, spec, results, options)
+
+
+def sender_main(port: int, job: str, spec: tuple[str, int], results: Any) -> None:
+    """Host the store, push version 1, report its digest, then idle until killed."""
+    import threading
+
+    from lightning_wsync import WeightSender
+
+    model = build(spec)
+    mutate(model, 1)
+    sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, timeout_s=10)
+    sender.push(1)
+    results.put(("pushed", "sender", 1, digest(model)))
+    threading.Event().wait()
