@@ -20,6 +20,8 @@ from lightning_wsync.transport.net import NetSendLink
 
 log = logging.getLogger(__name__)
 
+_FORGET_AFTER = 30  # x heartbeat_timeout_s of silence: stop polling a receiver at all
+
 
 @dataclass
 class Member:
@@ -94,11 +96,18 @@ class Membership:
                     member.link.close(timeout_s=0)
 
     def _gone_reason(self, member: Member, now: float) -> str | None:
+        """Why ``member`` is gone for good (a merely silent one may still come back)."""
         if self._ctl.has(f"member/{member.rid}/gone"):
             return "closed"
         if member.host == self._host_id and not pid_alive(member.pid):
             return f"process {member.pid} exited"
         silent = now - member.hb_seen_at
+        if silent > _FORGET_AFTER * self._heartbeat_timeout_s:
+            return f"no heartbeat for {silent:.1f} s"
+        return None
+
+    def _silent_reason(self, member: Member) -> str | None:
+        silent = time.monotonic() - member.hb_seen_at
         if silent > self._heartbeat_timeout_s:
             return f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
         return None
@@ -108,7 +117,8 @@ class Membership:
             return list(self._members.values())
 
     def live(self) -> list[Member]:
-        return [m for m in self.members() if m.gone_reason is None]
+        """Members that are neither gone nor silent past ``heartbeat_timeout_s``."""
+        return [m for m in self.members() if m.gone_reason is None and self._silent_reason(m) is None]
 
     def get(self, rid: int) -> Member | None:
         with self._lock:
@@ -121,6 +131,8 @@ class Membership:
             return "unknown receiver"
         if member.gone_reason is not None:
             return member.gone_reason
+        if (silent := self._silent_reason(member)) is not None:
+            return silent
         if member.link is not None and member.link.error is not None:
             return f"network link failed: {member.link.error}"
         if member.host == self._host_id and not pid_alive(member.pid):
