@@ -1,7 +1,9 @@
 """lightning_wsync: versioned, failure-isolated weight sync from a trainer to rollout workers."""
 
+from typing import TYPE_CHECKING
+
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter
-from lightning_wsync.config import ReceiverConfig, SenderConfig
+from lightning_wsync.config import CallbackConfig, ReceiverConfig, SenderConfig, register_configs
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
@@ -14,7 +16,21 @@ from lightning_wsync.errors import (
 from lightning_wsync.receiver import WeightReceiver
 from lightning_wsync.sender import PushHandle, PushReport, WeightSender
 
+if TYPE_CHECKING:
+    from lightning_wsync.callback import WeightSyncCallback
+
+
+def __getattr__(name: str) -> object:
+    # torchrun imports lightning_wsync.rendezvous (hence this package) in every agent;
+    # the callback pulls in Lightning, so it is imported on first use only.
+    if name == "WeightSyncCallback":
+        from lightning_wsync.callback import WeightSyncCallback
+
+        return WeightSyncCallback
+    raise AttributeError(f"module 'lightning_wsync' has no attribute {name!r}")
+
 __all__ = [
+    "CallbackConfig",
     "ExperienceReader",
     "ExperienceWriter",
     "PushHandle",
@@ -24,10 +40,12 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "WeightSyncAuthError",
+    "WeightSyncCallback",
     "WeightSyncClosedError",
     "WeightSyncError",
     "WeightSyncIntegrityError",
     "WeightSyncSchemaError",
     "WeightSyncStoreError",
     "WeightSyncTimeoutError",
+    "register_configs",
 ]

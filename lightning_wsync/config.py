@@ -139,7 +139,9 @@ class CallbackConfig:
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
         job, dtype, include, exclude, bucket_mb, timeout_s, transport,
-            heartbeat_timeout_s: as in :class:`SenderConfig`.
+            heartbeat_timeout_s: as in :class:`SenderConfig`. The shared secret is
+            deliberately not a field (Hydra writes configs to its output folder): set
+            ``$WSYNC_SECRET``.
     """
 
     _target_: str = "lightning_wsync.callback.WeightSyncCallback"
@@ -164,9 +166,8 @@ class CallbackConfig:
                 f"{owner}: every_n_steps={self.every_n_steps!r} must be an int >= 1 "
                 f"(optimizer steps between pushes), e.g. every_n_steps=10"
             )
-        if self.module is not None and (
-            not isinstance(self.module, str) or not all(part.isidentifier() or part.isdigit() for part in self.module.split("."))
-        ):
+        parts = self.module.split(".") if isinstance(self.module, str) else [""]
+        if self.module is not None and not all(part.isidentifier() or part.isdigit() for part in parts):
             raise ValueError(
                 f"{owner}: module={self.module!r} must be an attribute path such as 'policy' or "
                 f"'model.policy', or None for the whole LightningModule"

@@ -5,6 +5,7 @@ import lightning_wsync
 
 def test_all_is_pinned():
     assert sorted(lightning_wsync.__all__) == [
+        "CallbackConfig",
         "ExperienceReader",
         "ExperienceWriter",
         "PushHandle",
@@ -14,12 +15,14 @@ def test_all_is_pinned():
         "WeightReceiver",
         "WeightSender",
         "WeightSyncAuthError",
+        "WeightSyncCallback",
         "WeightSyncClosedError",
         "WeightSyncError",
         "WeightSyncIntegrityError",
         "WeightSyncSchemaError",
         "WeightSyncStoreError",
         "WeightSyncTimeoutError",
+        "register_configs",
     ]
     for name in lightning_wsync.__all__:
         assert getattr(lightning_wsync, name).__module__.startswith("lightning_wsync")

@@ -1,0 +1,449 @@
+"""WeightSyncCallback: push a LightningModule's weights to rollout workers while it trains.
+
+::
+
+    trainer = L.Trainer(max_steps=1000, callbacks=[WeightSyncCallback(every_n_steps=10, module="policy")])
+    trainer.fit(model)  # store and job from $WSYNC_STORE / $WSYNC_JOB, or pass store= and job=
+
+**When.** The version is ``trainer.global_step`` (optimizer steps, so gradient
+accumulation counts once per step). One push when training starts (the initial
+weights), one every ``every_n_steps``, one when it ends; never two for the same step.
+Versions strictly increase: a step at or below the last version published for the job,
+or recorded in the checkpoint being resumed, is skipped (logged at INFO).
+
+**Where.** Single device and DDP (``"ddp"``, ``"ddp_spawn"``, ...): global rank 0 sends
+the module's own tensors; the other ranks never talk to rollout workers. FSDP
+(``FSDPStrategy``) and FSDP2 (``ModelParallelStrategy`` with ``fully_shard``): at each
+push every rank takes part in gathering the full weights
+(``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``), and rank 0 copies
+them into a CPU mirror that it sends. Other strategies (DeepSpeed, XLA) are refused.
+
+**Blocking.** A push blocks for the snapshot only (plus the gather under FSDP); delivery
+reports are awaited by a daemon thread (``wsync-callback-reports``). With
+``max_version_lag=K`` rank 0 also waits after each push, at most ``timeout_s``, until
+the push K pushes back is confirmed: every receiver live at that push holds it (or a
+newer version), or was reported failed. Under DDP the other ranks then wait for rank 0
+at their next collective. When training ends, rank 0 waits at most ``2 * timeout_s``
+for the report of the last push, then closes the sender (receivers see the close).
+
+**Metrics**, logged to the Trainer's loggers by rank 0 at the push step:
+
+- ``wsync/version``, ``wsync/stall_s`` (snapshot, plus gather under FSDP), ``wsync/bytes``;
+  ``wsync/lag_wait_s`` when ``max_version_lag`` is set;
+- from the newest push report completed since the previous push: ``wsync/report_version``,
+  ``wsync/delivery_s`` (push to last delivery), ``wsync/delivered`` and ``wsync/failed``
+  (receiver counts), and ``wsync/version_lag``: how many pushes, up to the one just before
+  this push, the slowest receiver of that report is not known to hold (0: all of them
+  confirmed). It counts pushes, not steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from typing_extensions import override
+
+from lightning_wsync.config import CallbackConfig, SenderConfig
+from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.sender import PushHandle, PushReport, WeightSender
+
+log = logging.getLogger(__name__)
+
+_SENDER_OPTIONS = ("dtype", "include", "exclude", "bucket_mb", "timeout_s", "transport", "heartbeat_timeout_s")
+_SUPPORTED = "single device, DDPStrategy (ddp, ddp_spawn, ...), FSDPStrategy, ModelParallelStrategy (FSDP2)"
+
+
+class WeightSyncCallback(Callback):
+    """Pushes the weights of a LightningModule (or one submodule) to rollout workers.
+
+    Args:
+        every_n_steps: push every this many optimizer steps.
+        module: attribute path of the submodule to send (``"policy"``, ``"model.policy"``);
+            None sends the whole LightningModule.
+        store: ``"host:port"`` or a ``torch.distributed.Store`` (default ``$WSYNC_STORE``).
+        job: the job (run) name shared with the receivers (default ``$WSYNC_JOB``).
+        dtype, include, exclude, bucket_mb, timeout_s, transport, heartbeat_timeout_s:
+            the :class:`~lightning_wsync.SenderConfig` fields. The shared secret comes from
+            ``$WSYNC_SECRET``, or from ``sender=SenderConfig(secret=...)``.
+        max_version_lag: None (default) never waits for receivers; K >= 0 bounds how
+            far the slowest receiver may fall behind (see the module docs).
+        sender: a whole :class:`~lightning_wsync.SenderConfig` instead of the flat options
+            (``job``, when given, overrides its ``job``).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int,
+        module: str | None = None,
+        store: str | dist.Store | None = None,
+        job: str | None = None,
+        *,
+        dtype: str | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        bucket_mb: float = 32.0,
+        timeout_s: float = 30.0,
+        transport: str = "auto",
+        heartbeat_timeout_s: float = 10.0,
+        max_version_lag: int | None = None,
+        sender: SenderConfig | None = None,
+    ) -> None:
+        options: dict[str, Any] = {
+            "dtype": dtype, "include": list(include or []), "exclude": list(exclude or []), "bucket_mb": bucket_mb,
+            "timeout_s": timeout_s, "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s,
+        }  # fmt: skip
+        if sender is not None:
+            if not isinstance(sender, SenderConfig):
+                raise TypeError(f"WeightSyncCallback: sender={sender!r} must be a SenderConfig")
+            defaults = SenderConfig()
+            changed = sorted(k for k, v in options.items() if v != getattr(defaults, k))
+            if changed:
+                raise TypeError(
+                    f"WeightSyncCallback: got sender=SenderConfig(...) and the sender options {changed}; "
+                    f"pass one or the other"
+                )
+            if job is not None:
+                sender = dataclasses.replace(sender, job=job)
+            options = {k: getattr(sender, k) for k in _SENDER_OPTIONS}
+            job = sender.job
+        if store is not None and not isinstance(store, (str, dist.Store)):
+            raise TypeError(
+                f"WeightSyncCallback: store={store!r} must be 'host:port', a torch.distributed.Store, or None"
+            )
+        self.config = CallbackConfig(
+            every_n_steps=every_n_steps, module=module, store=store if isinstance(store, str) else None, job=job,
+            max_version_lag=max_version_lag, **options,
+        )  # fmt: skip
+        #: What the WeightSender is built with (``sender`` itself when given, so fields
+        #: without a flat argument, such as ``secret``, are kept).
+        self.sender_config = sender if sender is not None else self.config.sender_config()
+        self._store = store
+        self._last_pushed: int | None = None  # identical on every rank; saved in checkpoints
+        self._floor: int | None = None  # pushes must be above this (checkpoint and store)
+        self._sharded = False
+        self._sender: WeightSender | None = None
+        self._target: nn.Module | None = None
+        self._mirror: dict[str, torch.Tensor] = {}
+        self._skipped: int | None = None
+        self._reports: _Reports | None = None
+        self._pushes = 0
+        self._held: dict[str, int] = {}  # receiver name -> index of the newest push it is known to hold
+        self._failing: set[str] = set()  # receivers that failed the newest report (warned once)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(job=self.config.job, module=self.config.module)
+
+    @property
+    def sender(self) -> WeightSender | None:
+        """The :class:`~lightning_wsync.WeightSender` on this rank (global rank 0 while training), else None."""
+        return self._sender
+
+    @property
+    def last_pushed_version(self) -> int | None:
+        """The newest version pushed, here or in the run this one resumed (same on every rank)."""
+        return self._last_pushed
+
+    # -- hooks --------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._sharded = _is_sharded(trainer.strategy)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._target = _submodule(pl_module, self.config.module)
+        self._pushes, self._held, self._failing = 0, {}, set()
+        full = self._gather(trainer) if self._sharded else None
+        latest: int | None = None
+        error: str | None = None
+        if trainer.is_global_zero:
+            try:
+                source = self._target if full is None else _mirror(self._target, full, self._mirror)
+                self._sender = WeightSender(source, store=self._store, config=self.sender_config)
+                latest = self._sender.latest_version
+                self._reports = _Reports(self._sender.config.timeout_s)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                if trainer.world_size > 1:  # let the other ranks leave the broadcast below
+                    trainer.strategy.broadcast((None, error), src=0)
+                raise
+        # Every rank must agree on the floor: under FSDP each push is a collective.
+        latest, error = trainer.strategy.broadcast((latest, error), src=0)
+        if error is not None:
+            raise WeightSyncError(f"WeightSyncCallback: global rank 0 could not start its WeightSender: {error}")
+        floors = [v for v in (self._last_pushed, latest) if v is not None]
+        self._floor = max(floors) if floors else None
+        self._maybe_push(trainer, full)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % self.config.every_n_steps == 0:
+            self._maybe_push(trainer, None)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._maybe_push(trainer, None)
+        self._close(trainer, flush=True)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close(trainer, flush=False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(trainer, flush=True)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_pushed_version": self._last_pushed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        version = state_dict.get("last_pushed_version")
+        self._last_pushed = None if version is None else int(version)
+
+    # -- pushing --------------------------------------------------------------------
+    def _maybe_push(self, trainer: pl.Trainer, gathered: dict[str, torch.Tensor] | None) -> None:
+        """Push ``global_step`` if it is above every version seen; the same decision on every rank."""
+        step = trainer.global_step
+        if self._floor is not None and step <= self._floor:
+            if step != self._last_pushed and step != self._skipped:
+                self._skipped = step
+                log.info("WeightSyncCallback: step %d not pushed: version %d is already published or recorded "
+                         "in the resumed checkpoint, and versions must increase", step, self._floor)  # fmt: skip
+            return
+        started = time.perf_counter()
+        full = gathered if gathered is not None or not self._sharded else self._gather(trainer)
+        self._floor = self._last_pushed = step
+        if self._sender is None:
+            return
+        if full is not None:
+            for name, tensor in self._mirror.items():
+                tensor.copy_(full[name])
+        handle = self._sender.push(step)
+        metrics = {
+            "wsync/version": float(step),
+            "wsync/stall_s": time.perf_counter() - started,
+            "wsync/bytes": float(self._sender.layout.total_bytes),
+        }
+        assert self._reports is not None
+        metrics.update(self._report_metrics(self._reports.take()))
+        self._pushes += 1
+        self._reports.add(self._pushes, handle)
+        lag = self.config.max_version_lag
+        if lag is not None:
+            waited = time.perf_counter()
+            if not self._reports.wait_confirmed(self._pushes - lag, self.config.timeout_s):
+                log.warning("WeightSyncCallback: receivers are still more than max_version_lag=%d versions "
+                            "behind after timeout_s=%s; training goes on", lag, self.config.timeout_s)  # fmt: skip
+            metrics["wsync/lag_wait_s"] = time.perf_counter() - waited
+        log.debug("pushed version %d: %s", step, metrics)
+        _log_metrics(trainer, metrics)
+
+    def _gather(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        """The target's full weights on global rank 0 (empty elsewhere). A collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if isinstance(trainer.strategy, FSDPStrategy):
+            # FSDP1 gathers through the root wrapper only; keep the target's part.
+            assert trainer.strategy.model is not None
+            full = get_model_state_dict(trainer.strategy.model, options=options)
+            prefix = "" if self.config.module is None else self.config.module + "."
+            return {k[len(prefix) :]: _tensor(k, v) for k, v in full.items() if k.startswith(prefix)}
+        assert self._target is not None
+        return {k: _tensor(k, v) for k, v in get_model_state_dict(self._target, options=options).items()}
+
+    def _report_metrics(self, reports: list[tuple[int, PushReport]]) -> dict[str, float]:
+        """Metrics of the newest of ``reports`` (empty if none); see the module docs."""
+        for index, report in reports:
+            for name in report.delivered:
+                self._held[name] = index
+            for name, reason in report.failed.items():
+                level = logging.DEBUG if name in self._failing else logging.WARNING
+                log.log(level, "WeightSyncCallback: receiver %r did not get version %d: %s",
+                        name, report.version, reason)  # fmt: skip
+            self._failing = set(report.failed)
+        if not reports:
+            return {}
+        _, report = reports[-1]
+        metrics = {
+            "wsync/report_version": float(report.version),
+            "wsync/delivered": float(len(report.delivered)),
+            "wsync/failed": float(len(report.failed)),
+        }
+        if report.latency_s is not None:
+            metrics["wsync/delivery_s"] = report.latency_s
+        names = [*report.delivered, *report.failed]
+        if names:
+            metrics["wsync/version_lag"] = float(self._pushes - min(self._held.get(n, 0) for n in names))
+        return metrics
+
+    def _close(self, trainer: pl.Trainer, *, flush: bool) -> None:
+        sender, reports = self._sender, self._reports
+        self._sender, self._reports, self._mirror = None, None, {}
+        if reports is not None:
+            reports.close(flush=flush)  # flushing waits (bounded) for the last push's report
+            metrics = self._report_metrics(reports.take())
+            if flush and metrics:
+                _log_metrics(trainer, metrics)
+        if sender is not None:
+            sender.close(flush_timeout_s=0)  # already awaited above
+
+
+class _Reports:
+    """Awaits push reports off the training thread, newest push first.
+
+    A receiver holding a newer version counts as delivered for every older one, so
+    one wait on the newest queued push confirms all pushes up to it.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, PushHandle]] = []
+        self._done: list[tuple[int, PushReport]] = []
+        self._confirmed = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="wsync-callback-reports", daemon=True)
+        self._thread.start()
+
+    def add(self, index: int, handle: PushHandle) -> None:
+        with self._cond:
+            self._queue.append((index, handle))
+            self._cond.notify_all()
+
+    def take(self) -> list[tuple[int, PushReport]]:
+        with self._cond:
+            done, self._done = self._done, []
+        return done
+
+    def wait_confirmed(self, index: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until push ``index`` (1-based) has its report."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._confirmed >= index, timeout=timeout_s)
+
+    def close(self, *, flush: bool) -> None:
+        with self._cond:
+            if not flush:
+                self._queue.clear()
+            self._stopping = True
+            self._cond.notify_all()
+        # The thread's one blocking call is PushHandle.wait(), bounded by timeout_s: the
+        # wait in progress, then one on the newest push.
+        self._thread.join(timeout=2 * self._timeout_s + 5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue) or self._stopping)
+                if not self._queue:
+                    return
+                index, handle = self._queue[-1]
+                self._queue.clear()
+            try:
+                report: PushReport | None = handle.wait()
+            except RuntimeError as exc:  # e.g. the store went away (WeightSyncError is one too)
+                log.warning("WeightSyncCallback: no report for version %d: %s", handle.version, exc)
+                report = None
+            with self._cond:
+                if report is not None:
+                    self._done.append((index, report))
+                self._confirmed = index
+                self._cond.notify_all()
+
+
+class _MirrorModule(nn.Module):
+    """Holds CPU copies of gathered weights under their original names, for the sender."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            *path, leaf = name.split(".")
+            owner: nn.Module = self
+            for part in path:
+                child = owner._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    owner.add_module(part, child)
+                owner = child
+            owner.register_buffer(leaf, tensor)
+
+
+def _mirror(target: nn.Module, full: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor]) -> nn.Module:
+    """Fill ``mirror`` with CPU copies of ``full``, tied where ``target``'s tensors are tied.
+
+    Receivers list a tied tensor once, under its first name; the mirror must do the same.
+    """
+    identity: dict[str, int] = {}
+    named = [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        # FSDP1 (use_orig_params) inserts its wrapper into names; state-dict names omit it.
+        identity[name.replace("_fsdp_wrapped_module.", "")] = id(tensor)
+    first: dict[int, str] = {}
+    for name, tensor in full.items():
+        key = identity.get(name)
+        tied = name if key is None else first.setdefault(key, name)
+        mirror[name] = mirror[tied] if tied != name else tensor.detach().to("cpu", copy=True)
+    return _MirrorModule(mirror)
+
+
+def _submodule(pl_module: pl.LightningModule, path: str | None) -> nn.Module:
+    if path is None:
+        return pl_module
+    owner: nn.Module = pl_module
+    walked: list[str] = []
+    for part in path.split("."):
+        child = getattr(owner, part, None)  # getattr: FSDP1 wrappers forward attributes
+        if not isinstance(child, nn.Module):
+            where = ".".join(walked) or type(pl_module).__name__
+            children = sorted(name for name, _ in owner.named_children())
+            raise ValueError(
+                f"WeightSyncCallback: module={path!r}: {where} has no submodule {part!r}; its submodules are "
+                f"{children!r}; pass one of them (dotted for deeper ones), or module=None for the whole model"
+            )
+        walked.append(part)
+        owner = child
+    return owner
+
+
+def _is_sharded(strategy: Strategy) -> bool:
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return True
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        raise ValueError(
+            f"WeightSyncCallback: strategy {type(strategy).__name__!r} is not supported; use one of: {_SUPPORTED}"
+        )
+    if strategy.root_device.type not in ("cpu", "cuda"):
+        raise ValueError(f"WeightSyncCallback: device {strategy.root_device!s} is not supported; train on CPU or CUDA")
+    return False
+
+
+def _tensor(name: str, value: object) -> torch.Tensor:
+    assert isinstance(value, torch.Tensor), f"state-dict entry {name!r} is a {type(value).__name__}, not a tensor"
+    return value
+
+
+def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
