@@ -170,7 +170,19 @@ class WeightSyncCallback(Callback):
             self._sharded = _is_sharded(trainer.strategy)
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Start before Lightning fetches the first batch: in an actor-learner loop that
+        # batch comes from rollout workers waiting for these initial weights. A resumed
+        # run pushes in on_train_start instead, once global_step is restored.
+        self._start(trainer, pl_module, push=trainer.ckpt_path is None)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._target is None:
+            self._start(trainer, pl_module, push=False)
+        self._maybe_push(trainer, None)
+
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, push: bool) -> None:
         self._target = _submodule(pl_module, self.config.module)
         self._pushes, self._held, self._failing = 0, {}, set()
         full = self._gather(trainer) if self._sharded else None
@@ -193,7 +205,8 @@ class WeightSyncCallback(Callback):
             raise WeightSyncError(f"WeightSyncCallback: global rank 0 could not start its WeightSender: {error}")
         floors = [v for v in (self._last_pushed, latest) if v is not None]
         self._floor = max(floors) if floors else None
-        self._maybe_push(trainer, full)
+        if push:
+            self._maybe_push(trainer, full)
 
     @override
     def on_train_batch_end(

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_wsync._control import Control, connect_store, resolve_job
 from lightning_wsync._manifest import _dtype_from_name, _dtype_name
-from lightning_wsync.errors import WeightSyncTimeoutError
+from lightning_wsync.errors import WeightSyncStoreError, WeightSyncTimeoutError
 
 VERSION_KEY = "version"
 _POLL_S = 0.002
@@ -81,19 +81,28 @@ class _Queue:
         self.capacity = capacity
 
     def try_push(self, payload: bytes) -> bool:
-        if self._ctl.add(self._slots_key, 1) > self.capacity:
-            self._ctl.add(self._slots_key, -1)
-            return False
-        self._ctl.store.queue_push(self._queue_key, payload)
+        try:
+            if self._ctl.add(self._slots_key, 1) > self.capacity:
+                self._ctl.add(self._slots_key, -1)
+                return False
+            self._ctl.store.queue_push(self._queue_key, payload)
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
         return True
 
     def try_pop(self) -> bytes | None:
         try:
             payload = self._ctl.store.queue_pop(self._queue_key, block=False)
+            self._ctl.add(self._slots_key, -1)
         except dist.QueueEmptyError:
             return None
-        self._ctl.add(self._slots_key, -1)
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
         return bytes(payload)
+
+    def _lost(self, exc: RuntimeError) -> WeightSyncStoreError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return WeightSyncStoreError(f"experience channel {self._queue_key!r}: the store is unreachable ({first})")
 
     def __len__(self) -> int:
         return int(self._ctl.store.queue_len(self._queue_key))
