@@ -28,7 +28,7 @@ def load(app, overrides=()):
 
 def test_trainer_app_builds_the_callback_with_overrides():
     cfg = load("trainer", ["wsync.every_n_steps=5", "wsync.max_version_lag=2", "wsync.include=[policy.*]",
-                           "wsync.store=127.0.0.1:29400", "wsync.job=exp1"])  # fmt: skip
+                           "wsync.store=127.0.0.1:29400", "wsync.job=exp1", "trainer.max_steps=1000"])  # fmt: skip
     callback = instantiate(cfg.wsync)
     assert isinstance(callback, WeightSyncCallback)
     assert callback.config.every_n_steps == 5 and callback.config.max_version_lag == 2
