@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_wsync._control import Control, connect_store, host_id, local_address, resolve_job, resolve_secret
-from lightning_wsync._manifest import Layout, copy_out, select_tensors
+from lightning_wsync._manifest import Layout, select_tensors
 from lightning_wsync._membership import encode_state, state_key
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
@@ -45,7 +45,7 @@ from lightning_wsync.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_wsync.transport.net import NetReceiveLink
-from lightning_wsync.transport.shm import ShmReceiveLink
+from lightning_wsync._source import Source
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +59,6 @@ def _default_name() -> str:
     if rank is not None:
         return f"{role}-{rank}@{socket.gethostname()}"
     return f"{role}@{socket.gethostname()}:{os.getpid()}"
-
-
-class _Source:
-    """Where the current sender epoch's versions come from on this receiver."""
-
-    def __init__(self, epoch: int, layout: Layout, shm: ShmReceiveLink | None, net: NetReceiveLink | None) -> None:
-        self.epoch = epoch
-        self.layout = layout
-        self.shm = shm
-        self.net = net
-
-    def close(self) -> None:
-        if self.net is not None:
-            self.net.close()
-        if self.shm is not None:
-            self.shm.close()
 
 
 class WeightReceiver:
@@ -111,9 +95,7 @@ class WeightReceiver:
 
         self.version: int | None = None
         self.rejected = 0  # versions refused on verification (checksum or signature)
-        self._source: _Source | None = None
-        self._ordered: list[torch.Tensor] = []
-        self._staging: torch.Tensor | None = None
+        self._source: Source | None = None
         self._latest: tuple[int, int, int] | None = None  # (version, epoch, gen) seen on the store
         self._error: WeightSyncError | None = None
         self._last_refusal = ""
@@ -149,10 +131,13 @@ class WeightReceiver:
             source = self._source
             if source is None:
                 return None
-            if source.net is not None:
-                applied = self._apply_staged(source.net)
-            else:
-                applied = self._apply_shared(source)
+            try:
+                applied = source.apply(
+                    self.version, lambda: self._latest, self._wait_for_news, self.config.timeout_s, self.name
+                )
+            except WeightSyncIntegrityError:
+                self.version = None  # the module may hold a torn copy now; say so
+                raise
         if applied is not None:
             self.version = applied
             self._acks.put((applied, None))
@@ -213,48 +198,9 @@ class WeightReceiver:
         return None if lost is None else time.monotonic() - lost
 
     # -- applying -------------------------------------------------------------------
-    def _apply_shared(self, source: _Source) -> int | None:
-        assert source.shm is not None
-        latest = self._latest
-        if latest is None or latest[1] != source.epoch or (self.version is not None and latest[0] <= self.version):
-            return None
-        deadline = time.monotonic() + self.config.timeout_s
-        attempt = 0
-        while True:
-            latest = self._latest
-            assert latest is not None
-            version, epoch, gen = latest
-            if epoch != source.epoch:
-                return None  # a new sender took over; the watcher is switching sources
-            if attempt < 2:
-                if source.shm.try_apply(gen, self._ordered):
-                    return version
-            else:
-                # Pushes keep landing while we copy: stage privately so the module is
-                # written once, from bytes known to be whole.
-                if self._staging is None:
-                    self._staging = torch.empty(source.layout.total_bytes, dtype=torch.uint8)
-                if source.shm.stage(gen, self._staging):
-                    copy_out(source.layout, self._staging, self._ordered)
-                    return version
-            attempt += 1
-            if time.monotonic() > deadline:
-                self.version = None  # the module may hold a torn copy now; say so
-                raise WeightSyncIntegrityError(
-                    f"WeightReceiver {self.name!r}: the shared snapshot changed under every copy for "
-                    f"timeout_s={self.config.timeout_s}; the trainer pushes faster than this receiver copies "
-                    f"(push less often, or raise timeout_s)"
-                )
-            with self._cond:  # the watcher thread notifies when `latest` moves on
-                self._cond.wait(timeout=_POLL_S)
-
-    def _apply_staged(self, link: NetReceiveLink) -> int | None:
-        with link.lock:
-            staged = link.staged_version
-            if staged is None or (self.version is not None and staged <= self.version):
-                return None
-            copy_out(link.layout, link.staging, self._ordered)
-            return staged
+    def _wait_for_news(self) -> None:
+        with self._cond:  # the watcher thread notifies when `latest` moves on
+            self._cond.wait(timeout=_POLL_S)
 
     def _newer_pending(self) -> bool:
         source = self._source
@@ -372,31 +318,24 @@ class WeightReceiver:
         with self._apply_lock:
             if self._source is not None:
                 self._source.close()
-            self._source = self._make_source(ctl, epoch, layout, record)
-            self._ordered = [self._tensors[e.name] for e in layout.entries]
-            self._staging = None
+            self._source = self._make_source(epoch, layout, record)
             self._sender_closed = False
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
-                 "shared memory" if self._source.shm is not None else f"network/{record['backend']}")  # fmt: skip
+                 self._source.describe())  # fmt: skip
 
-    def _make_source(self, ctl: Control, epoch: int, layout: Layout, record: dict[str, object]) -> _Source:
-        transport = str(record["transport"])
-        same_host = record["host"] == self._host and record["shm"] is not None
-        if transport == "shm" and not same_host:
-            raise WeightSyncError(
-                f"WeightReceiver {self.name!r}: the sender uses transport='shm' but runs on host "
-                f"{record['host']!r}, not here ({self._host!r}); use transport='auto' or 'gloo' on the sender"
-            )
-        if transport in ("auto", "shm") and same_host:
-            return _Source(epoch, layout, ShmReceiveLink(str(record["shm"]), layout), None)
-        backend = str(record["backend"])
-        device = self._device if backend == "nccl" else torch.device("cpu")
-        link = NetReceiveLink(
-            self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
-            addr=local_address(self._store_address), timeout_s=self.config.timeout_s, device=device,
-            on_staged=self._on_staged, on_rejected=self._on_rejected,
+    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> Source:
+        return Source.open(
+            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
+            net=lambda backend: NetReceiveLink(
+                self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
+                addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
+                device=self._device if backend == "nccl" else torch.device("cpu"),
+                on_staged=self._on_staged, on_rejected=self._on_rejected,
+            ),
         )  # fmt: skip
-        return _Source(epoch, layout, None, link)
+
+    def _ordered_for(self, layout: Layout) -> list[torch.Tensor]:
+        return [self._tensors[e.name] for e in layout.entries]
 
     def _on_staged(self, version: int) -> None:
         self._acks.put((version, None))

@@ -113,12 +113,14 @@ class Progress(L.Callback):
         self.next_print = now + self.every_s
         m = self.latest.values
         ep = self.episodes
+        sample_lag = getattr(trainer.lightning_module, "last_metrics", {}).get("lag_mean", 0.0)
         print(
             f"[trainer {now - ep.started:6.1f}s] version {trainer.global_step:4d} | "
-            f"return(last {len(ep.recent)}) {ep.mean:6.1f} from versions <= {ep.last_version} | "
+            f"return(last {len(ep.recent)}) {ep.mean:6.1f} from versions <= {ep.last_version}, "
+            f"sample lag {sample_lag:4.1f} versions | "
             f"push stall {1e3 * m.get('wsync/stall_s', 0):.2f} ms, delivery {1e3 * m.get('wsync/delivery_s', 0):.1f} ms | "
             f"receivers {int(m.get('wsync/delivered', 0))} ok {int(m.get('wsync/failed', 0))} failed, "
-            f"lag {int(m.get('wsync/version_lag', 0))}",
+            f"slowest {int(m.get('wsync/version_lag', 0))} pushes behind",
             flush=True,
         )
 

@@ -1,0 +1,126 @@
+"""Where a receiver's versions come from for one sender epoch, and how they are applied.
+
+From a sender on this host the module is written straight from the shared snapshot
+(one copy); torn copies are detected by the snapshot's sequence counter and redone,
+after two tries through a private staging buffer so the module is written once from
+bytes known to be whole. From a sender elsewhere a network link has already staged and
+verified the version; applying it is one copy under the link's lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_wsync._manifest import Layout, copy_out
+from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError
+from lightning_wsync.transport.net import NetReceiveLink
+from lightning_wsync.transport.shm import ShmReceiveLink
+
+Latest = tuple[int, int, int]  # (version, epoch, gen) as last read from the store
+
+_DIRECT_ATTEMPTS = 2
+
+
+class Source:
+    """The data plane of one sender epoch, as the receiver uses it."""
+
+    def __init__(
+        self, epoch: int, layout: Layout, ordered: list[torch.Tensor],
+        shm: ShmReceiveLink | None, net: NetReceiveLink | None,
+    ) -> None:  # fmt: skip
+        self.epoch = epoch
+        self.layout = layout
+        self.shm = shm
+        self.net = net
+        self._ordered = ordered
+        self._staging: torch.Tensor | None = None
+
+    @classmethod
+    def open(
+        cls,
+        epoch: int,
+        layout: Layout,
+        record: dict[str, object],
+        ordered: list[torch.Tensor],
+        *,
+        host: str,
+        name: str,
+        net: Callable[[str], NetReceiveLink],
+    ) -> Source:
+        """Pick the data plane the sender's record allows from this host."""
+        transport = str(record["transport"])
+        same_host = record["host"] == host and record["shm"] is not None
+        if transport == "shm" and not same_host:
+            raise WeightSyncError(
+                f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
+                f"{record['host']!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
+            )
+        if transport in ("auto", "shm") and same_host:
+            return cls(epoch, layout, ordered, ShmReceiveLink(str(record["shm"]), layout), None)
+        return cls(epoch, layout, ordered, None, net(str(record["backend"])))
+
+    def describe(self) -> str:
+        return "shared memory" if self.shm is not None else "network"
+
+    def apply(
+        self,
+        held: int | None,
+        latest: Callable[[], Latest | None],
+        wait: Callable[[], None],
+        timeout_s: float,
+        name: str,
+    ) -> int | None:
+        """Write the newest complete version above ``held`` into the module; return it."""
+        if self.net is not None:
+            return self._apply_staged(self.net, held)
+        return self._apply_shared(held, latest, wait, timeout_s, name)
+
+    def _apply_staged(self, link: NetReceiveLink, held: int | None) -> int | None:
+        with link.lock:
+            staged = link.staged_version
+            if staged is None or (held is not None and staged <= held):
+                return None
+            copy_out(link.layout, link.staging, self._ordered)
+            return staged
+
+    def _apply_shared(
+        self, held: int | None, latest: Callable[[], Latest | None], wait: Callable[[], None], timeout_s: float, name: str
+    ) -> int | None:
+        assert self.shm is not None
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            newest = latest()
+            if newest is None or (held is not None and newest[0] <= held):
+                return None
+            version, epoch, gen = newest
+            if epoch != self.epoch:
+                return None  # a new sender took over; the watcher is switching sources
+            if attempt < _DIRECT_ATTEMPTS:
+                if self.shm.try_apply(gen, self._ordered):
+                    return version
+            else:
+                # Pushes keep landing while we copy: stage privately so the module is
+                # written once, from bytes known to be whole.
+                if self._staging is None:
+                    self._staging = torch.empty(self.layout.total_bytes, dtype=torch.uint8)
+                if self.shm.stage(gen, self._staging):
+                    copy_out(self.layout, self._staging, self._ordered)
+                    return version
+            attempt += 1
+            if time.monotonic() > deadline:
+                raise WeightSyncIntegrityError(
+                    f"WeightReceiver {name!r}: the shared snapshot changed under every copy for "
+                    f"timeout_s={timeout_s}; the module may hold a torn copy. The trainer pushes faster "
+                    f"than this receiver copies: push less often, or raise timeout_s"
+                )
+            wait()
+
+    def close(self) -> None:
+        if self.net is not None:
+            self.net.close()
+        if self.shm is not None:
+            self.shm.close()
