@@ -50,8 +50,8 @@ class Snapshot:
         else:
             self._seq += 1
         copy_into(self.layout, self.buffer, tensors)
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(self.buffer.device).synchronize()
+        if self.buffer.is_cuda or any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()  # the copies were queued without blocking; finish them
         if self.segment is not None:
             gen = self.segment.end_write(version)
         else:

@@ -41,8 +41,9 @@ class SenderConfig:
         exclude: glob patterns of tensor names to leave out.
         bucket_mb: size of the network send unit and checksum granularity, in MiB.
         timeout_s: bound on every wait for a receiver (acknowledgement, group set-up, send).
-        transport: ``"auto"`` (shared memory for receivers on this host, gloo/NCCL for the
-            rest), ``"shm"``, ``"gloo"`` or ``"nccl"``.
+        transport: ``"auto"`` (shared memory for receivers on this host, gloo for the
+            rest; CUDA weights are snapshotted to host memory), ``"shm"``, ``"gloo"``, or
+            ``"nccl"`` (snapshot stays on the GPU; receivers on other GPUs get it over NCCL).
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.

@@ -152,7 +152,9 @@ class WeightSender:
         latest = self._ctl.get_json("latest")
         self.latest_version: int | None = None if latest is None else int(latest["version"])
 
-        use_device = on_cuda and cfg.transport in ("auto", "nccl")
+        # auto snapshots CUDA weights to host shared memory: same-host receivers (often on
+        # the same GPU, where NCCL cannot pair two ranks) then copy them with no group.
+        use_device = on_cuda and cfg.transport == "nccl"
         segment = None
         if not use_device and cfg.transport in ("auto", "shm"):
             remove_stale_segments()

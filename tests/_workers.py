@@ -35,12 +35,18 @@ def build(spec: tuple[str, int]) -> nn.Module:
         return mixed_model(arg)
     if kind == "big":
         return big_model(arg, seed=1)
+    if kind == "cuda1":  # the GPU test's model, on the second GPU
+        torch.manual_seed(arg)
+        m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 64).to(torch.bfloat16))
+        m.register_buffer("steps", torch.arange(4))
+        return m.to("cuda:1")
     raise ValueError(spec)
 
 
 def digest(module: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in module.state_dict().items():
+        t = t.cpu()
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
