@@ -242,6 +242,9 @@ class WeightReceiver:
                     with self._cond:
                         self._cond.notify_all()
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
+                log.exception("receiver %r: watcher step failed; retrying", self.name)
+                self._stop.wait(min(1.0, self.config.heartbeat_s))
             self._stop.wait(_POLL_S)
 
     def _follow_versions(self, ctl: Control) -> None:
@@ -315,10 +318,21 @@ class WeightReceiver:
             with self._cond:
                 self._cond.notify_all()
             return
+        closed_key = f"closed/{epoch}"
+        try:
+            source = self._make_source(epoch, layout, record)
+        except OSError as exc:  # its shared segment is gone: that sender has ended
+            self._refused_epochs.add(epoch)
+            log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
+            if ctl.has(closed_key) and ctl.get_json(closed_key):
+                with self._cond:
+                    self._sender_closed = True
+                    self._cond.notify_all()
+            return
         with self._apply_lock:
             if self._source is not None:
                 self._source.close()
-            self._source = self._make_source(epoch, layout, record)
+            self._source = source
             self._sender_closed = False
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import torch
 from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
-from lightning_wsync import WeightReceiver, WeightSender, WeightSyncSchemaError
+from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError, WeightSyncSchemaError
 
 pytestmark = pytest.mark.timeout(240)
 CTX = mp.get_context("spawn")
@@ -184,3 +184,16 @@ def test_bfloat16_on_the_wire_and_name_filters(port):
     assert dst["lora_a"].weight is weight_ref and dst["lora_a"].weight.dtype == torch.float32
     assert torch.equal(dst["lora_a"].weight, src["lora_a"].weight.to(torch.bfloat16).float())
     assert torch.equal(dst["base"].weight, base_before)  # excluded: untouched
+
+
+def test_receiver_started_after_close_is_told_so(port):
+    store = f"127.0.0.1:{port}"
+    import torch.distributed as dist
+
+    keep = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # outlives the sender
+    with WeightSender(build(("mixed", 0)), store=store, job="late-close", timeout_s=5) as sender:
+        sender.push(1)
+    with WeightReceiver(build(("mixed", 1)), store=store, job="late-close") as receiver:
+        with pytest.raises(WeightSyncClosedError, match="the sender of job 'late-close' closed"):
+            receiver.wait_for_version(1, timeout_s=20)
+    del keep
