@@ -108,13 +108,13 @@ class _Queue:
         return int(self._ctl.store.queue_len(self._queue_key))
 
 
-def _check(owner: str, channel: str, capacity: int, timeout_s: float) -> None:
+def _check(owner: str, channel: str, capacity: int, timeout_s: float, timeout_name: str = "timeout_s") -> None:
     if not channel or "/" in channel:
         raise ValueError(f"{owner}: channel={channel!r} must be a non-empty name without '/'")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"{owner}: capacity={capacity!r} must be an int >= 1 (items held at most)")
-    if not timeout_s > 0:
-        raise ValueError(f"{owner}: timeout_s={timeout_s!r} must be > 0")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"{owner}: {timeout_name}={timeout_s!r} must be > 0 (seconds)")
 
 
 class ExperienceWriter:
@@ -185,7 +185,7 @@ class ExperienceReader(IterableDataset[dict[str, torch.Tensor]]):
         idle_timeout_s: float = 120.0,
         max_items: int | None = None,
     ) -> None:
-        _check("ExperienceReader", channel, 1, idle_timeout_s)
+        _check("ExperienceReader", channel, 1, idle_timeout_s, "idle_timeout_s")
         self._store = store
         self._job = job
         self._channel = channel
