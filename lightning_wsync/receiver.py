@@ -50,6 +50,7 @@ from lightning_wsync._source import Source
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
+_SLOW_POLL_S = 0.05
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
@@ -218,7 +219,7 @@ class WeightReceiver:
     # -- background ---------------------------------------------------------------
     def _watch(self) -> None:
         ctl = self._watch_ctl
-        next_beat = 0.0
+        next_beat = next_slow = 0.0
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
@@ -226,7 +227,10 @@ class WeightReceiver:
                     ctl.add(f"member/{self.rid}/hb", 1)
                     next_beat = now + self.config.heartbeat_s
                 self._flush_acks(ctl)
-                for step in (self._follow_sender, self._follow_versions):
+                # One store round trip per poll for the newest version; sender changes and
+                # the close signal are rarer and looked at every _SLOW_POLL_S.
+                slow, next_slow = now >= next_slow, (now + _SLOW_POLL_S if now >= next_slow else next_slow)
+                for step in ((self._follow_sender, self._follow_close) if slow else ()) + (self._follow_versions,):
                     try:
                         step(ctl)
                     except WeightSyncAuthError as exc:
@@ -258,13 +262,19 @@ class WeightReceiver:
             return
         if source is None:
             return
-        latest = ctl.get_json("latest")
+        # `latest` is never deleted once written: after the first sighting, a plain get.
+        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.store.get("latest"))
         if latest is not None:
             record = (int(latest["version"]), int(latest["epoch"]), int(latest["gen"]))
             if record != self._latest and (self._latest is None or record[0] > self._latest[0]):
                 with self._cond:
                     self._latest = record
                     self._cond.notify_all()
+
+    def _follow_close(self, ctl: Control) -> None:
+        source = self._source
+        if source is None:
+            return
         closed_key = f"closed/{source.epoch}"
         if not self._sender_closed and ctl.has(closed_key) and ctl.get_json(closed_key):
             with self._cond:
