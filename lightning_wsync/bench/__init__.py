@@ -1,0 +1,204 @@
+"""``lightning-wsync bench``: push stall and latency against bounds measured in the same run.
+
+::
+
+    lightning-wsync bench --size-mb 1024 --receivers 4            # table
+    lightning-wsync bench --size-mb 64 --transport gloo --json     # machine-readable
+    lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
+
+The trainer (this process) pushes a transformer-shaped float32 model to receiver
+processes on this host: one warm-up push, then ``--pushes`` timed ones, each timed
+until every receiver has *applied* it. The machine's bounds are measured on the same
+byte count by separate worker processes (one memcpy, shared memory with N parallel
+readers, plain loopback TCP; see ``_bounds``): one round after each timed push, so a
+shared machine's changing load reaches pushes and bounds alike, or, when memory is too
+short to hold both sets of buffers, half the rounds before the pushes and half after.
+Every process runs one torch thread. Exit status: 0 when every push was applied
+bit-exact by every receiver, 1 otherwise or on failure, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+import torch
+
+from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync.bench._bounds import BoundBench
+from lightning_wsync.bench._model import build_model, spec_for_size
+from lightning_wsync.bench._procs import BenchError, Children
+from lightning_wsync.bench._push import run_push_phase
+from lightning_wsync.bench._report import format_table, summarize
+from lightning_wsync.config import SenderConfig
+from lightning_wsync.errors import WeightSyncError
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+_COMPARE = ("torchrl",)
+_PROCESS_BYTES = 300 * 2**20  # a spawned process with torch imported
+_HEADROOM_BYTES = 4 * 2**30  # left to the rest of a shared machine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the ``bench`` subcommand's flags on ``parser``."""
+    parser.add_argument("--size-mb", type=float, default=256.0, help="float32 model size in MiB (default 256)")
+    parser.add_argument("--receivers", type=int, default=4, help="receiver processes on this host (default 4)")
+    parser.add_argument("--transport", choices=("auto", "shm", "gloo"), default="auto", help="sender transport")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None, help="cast on the wire")
+    parser.add_argument("--pushes", type=int, default=5, help="timed pushes after one warm-up (default 5)")
+    parser.add_argument("--compare", choices=_COMPARE, action="append", default=[], help="also run another library")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; print the report; return the exit status."""
+    try:
+        _validate(args)
+    except ValueError as exc:
+        print(f"lightning-wsync bench: {exc}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    restore_signals = _exit_on_sigterm()
+    try:
+        result = measure(args)
+    except (BenchError, WeightSyncError, OSError) as exc:
+        print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        restore_signals()
+        torch.set_num_threads(threads)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0 if result["ok"] else 1
+
+
+def measure(args: argparse.Namespace) -> dict[str, object]:
+    """Run every phase and return the JSON-able result (what ``--json`` prints)."""
+    torch.set_num_threads(1)
+    spec = spec_for_size(args.size_mb)
+    model = build_model(spec, seed=args.seed)
+    config = SenderConfig(dtype=args.dtype)
+    tensors = list(select_tensors(model).values())
+    pushed_bytes = build_layout(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
+    interleave = _fits_interleaved(spec.nbytes, pushed_bytes, args.receivers, args.transport)
+    with Children() as children:
+        bounds = BoundBench(children, args.receivers, pushed_bytes, args.timeout_s)
+        try:
+            if interleave:
+                bounds.allocate(tensors, config.wire_dtype)
+                between: Callable[[], None] | None = bounds.round
+            else:
+                first_half = (args.pushes + 1) // 2
+                log.info("not enough free memory to hold the bounds' buffers during the pushes: "
+                         "measuring bounds before and after them instead")  # fmt: skip
+                bounds.measure(first_half, tensors, config.wire_dtype)
+                between = None
+            phase = run_push_phase(
+                model, spec, n_receivers=args.receivers, pushes=args.pushes, transport=args.transport,
+                dtype=args.dtype, timeout_s=args.timeout_s, between=between,
+            )  # fmt: skip
+            if interleave:
+                bounds.release()
+            else:
+                bounds.measure(args.pushes - first_half, tensors, config.wire_dtype)
+        except BaseException:
+            bounds.close(graceful=False)
+            raise
+        bounds.close()
+    compare: dict[str, object] = {}
+    if "torchrl" in args.compare:
+        from lightning_wsync.bench._torchrl import compare_torchrl
+
+        compare["torchrl"] = compare_torchrl(model, spec, n_receivers=args.receivers, pushes=args.pushes,
+                                             timeout_s=args.timeout_s)  # fmt: skip
+    summary = summarize(phase, bounds.samples, transport=args.transport, n_receivers=args.receivers,
+                        model_bytes=spec.nbytes)  # fmt: skip
+    wsync_latency = summary.medians["latency_s"]
+    for entry in compare.values():
+        if isinstance(entry, dict) and isinstance(entry.get("latency_s"), float) and wsync_latency is not None:
+            entry["wsync_latency_ratio"] = wsync_latency / entry["latency_s"]
+    assert phase.sender_memory is not None
+    return {
+        "config": {
+            "size_mb": args.size_mb, "receivers": args.receivers, "transport": args.transport,
+            "dtype": args.dtype, "pushes": args.pushes, "torch": torch.__version__, "cpus": os.cpu_count(),
+            "threads_per_process": 1,
+            "bounds_schedule": "interleaved" if interleave else "before-and-after",
+        },
+        "model": {"tensors": phase.n_tensors, "fp32_bytes": spec.nbytes, "pushed_bytes": phase.pushed_bytes,
+                  "d_model": spec.d_model, "vocab": spec.vocab, "layers": spec.n_layers},
+        "pushes": [s.to_json() for s in phase.samples],
+        "bounds": bounds.samples.to_json(),
+        "medians": summary.medians,
+        "ratios": summary.ratios,
+        "targets": summary.targets,
+        "memory": {
+            "sender": phase.sender_memory.to_json(),
+            "receivers": {n: m.to_json() for n, m in phase.receiver_memory.items()},
+        },
+        "compare": compare,
+        "ok": summary.ok,
+        "problems": summary.problems,
+    }  # fmt: skip
+
+
+def _fits_interleaved(model_bytes: int, pushed_bytes: int, n: int, transport: str) -> bool:
+    """Whether the bounds' buffers can stay allocated while the receivers hold theirs.
+
+    Interleaving a round of bounds after each push is the fairer schedule on a shared
+    machine; it needs, beyond the trainer's model: source, destination and shared
+    segment of the bounds, the sender's snapshot, and per receiver its module, the
+    bound worker's buffer and (gloo) a staging buffer, plus ~300 MiB per process.
+    """
+    per_receiver = model_bytes + pushed_bytes + (pushed_bytes if transport == "gloo" else 0) + 2 * _PROCESS_BYTES
+    need = 4 * pushed_bytes + n * per_receiver + _HEADROOM_BYTES
+    return need <= _available_bytes()
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0  # unknown: take the schedule that needs less
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not args.size_mb >= 1:
+        raise ValueError(f"--size-mb={args.size_mb!r} must be >= 1 (MiB of float32 weights), e.g. --size-mb 256")
+    if args.receivers < 1:
+        raise ValueError(f"--receivers={args.receivers!r} must be >= 1, e.g. --receivers 4")
+    if args.pushes < 1:
+        raise ValueError(f"--pushes={args.pushes!r} must be >= 1 (5 or more for stable medians)")
+    if not args.timeout_s > 0:
+        raise ValueError(f"--timeout-s={args.timeout_s!r} must be > 0, e.g. --timeout-s 120")
+
+
+def _exit_on_sigterm() -> Callable[[], None]:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks reap the children; returns an undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore

@@ -1,0 +1,137 @@
+"""`lightning-wsync bench` end to end at a tiny size: the report's structure and correctness, not timings."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from lightning_wsync import bench
+from lightning_wsync.bench import _torchrl
+from lightning_wsync.bench._model import build_model, digest, mutate, spec_for_size
+from lightning_wsync.bench._report import format_table
+from lightning_wsync.cli import main
+
+MEDIANS = ("stall_s", "core_stall_s", "latency_s", "report_latency_s", "memcpy_s", "memcpy_2t_s", "gather_s",
+           "shm_s", "shm_write_s", "tcp_s")  # fmt: skip
+RATIOS = ("stall_to_memcpy", "latency_to_shm_bound", "gloo_throughput_to_tcp", "sender_memory_to_model",
+          "receiver_memory_to_model")  # fmt: skip
+
+
+def _children_alive() -> list[int]:
+    """PIDs of live, non-zombie children of this process (multiprocessing's resource tracker aside)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) != os.getpid() or fields[0] in ("Z", "X"):
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():
+                    continue
+        except OSError:
+            continue
+        alive.append(int(entry))
+    return alive
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
+    before = set(_children_alive())
+    code = main(["bench", "--size-mb", "4", "--receivers", "2", "--pushes", "2", "--transport", transport, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+
+    assert result["config"]["transport"] == transport and result["config"]["receivers"] == 2
+    model = result["model"]
+    spec = spec_for_size(4)
+    assert model["tensors"] == spec.n_tensors == 195
+    assert model["fp32_bytes"] == spec.nbytes and 0.9 * 4 * 2**20 < spec.nbytes <= 4 * 2**20
+    assert model["pushed_bytes"] >= spec.nbytes
+
+    pushes = result["pushes"]
+    assert [p["version"] for p in pushes] == [1, 2, 3]
+    assert [p["warmup"] for p in pushes] == [True, False, False]
+    for p in pushes:
+        assert p["delivered"] == ["r0", "r1"] and p["failed"] == {}
+        assert p["applied"] == {"r0": p["version"], "r1": p["version"]}
+        assert p["digest_ok"] is True
+        assert 0 < p["stall_s"] <= p["latency_s"]
+    assert result["ok"] is True and result["problems"] == []
+
+    assert set(MEDIANS) <= set(result["medians"]) and all(result["medians"][k] > 0 for k in MEDIANS)
+    assert set(RATIOS) <= set(result["ratios"]) and all(result["ratios"][k] > 0 for k in RATIOS)
+    assert all(len(result["bounds"][k]) == 2 for k in ("memcpy_s", "shm_s", "tcp_s"))
+    names = {t["name"] for t in result["targets"]}
+    assert ("gloo_throughput_to_tcp" in names) == (transport == "gloo")
+    assert ("latency_to_shm_bound" in names) == (transport != "gloo")
+
+    receivers = result["memory"]["receivers"]
+    assert set(receivers) == {"r0", "r1"}
+    # The snapshot (shared memory) or staging buffer (gloo) is visible in the growth.
+    assert result["memory"]["sender"]["peak_rss_bytes"] >= model["pushed_bytes"] // 2
+    if transport == "gloo":
+        assert all(m["anon_bytes"] >= model["pushed_bytes"] // 2 for m in receivers.values())
+    assert result["compare"] == {}
+    assert set(_children_alive()) <= before, "bench left child processes running"
+
+    table = format_table(result)
+    assert "push latency" in table and "every one applied bit-exact" in table
+
+
+def test_digest_sees_wire_rounding_but_not_equal_copies():
+    spec = spec_for_size(1)
+    a, b = build_model(spec, seed=3), build_model(spec, seed=3)
+    assert digest(a) == digest(b)
+    mutate(b, 1)
+    assert digest(a) != digest(b)
+    c = build_model(spec, seed=3)
+    with torch.no_grad():
+        for t in c.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).to(torch.float32))
+    assert digest(c) != digest(a)
+    assert digest(c, torch.bfloat16) == digest(a, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--size-mb", "0.5"], r"--size-mb=0.5 must be >= 1"),
+        (["--receivers", "0"], r"--receivers=0 must be >= 1"),
+        (["--pushes", "0"], r"--pushes=0 must be >= 1"),
+        (["--timeout-s", "0"], r"--timeout-s=0.0 must be > 0"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(argv)) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_compare_torchrl_without_torchrl_says_how_to_install(monkeypatch):
+    real = importlib.import_module
+
+    def no_torchrl(name: str, package: str | None = None):
+        if name.startswith(("torchrl", "tensordict")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, package)
+
+    monkeypatch.setattr(_torchrl.importlib, "import_module", no_torchrl)
+    spec = spec_for_size(1)
+    result = _torchrl.compare_torchrl(build_model(spec, seed=0), spec, n_receivers=1, pushes=1, timeout_s=5)
+    assert result == {"skipped": _torchrl.NOT_INSTALLED}
+    assert "pip install lightning-wsync[torchrl]" in _torchrl.NOT_INSTALLED
