@@ -82,7 +82,7 @@ class Layout:
                     f"receiver {receiver!r}: tensor {e.name!r} has shape {tuple(mine.shape)!r} here but "
                     f"{e.shape!r} on the sender; build the rollout module with the trainer's configuration"
                 )
-            if mine.dtype != e.dtype:
+            if mine.dtype not in (e.dtype, e.wire_dtype):  # a bf16 rollout module takes a bf16 push as is
                 raise WeightSyncSchemaError(
                     f"receiver {receiver!r}: tensor {e.name!r} has dtype {mine.dtype} here but {e.dtype} "
                     f"on the sender; cast the rollout module (e.g. module.to({e.dtype})) before "

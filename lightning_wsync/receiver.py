@@ -110,6 +110,7 @@ class WeightReceiver:
         self._cond = threading.Condition()
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the watcher early (an ack to send, or stop)
 
         self.rid = self._ctl.add("members/next", 1) - 1
         self.name = cfg.name or _default_name()
@@ -142,6 +143,7 @@ class WeightReceiver:
         if applied is not None:
             self.version = applied
             self._acks.put((applied, None))
+            self._kick.set()  # the watcher writes the acknowledgement now, not at its next poll
             log.debug("applied version %d", applied)
         return applied
 
@@ -249,7 +251,8 @@ class WeightReceiver:
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
-            self._stop.wait(_POLL_S)
+            self._kick.wait(_POLL_S)
+            self._kick.clear()
 
     def _follow_versions(self, ctl: Control) -> None:
         source = self._source
@@ -392,6 +395,7 @@ class WeightReceiver:
             return
         self._closed = True
         self._stop.set()
+        self._kick.set()
         self._thread.join(timeout=10)
         try:
             self._flush_acks(self._ctl)

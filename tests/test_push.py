@@ -197,3 +197,15 @@ def test_receiver_started_after_close_is_told_so(port):
         with pytest.raises(WeightSyncClosedError, match="the sender of job 'late-close' closed"):
             receiver.wait_for_version(1, timeout_s=20)
     del keep
+
+
+def test_bf16_rollout_module_takes_a_bf16_push_as_is(port):
+    src = build(("mixed", 0))
+    dst = build(("mixed", 1)).to(torch.bfloat16)
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="bf16-dst", dtype="bfloat16", timeout_s=5) as sender:
+        with WeightReceiver(dst, store=store, job="bf16-dst") as receiver:
+            sender.push(1)
+            assert receiver.wait_for_version(1, timeout_s=10) == 1
+    for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert torch.equal(b, a.to(torch.bfloat16) if a.is_floating_point() else a), name

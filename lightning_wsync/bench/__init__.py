@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=float, default=256.0, help="float32 model size in MiB (default 256)")
     parser.add_argument("--receivers", type=int, default=4, help="receiver processes on this host (default 4)")
     parser.add_argument("--transport", choices=("auto", "shm", "gloo"), default="auto", help="sender transport")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None, help="cast on the wire")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None, help="cast on the wire; receivers hold their module in this dtype")
     parser.add_argument("--pushes", type=int, default=5, help="timed pushes after one warm-up (default 5)")
     parser.add_argument("--compare", choices=_COMPARE, action="append", default=[], help="also run another library")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")

@@ -76,6 +76,8 @@ def _receiver_main(
     try:
         model = build_model(spec, seed=None)
         wire_dtype = None if wire is None else getattr(torch, wire)
+        if wire_dtype is not None:
+            model = model.to(wire_dtype)  # rollout modules in the wire dtype, as bf16 inference engines hold them
         base = reset_peak()
         with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s) as receiver:
             conn.send(("ready", os.getpid()))

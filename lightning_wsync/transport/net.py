@@ -182,7 +182,7 @@ class NetReceiveLink:
         on_rejected: Callable[[int, str], None],
     ) -> None:
         self.layout = layout
-        self.staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.staging = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)  # touched now, not mid-receive
         self.lock = threading.Lock()  # held while staging is being applied
         self.staged_version: int | None = None
         self.epoch = epoch

@@ -72,7 +72,9 @@ class ShmSegment:
                     ) from exc
             size = os.fstat(fd).st_size
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            # MAP_POPULATE maps every page now: otherwise the first push pays one page
+            # fault per 4 KiB (at 1 GiB, ~0.6 s of the trainer's stall).
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
         finally:
             os.close(fd)
         with warnings.catch_warnings():
