@@ -18,8 +18,12 @@ from lightning_wsync.transport.shm import ShmSegment
 
 def bucket_checksums(buffer: torch.Tensor, layout: Layout) -> list[int]:
     """xxh3-64 of every bucket of a CPU buffer."""
-    data = buffer.numpy()
-    return [xxhash.xxh3_64_intdigest(data[a:b].data) for a, b in layout.buckets]
+    return [checksum(buffer, a, b) for a, b in layout.buckets]
+
+
+def checksum(buffer: torch.Tensor, start: int, end: int) -> int:
+    """xxh3-64 of bytes [start, end) of a CPU uint8 buffer (releases the GIL)."""
+    return int(xxhash.xxh3_64_intdigest(buffer[start:end].numpy().data))
 
 
 class Snapshot:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Layout
-from lightning_wsync._snapshot import Snapshot, bucket_checksums
+from lightning_wsync._snapshot import Snapshot, checksum
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +145,14 @@ class NetSendLink:
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, version: int, gen: int) -> None:
         snap, layout = self._snapshot, self._snapshot.layout
         device = snap.buffer.device
-        sums = snap.checksums(gen) if not snap.buffer.is_cuda else [0] * len(layout.buckets)
         ctl.set_text(ann_key, str(version))
         header = torch.tensor([version, gen, layout.total_bytes, len(layout.buckets)], dtype=torch.int64)
         pg.send([header.to(device)], 1, 0).wait()
-        for a, b in layout.buckets:
-            pg.send([snap.buffer[a:b]], 1, 0).wait()
+        works = [pg.send([snap.buffer[a:b]], 1, 0) for a, b in layout.buckets]
+        # Hash while gloo streams the buckets (computed once per version for all links).
+        sums = snap.checksums(gen) if not snap.buffer.is_cuda else [0] * len(layout.buckets)
+        for work in works:
+            work.wait()
         intact = sums is not None and snap.sequence == gen
         words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
         mac = trailer_mac(ctl, self._epoch, self.rid, version, gen, words)
@@ -229,8 +231,12 @@ class NetReceiveLink:
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
             with self.lock:  # waits for an update() that is copying the previous version out
                 self.staged_version = None
-            for a, b in self.layout.buckets:
-                pg.recv([self.staging[a:b]], 0, 0).wait()
+            works = [pg.recv([self.staging[a:b]], 0, 0) for a, b in self.layout.buckets]
+            sums: list[int] = []
+            for (a, b), work in zip(self.layout.buckets, works):
+                work.wait()
+                if not self.staging.is_cuda:  # hash bucket i while bucket i+1 arrives
+                    sums.append(_signed(checksum(self.staging, a, b)))
             trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
@@ -246,7 +252,6 @@ class NetReceiveLink:
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue
             if not self.staging.is_cuda:
-                sums = [_signed(s) for s in bucket_checksums(self.staging, self.layout)]
                 bad = [i for i, (x, y) in enumerate(zip(sums, sent_sums)) if x != y]
                 if bad:
                     a, b = self.layout.buckets[bad[0]]
