@@ -176,7 +176,7 @@ class Control:
         self.job = job
         self.raw = store
         self.secret = secret
-        self.store = dist.PrefixStore(f"wsync/{job}/", store)
+        self.store = dist.PrefixStore(f"wsync/{job}", store)  # PrefixStore adds the "/"
 
     def clone(self) -> Control:
         """A second connection (where the store supports it) for a thread that may block."""

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 from torch import nn
 
 from lightning_wsync.errors import WeightSyncSchemaError
@@ -150,6 +151,11 @@ def copy_out(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tenso
     with torch.no_grad():
         for e, t in zip(layout.entries, tensors):
             t.detach().copy_(e.view(buffer), non_blocking=True)
+
+
+def checksum(buffer: torch.Tensor, start: int, end: int) -> int:
+    """xxh3-64 of bytes [start, end) of a CPU uint8 buffer (releases the GIL)."""
+    return int(xxhash.xxh3_64_intdigest(buffer[start:end].numpy().data))
 
 
 def _align(n: int) -> int:

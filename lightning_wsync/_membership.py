@@ -33,6 +33,7 @@ class Member:
     hb_seen_at: float = 0.0  # time.monotonic() when hb last changed
     gone_reason: str | None = None
     link: NetSendLink | None = None
+    verify: bool = False  # wants per-bucket checksums on the shared-memory path
 
     @property
     def label(self) -> str:
@@ -77,7 +78,8 @@ class Membership:
                 continue
             if record is None:
                 break  # registering right now; its record lands on a later refresh
-            member = Member(self._next_rid, str(record["name"]), str(record["host"]), int(record["pid"]))
+            member = Member(self._next_rid, str(record["name"]), str(record["host"]), int(record["pid"]),
+                            verify=bool(record.get("verify", False)))  # fmt: skip
             member.hb, member.hb_seen_at = ctl.add(f"member/{member.rid}/hb", 0), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member

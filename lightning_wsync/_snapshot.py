@@ -10,9 +10,8 @@ from __future__ import annotations
 import threading
 
 import torch
-import xxhash
 
-from lightning_wsync._manifest import Layout, copy_into
+from lightning_wsync._manifest import Layout, checksum, copy_into
 from lightning_wsync.transport.shm import ShmSegment
 
 
@@ -20,10 +19,6 @@ def bucket_checksums(buffer: torch.Tensor, layout: Layout) -> list[int]:
     """xxh3-64 of every bucket of a CPU buffer."""
     return [checksum(buffer, a, b) for a, b in layout.buckets]
 
-
-def checksum(buffer: torch.Tensor, start: int, end: int) -> int:
-    """xxh3-64 of bytes [start, end) of a CPU uint8 buffer (releases the GIL)."""
-    return int(xxhash.xxh3_64_intdigest(buffer[start:end].numpy().data))
 
 
 class Snapshot:

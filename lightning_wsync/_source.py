@@ -37,6 +37,7 @@ class Source:
         self.net = net
         self._ordered = ordered
         self._staging: torch.Tensor | None = None
+        self._rejected: int | None = None  # a shared version that failed its checksums
 
     @classmethod
     def open(
@@ -72,11 +73,49 @@ class Source:
         wait: Callable[[], None],
         timeout_s: float,
         name: str,
+        sums: Callable[[int, int], list[int] | None] | None = None,
+        reject: Callable[[int, str], None] | None = None,
     ) -> int | None:
-        """Write the newest complete version above ``held`` into the module; return it."""
+        """Write the newest complete version above ``held`` into the module; return it.
+
+        With ``sums`` (shared memory only), a version is applied only once its published
+        bucket checksums are known and match; a mismatch is passed to ``reject``.
+        """
         if self.net is not None:
             return self._apply_staged(self.net, held)
+        if sums is not None:
+            newest = latest()
+            if not self._verified(held, newest, sums, reject):
+                return None
+            # Exactly the verified bytes, once: if a push overwrote them meanwhile, the
+            # newer version is verified on a later update().
+            assert self.shm is not None and newest is not None
+            return newest[0] if self.shm.try_apply(newest[2], self._ordered) else None
         return self._apply_shared(held, latest, wait, timeout_s, name)
+
+    def _verified(
+        self,
+        held: int | None,
+        newest: Latest | None,
+        sums: Callable[[int, int], list[int] | None],
+        reject: Callable[[int, str], None] | None,
+    ) -> bool:
+        assert self.shm is not None
+        if newest is None or (held is not None and newest[0] <= held) or newest[0] == self._rejected:
+            return False
+        version, _, gen = newest
+        expected = sums(version, gen)
+        if expected is None:
+            return False  # not published yet; a later update() applies it
+        bad = self.shm.matches(gen, expected)
+        if bad is None:
+            return True
+        if self.shm.sequence() == gen:  # not merely overwritten by the next push: corrupt
+            self._rejected = version
+            a, b = self.layout.buckets[bad]
+            if reject is not None:
+                reject(version, f"checksum mismatch in shared memory, first bad bytes [{a}, {b})")
+        return False
 
     def _apply_staged(self, link: NetReceiveLink, held: int | None) -> int | None:
         with link.lock:

@@ -96,6 +96,9 @@ class ReceiverConfig:
         timeout_s: bound on connecting to the store and on each network receive.
         heartbeat_s: interval of the liveness signal the sender watches.
         secret: shared secret (default ``$WSYNC_SECRET``); must equal the sender's.
+        verify: on the shared-memory path too, check every bucket's xxh3 checksum (published
+            by the sender) before applying; costs one extra read of the bytes. The network
+            path always verifies.
     """
 
     job: str | None = None
@@ -105,6 +108,7 @@ class ReceiverConfig:
     timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     secret: str | None = None
+    verify: bool = False
 
     def __post_init__(self) -> None:
         owner = "WeightReceiver"
@@ -112,6 +116,8 @@ class ReceiverConfig:
         _patterns(owner, "exclude", self.exclude)
         _positive(owner, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
         _positive(owner, "heartbeat_s", self.heartbeat_s, "e.g. heartbeat_s=0.5")
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"{owner}: verify={self.verify!r} must be True or False")
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"{owner}: name={self.name!r} must be non-empty and contain no '/'")
 

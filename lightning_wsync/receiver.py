@@ -100,6 +100,7 @@ class WeightReceiver:
         self._latest: tuple[int, int, int] | None = None  # (version, epoch, gen) seen on the store
         self._error: WeightSyncError | None = None
         self._last_refusal = ""
+        self._sums: tuple[int, int, list[int]] | None = None  # (version, gen, checksums) with verify
         self._store_lost_since: float | None = None
         self._rejected_version = -2
         self._refused_epochs: set[int] = set()
@@ -116,7 +117,9 @@ class WeightReceiver:
         self.name = cfg.name or _default_name()
         self._ctl.set_json(state_key(self.rid), encode_state(-1, None))
         self._ctl.add(f"member/{self.rid}/hb", 1)
-        self._ctl.set_json(f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid()})
+        self._ctl.set_json(
+            f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid(), "verify": cfg.verify}
+        )
         self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
         self._thread.start()
         log.info("WeightReceiver %r (rid=%d) joined job %r", self.name, self.rid, job_name)
@@ -135,8 +138,9 @@ class WeightReceiver:
                 return None
             try:
                 applied = source.apply(
-                    self.version, lambda: self._latest, self._wait_for_news, self.config.timeout_s, self.name
-                )
+                    self.version, lambda: self._latest, self._wait_for_news, self.config.timeout_s, self.name,
+                    sums=self._published_sums if self.config.verify else None, reject=self._on_rejected,
+                )  # fmt: skip
             except WeightSyncIntegrityError:
                 self.version = None  # the module may hold a torn copy now; say so
                 raise
@@ -232,7 +236,10 @@ class WeightReceiver:
                 # One store round trip per poll for the newest version; sender changes and
                 # the close signal are rarer and looked at every _SLOW_POLL_S.
                 slow, next_slow = now >= next_slow, (now + _SLOW_POLL_S if now >= next_slow else next_slow)
-                for step in ((self._follow_sender, self._follow_close) if slow else ()) + (self._follow_versions,):
+                steps = ((self._follow_sender, self._follow_close) if slow else ()) + (
+                    self._follow_versions, self._follow_sums,
+                )
+                for step in steps:
                     try:
                         step(ctl)
                     except WeightSyncAuthError as exc:
@@ -273,6 +280,21 @@ class WeightReceiver:
                 with self._cond:
                     self._latest = record
                     self._cond.notify_all()
+
+    def _published_sums(self, version: int, gen: int) -> list[int] | None:
+        held = self._sums
+        return held[2] if held is not None and held[:2] == (version, gen) else None
+
+    def _follow_sums(self, ctl: Control) -> None:
+        """With ``verify``, fetch the checksums of the newest shared version for update()."""
+        latest = self._latest
+        if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest[0]):
+            return
+        record = ctl.get_json(f"v/{latest[0]}/sums")
+        if record is not None and int(record["gen"]) == latest[2]:
+            self._sums = (latest[0], latest[2], [int(s) for s in record["sums"]])
+            with self._cond:
+                self._cond.notify_all()
 
     def _follow_close(self, ctl: Control) -> None:
         source = self._source

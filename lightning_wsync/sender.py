@@ -255,7 +255,14 @@ class WeightSender:
             handle._set_targets(handle._targets + [m for m in live if m.rid not in known])
         self._published_versions.append(version)
         while len(self._published_versions) > _KEEP_VERSION_RECORDS:
-            ctl.delete(f"v/{self._published_versions.pop(0)}")
+            old = self._published_versions.pop(0)
+            ctl.delete(f"v/{old}")
+            ctl.delete(f"v/{old}/sums")
+        if self._snapshot.segment is not None and any(m.verify for m in live):
+            # After the version is out, so receivers that do not verify are not delayed.
+            sums = self._snapshot.checksums(gen)
+            if sums is not None:  # None: already overwritten by the next push
+                ctl.set_json(f"v/{version}/sums", {"gen": gen, "sums": sums})
 
     def _sync_links(self) -> None:
         for member in self._members.live():

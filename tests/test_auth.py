@@ -62,7 +62,7 @@ def test_stranger_cannot_feed_weights(port):
         with WeightReceiver(dst, store=store, job="c", secret="k") as receiver:
             assert receiver.wait_for_version(1, timeout_s=10) == 1
             # A stranger with raw store access forges a sender epoch and a newer version.
-            raw = dist.PrefixStore("wsync/c/", dist.TCPStore("127.0.0.1", port, is_master=False))
+            raw = dist.PrefixStore("wsync/c", dist.TCPStore("127.0.0.1", port, is_master=False))
             raw.set("sender/99", json.dumps({"epoch": 99, "host": "x", "pid": 1, "transport": "gloo",
                                              "backend": "gloo", "shm": None, "addr": "127.0.0.1"}))
             raw.set("layout/99", json.dumps(sender.layout.to_json()))

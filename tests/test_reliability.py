@@ -92,3 +92,32 @@ def test_memory_flat_over_many_small_pushes(children, port):
         for side in (0, 1):
             growth = rss[pushes][side] / rss[pushes // 10][side] - 1
             assert growth < 0.05, rss
+
+
+def test_shared_memory_verify_rejects_corrupted_bytes(port):
+    src, dst = build(("mixed", 0)), build(("mixed", 1))
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="shm-verify", timeout_s=10) as sender:
+        with WeightReceiver(dst, store=store, job="shm-verify", name="careful", verify=True) as receiver:
+            mutate(src, 1)
+            sender.push(1)
+            assert receiver.wait_for_version(1, timeout_s=10) == 1
+            held = digest(dst)
+            mutate(src, 2)
+            handle = sender.push(2)
+            deadline = time.monotonic() + 10
+            while not sender.store.check(["wsync/shm-verify/v/2/sums"]):  # bounded poll: sums published
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            sender._snapshot.buffer[100] ^= 0x10  # a bit flips in shared memory after the snapshot
+            while receiver.rejected == 0:
+                assert time.monotonic() < deadline, "the corrupted version was never checked"
+                assert receiver.update() is None
+                time.sleep(0.005)
+            assert receiver.version == 1 and digest(dst) == held  # the previous version is kept
+            report = handle.wait(10)
+            assert report.failed["careful"].startswith("rejected version 2: checksum mismatch in shared memory")
+            mutate(src, 3)
+            sender.push(3)
+            assert receiver.wait_for_version(3, timeout_s=10) == 3
+            assert digest(dst) == digest(src)

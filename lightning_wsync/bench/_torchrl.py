@@ -1,12 +1,23 @@
-"""``--compare torchrl``: TorchRL's torch.distributed weight sync on the same model.
+"""``--compare torchrl``: TorchRL's ``DistributedWeightSyncScheme`` on the same model.
 
-Runs the per-worker ``DistributedTransport`` that TorchRL's
-``DistributedWeightSyncScheme`` creates (gloo, ``sync=True``), without a collector:
-the trainer and N worker processes join one default gloo group of N + 1 ranks; each
-push sets the worker's ``NODE_<rank>_in`` key, sends a ``TensorDict`` of the weights
-and waits for the worker's ``NODE_<rank>_out`` acknowledgement, one worker after the
-other, as the scheme does. Workers receive straight into a ``TensorDict`` that shares
-storage with their module, so a received push is an applied one.
+Drives the real scheme the way TorchRL's ``DistributedCollector`` does, minus the
+environments: the trainer creates ``DistributedWeightSyncScheme(backend="gloo",
+sync=True)`` and calls ``init_on_sender(model_id="policy", context=..., num_workers=N)``,
+which starts the scheme's own TCPStore and one ``DistributedTransport`` per worker.
+The scheme is pickled to N spawned workers (its ``__getstate__`` keeps only the
+store's address); each calls ``init_on_receiver(model_id="policy", context=...,
+worker_idx=rank)``, with a context whose ``policy`` is its module, as the collector
+passes its inner collector. Trainer and workers then join one default gloo group of
+N + 1 ranks (the collector creates it before the scheme does anything; so do we) and
+call ``connect()``: the trainer sends the initial weights, each worker receives them,
+loads them into its module and starts the scheme's receiver thread. A push is
+``scheme.send()`` (weights extracted from the context's ``policy``): for every worker
+it sets ``NODE_<rank>_in`` in the scheme's store and sends the weights ``TensorDict``
+over gloo, then it waits for each worker's ``NODE_<rank>_out`` acknowledgement, which
+the receiver thread writes after applying the weights to the module. ``send()``
+therefore returns once every worker holds the push: its duration is both the
+trainer's stall and the latency. After each push the workers report a digest of
+their module, outside the timed region.
 
 TorchRL is optional (``pip install lightning-wsync[torchrl]``); without it the
 comparison is skipped with a message and the benchmark goes on.
@@ -16,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import socket
 import time
 from datetime import timedelta
@@ -34,11 +44,23 @@ from lightning_wsync.bench._report import median
 log = logging.getLogger(__name__)
 
 NOT_INSTALLED = "torchrl is not installed; `pip install lightning-wsync[torchrl]` to compare with it (skipped)"
+_MODEL_ID = "policy"  # what TorchRL's collectors call the model a scheme syncs
 
 
-def _modules() -> tuple[ModuleType, ModuleType] | None:
+class _Context:
+    """What the scheme resolves ``model_id`` against: a collector, for TorchRL; here just the module.
+
+    The scheme holds it by weak reference, so its owner keeps it alive.
+    """
+
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
+
+
+def _weight_update() -> ModuleType | None:
     try:
-        return importlib.import_module("torchrl.weight_update"), importlib.import_module("tensordict")
+        importlib.import_module("tensordict")
+        return importlib.import_module("torchrl.weight_update")
     except ImportError:
         return None
 
@@ -49,39 +71,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _join_group(port: int, rank: int, world: int, timeout_s: float, is_master: bool) -> dist.TCPStore:
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master, timeout=timeout, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world, timeout=timeout)
-    return store
+def _join_group(port: int, rank: int, world: int, timeout_s: float) -> None:
+    """The default gloo group the scheme sends over (TorchRL's collector creates it the same way)."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
 
 
-def _weights(tensordict: ModuleType, model: nn.Module) -> Any:
-    """A TensorDict sharing storage with ``model``'s parameters and buffers (no autograd)."""
-    return tensordict.TensorDict.from_module(model).data
-
-
-def _worker_main(conn: Connection, port: int, rank: int, world: int, spec: ModelSpec, timeout_s: float) -> None:
+def _worker_main(conn: Connection, scheme: Any, port: int, rank: int, world: int, spec: ModelSpec,
+                 timeout_s: float) -> None:  # fmt: skip
     init_child()
     try:
-        modules = _modules()
-        assert modules is not None, NOT_INSTALLED
-        weight_update, tensordict = modules
         model = build_model(spec, seed=None)
-        store = _join_group(port, rank, world, timeout_s, is_master=False)
-        buffer = _weights(tensordict, model)
-        transport = weight_update.DistributedTransport(weights_buffer=buffer, store=store, rank=rank, sync=True)
-        conn.send(("ready", os.getpid()))
-        key = f"NODE_{rank}_in"
-        while True:
-            store.wait([key], timedelta(seconds=timeout_s))
-            instruction = store.get(key)
-            store.delete_key(key)
-            if instruction != b"update_weights":
+        context = _Context(model)
+        scheme.init_on_receiver(model_id=_MODEL_ID, context=context, worker_idx=rank)
+        conn.send(("initialized",))
+        _join_group(port, rank, world, timeout_s)
+        scheme.connect()  # receives the initial weights, then starts the scheme's receiver thread
+        conn.send(("ready", digest(model)))
+        while True:  # pushes arrive on the scheme's own thread; this one only reports
+            if not conn.poll(timeout_s):
+                raise BenchError(f"no instruction from the trainer within {timeout_s:.0f} s")
+            if conn.recv() != "digest":
                 break
-            transport.receive_weights()
-            transport.send_ack("updated")
-            conn.send(("applied", time.monotonic(), digest(model)))
+            conn.send(("digest", digest(model)))
+        scheme.shutdown()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent
         report_failure(conn, f"torchrl worker rank {rank}")
@@ -91,60 +106,70 @@ def compare_torchrl(
     model: nn.Module, spec: ModelSpec, *, n_receivers: int, pushes: int, timeout_s: float
 ) -> dict[str, object]:
     """Median stall and latency of TorchRL's distributed scheme; ``{"skipped": why}`` if it cannot run."""
-    modules = _modules()
-    if modules is None:
+    weight_update = _weight_update()
+    if weight_update is None:
         return {"skipped": NOT_INSTALLED}
     if dist.is_initialized():
         return {"skipped": "a default process group already exists in this process; run the comparison alone"}
-    weight_update, tensordict = modules
     port, world = _free_port(), n_receivers + 1
+    context = _Context(model)
+    scheme: Any = None
     try:
+        scheme = weight_update.DistributedWeightSyncScheme(backend="gloo", sync=True, timeout=timeout_s)
+        scheme.init_on_sender(model_id=_MODEL_ID, context=context, num_workers=n_receivers)
         with Children() as children:
             conns = [
-                children.start(_worker_main, (port, r, world, spec, timeout_s), name=f"wsync-bench-torchrl-{r}")
+                children.start(_worker_main, (scheme, port, r, world, spec, timeout_s), name=f"wsync-bench-torchrl-{r}")
                 for r in range(1, world)
             ]
-            store = _join_group(port, 0, world, timeout_s, is_master=True)
+            for r, conn in enumerate(conns, start=1):
+                receive(conn, timeout_s, f"torchrl worker rank {r} to initialize its scheme")
+            _join_group(port, 0, world, timeout_s)
             try:
-                for r, conn in enumerate(conns, start=1):
-                    receive(conn, timeout_s, f"torchrl worker rank {r} to start")
-                weights = _weights(tensordict, model)
-                transports = [
-                    weight_update.DistributedTransport(weights_buffer=weights, store=store, rank=r, sync=True)
-                    for r in range(1, world)
-                ]
-                stalls: list[float] = []
-                latencies: list[float] = []
+                scheme.connect()  # the initial weights, to every worker
+                expected = digest(model)
                 digests_ok = True
+                for r, conn in enumerate(conns, start=1):
+                    msg = receive(conn, timeout_s, f"torchrl worker rank {r} to receive the initial weights")
+                    digests_ok = digests_ok and msg[1] == expected
+                stalls: list[float] = []
                 for version in range(1, pushes + 2):  # the first is a warm-up
                     mutate(model, 100 + version)
                     expected = digest(model)
                     started = time.monotonic()
-                    for transport in transports:  # what the scheme does for each worker
-                        transport.send_weights(weights)
-                    stall = time.monotonic() - started
-                    applied = []
+                    scheme.send()  # returns once every worker has acknowledged the applied weights
+                    elapsed = time.monotonic() - started
+                    for conn in conns:
+                        conn.send("digest")
                     for r, conn in enumerate(conns, start=1):
-                        msg = receive(conn, timeout_s, f"torchrl worker rank {r} to apply a push")
-                        applied.append(float(msg[1]))  # type: ignore[arg-type]
-                        digests_ok = digests_ok and msg[2] == expected
+                        msg = receive(conn, timeout_s, f"torchrl worker rank {r} to report its weights")
+                        digests_ok = digests_ok and msg[1] == expected
                     if version > 1:
-                        stalls.append(stall)
-                        latencies.append(max(applied) - started)
-                for r in range(1, world):
-                    store.set(f"NODE_{r}_in", "stop")
-                for r, conn in enumerate(conns, start=1):
+                        stalls.append(elapsed)
+                scheme._send_instruction("stop")  # the scheme's own stop for its receiver threads
+                for conn in conns:
+                    conn.send("stop")
+                for conn in conns:
                     conn.poll(timeout_s)  # the worker exits; its pipe closes
             finally:
                 dist.destroy_process_group()
-    except (BenchError, RuntimeError, TypeError, AttributeError) as exc:
+    except (BenchError, RuntimeError, TypeError, AttributeError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return {"skipped": f"torchrl comparison failed ({type(exc).__name__}: {first}); torchrl's API may have changed"}
-    return {
-        "method": "torchrl.weight_update.DistributedTransport (gloo, sync), one worker after the other",
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+    result: dict[str, object] = {
+        "method": "torchrl.weight_update.DistributedWeightSyncScheme (gloo, sync): send() to all workers, then their acks",
         "stall_s": median(stalls),
-        "latency_s": median(latencies),
+        "latency_s": median(stalls),  # send() returns only once every worker has applied the push
         "stall_samples_s": stalls,
-        "latency_samples_s": latencies,
+        "latency_samples_s": list(stalls),
         "digests_ok": digests_ok,
     }
+    if not digests_ok:
+        result["skipped"] = (
+            f"torchrl comparison failed: a worker's weights differ from the pushed ones "
+            f"(median push {median(stalls):.4f} s)"
+        )
+    return result

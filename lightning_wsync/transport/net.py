@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_wsync._control import Control
-from lightning_wsync._manifest import Layout
-from lightning_wsync._snapshot import Snapshot, checksum
+from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync._snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from lightning_wsync._control import pid_alive
-from lightning_wsync._manifest import Layout, copy_out
+from lightning_wsync._manifest import Layout, checksum, copy_out
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,19 @@ class ShmReceiveLink:
         copy_out(self._layout, seg.data, tensors)
         _fence()
         return seg.sequence() == gen
+
+    def sequence(self) -> int:
+        return self._segment.sequence()
+
+    def matches(self, gen: int, sums: list[int]) -> int | None:
+        """Index of the first bucket whose checksum differs from ``sums`` (None: all match).
+
+        Only meaningful while the sequence is still ``gen`` (checked by the caller's copy).
+        """
+        for i, (a, b) in enumerate(self._layout.buckets):
+            if checksum(self._segment.data, a, b) != sums[i]:
+                return i
+        return None
 
     def stage(self, gen: int, staging: torch.Tensor) -> bool:
         """Copy the snapshot into a private ``staging`` buffer; True when it was not torn."""
