@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Any
 
@@ -61,9 +60,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
+from lightning_wsync._push_reports import PushReports
 from lightning_wsync.config import CallbackConfig, SenderConfig
 from lightning_wsync.errors import WeightSyncError
-from lightning_wsync.sender import PushHandle, PushReport, WeightSender
+from lightning_wsync.sender import PushReport, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class WeightSyncCallback(Callback):
         self._target: nn.Module | None = None
         self._mirror: dict[str, torch.Tensor] = {}
         self._skipped: int | None = None
-        self._reports: _Reports | None = None
+        self._reports: PushReports | None = None
         self._pushes = 0
         self._held: dict[str, int] = {}  # receiver name -> index of the newest push it is known to hold
         self._failing: set[str] = set()  # receivers that failed the newest report (warned once)
@@ -193,7 +193,7 @@ class WeightSyncCallback(Callback):
                 source = self._target if full is None else _mirror(self._target, full, self._mirror)
                 self._sender = WeightSender(source, store=self._store, config=self.sender_config)
                 latest = self._sender.latest_version
-                self._reports = _Reports(self._sender.config.timeout_s)
+                self._reports = PushReports(self._sender.config.timeout_s)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 if trainer.world_size > 1:  # let the other ranks leave the broadcast below
@@ -322,68 +322,6 @@ class WeightSyncCallback(Callback):
                 _log_metrics(trainer, metrics)
         if sender is not None:
             sender.close(flush_timeout_s=0)  # already awaited above
-
-
-class _Reports:
-    """Awaits push reports off the training thread, newest push first.
-
-    A receiver holding a newer version counts as delivered for every older one, so
-    one wait on the newest queued push confirms all pushes up to it.
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        self._cond = threading.Condition()
-        self._queue: list[tuple[int, PushHandle]] = []
-        self._done: list[tuple[int, PushReport]] = []
-        self._confirmed = 0
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="wsync-callback-reports", daemon=True)
-        self._thread.start()
-
-    def add(self, index: int, handle: PushHandle) -> None:
-        with self._cond:
-            self._queue.append((index, handle))
-            self._cond.notify_all()
-
-    def take(self) -> list[tuple[int, PushReport]]:
-        with self._cond:
-            done, self._done = self._done, []
-        return done
-
-    def wait_confirmed(self, index: int, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until push ``index`` (1-based) has its report."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._confirmed >= index, timeout=timeout_s)
-
-    def close(self, *, flush: bool) -> None:
-        with self._cond:
-            if not flush:
-                self._queue.clear()
-            self._stopping = True
-            self._cond.notify_all()
-        # The thread's one blocking call is PushHandle.wait(), bounded by timeout_s: the
-        # wait in progress, then one on the newest push.
-        self._thread.join(timeout=2 * self._timeout_s + 5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue) or self._stopping)
-                if not self._queue:
-                    return
-                index, handle = self._queue[-1]
-                self._queue.clear()
-            try:
-                report: PushReport | None = handle.wait()
-            except RuntimeError as exc:  # e.g. the store went away (WeightSyncError is one too)
-                log.warning("WeightSyncCallback: no report for version %d: %s", handle.version, exc)
-                report = None
-            with self._cond:
-                if report is not None:
-                    self._done.append((index, report))
-                self._confirmed = index
-                self._cond.notify_all()
 
 
 class _MirrorModule(nn.Module):
