@@ -152,6 +152,15 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def default_receiver_name() -> str:
+    """``<role>-<rank>@<host>`` under torchrun, else ``<role>@<host>:<pid>``."""
+    role = os.environ.get("WSYNC_ROLE", "receiver")
+    rank = os.environ.get("RANK")
+    if rank is not None:
+        return f"{role}-{rank}@{socket.gethostname()}"
+    return f"{role}@{socket.gethostname()}:{os.getpid()}"
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` names a running (not zombie) process on this host."""
     try:

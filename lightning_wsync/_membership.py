@@ -10,6 +10,7 @@ its heartbeat has not moved for ``heartbeat_timeout_s``.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +54,39 @@ def decode_state(ctl: Control, rid: int, raw: bytes) -> tuple[int, tuple[int, st
     value = ctl.open(state_key(rid), raw)
     error = value["error"]
     return int(value["acked"]), None if error is None else (int(error[0]), str(error[1]))
+
+
+class StateReport:
+    """The receiver's side of ``member/<rid>/state``: newest version held, last rejection.
+
+    Producers (``update()``, the network link) only queue; the watcher thread writes.
+    """
+
+    def __init__(self, rid: int) -> None:
+        self._rid = rid
+        self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
+        self._held = -1
+
+    def held(self, version: int) -> None:
+        self._queue.put((version, None))
+
+    def rejected(self, version: int, reason: str) -> None:
+        self._queue.put((-1, (version, reason)))
+
+    def write(self, ctl: Control, *, force: bool = False) -> None:
+        """Write what was queued since the last write (one store round trip, if any)."""
+        error: tuple[int, str] | None = None
+        changed = force
+        while True:
+            try:
+                version, err = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            self._held = max(self._held, version)
+            error = err or error
+        if changed:
+            ctl.set_json(state_key(self._rid), encode_state(self._held, error))
 
 
 class Membership:

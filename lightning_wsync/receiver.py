@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import socket
 import threading
 import time
 from types import TracebackType
@@ -31,9 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync._control import Control, connect_store, host_id, local_address, resolve_job, resolve_secret
+from lightning_wsync._control import (
+    Control,
+    connect_store,
+    default_receiver_name,
+    host_id,
+    local_address,
+    resolve_job,
+    resolve_secret,
+)
 from lightning_wsync._manifest import Layout, select_tensors
-from lightning_wsync._membership import encode_state, state_key
+from lightning_wsync._membership import StateReport
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -52,14 +58,6 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.002
 _SLOW_POLL_S = 0.05
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
-
-
-def _default_name() -> str:
-    rank = os.environ.get("RANK")
-    role = os.environ.get("WSYNC_ROLE", "receiver")
-    if rank is not None:
-        return f"{role}-{rank}@{socket.gethostname()}"
-    return f"{role}@{socket.gethostname()}:{os.getpid()}"
 
 
 class WeightReceiver:
@@ -106,16 +104,15 @@ class WeightReceiver:
         self._refused_epochs: set[int] = set()
         self._sender_closed = False
         self._closed = False
-        self._acks: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
-        self._acked = -1
         self._cond = threading.Condition()
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the watcher early (an ack to send, or stop)
 
         self.rid = self._ctl.add("members/next", 1) - 1
-        self.name = cfg.name or _default_name()
-        self._ctl.set_json(state_key(self.rid), encode_state(-1, None))
+        self.name = cfg.name or default_receiver_name()
+        self._state = StateReport(self.rid)
+        self._state.write(self._ctl, force=True)
         self._ctl.add(f"member/{self.rid}/hb", 1)
         self._ctl.set_json(
             f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid(), "verify": cfg.verify}
@@ -146,7 +143,7 @@ class WeightReceiver:
                 raise
         if applied is not None:
             self.version = applied
-            self._acks.put((applied, None))
+            self._state.held(applied)
             self._kick.set()  # the watcher writes the acknowledgement now, not at its next poll
             log.debug("applied version %d", applied)
         return applied
@@ -232,7 +229,7 @@ class WeightReceiver:
                 if now >= next_beat:
                     ctl.add(f"member/{self.rid}/hb", 1)
                     next_beat = now + self.config.heartbeat_s
-                self._flush_acks(ctl)
+                self._state.write(ctl)
                 # One store round trip per poll for the newest version; sender changes and
                 # the close signal are rarer and looked at every _SLOW_POLL_S.
                 slow, next_slow = now >= next_slow, (now + _SLOW_POLL_S if now >= next_slow else next_slow)
@@ -268,7 +265,7 @@ class WeightReceiver:
             version = -1 if latest is None else int(latest["version"])
             if version > self._rejected_version:  # tell the sender, version by version
                 self._rejected_version = version
-                self._acks.put((-1, (version, str(self._error))))
+                self._state.rejected(version, str(self._error))
             return
         if source is None:
             return
@@ -387,28 +384,14 @@ class WeightReceiver:
         return [self._tensors[e.name] for e in layout.entries]
 
     def _on_staged(self, version: int) -> None:
-        self._acks.put((version, None))
+        self._state.held(version)
         with self._cond:
             self._cond.notify_all()
 
     def _on_rejected(self, version: int, reason: str) -> None:
         self.rejected += 1
         log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
-        self._acks.put((-1, (version, reason)))
-
-    def _flush_acks(self, ctl: Control) -> None:
-        error: tuple[int, str] | None = None
-        changed = False
-        while True:
-            try:
-                version, err = self._acks.get_nowait()
-            except queue.Empty:
-                break
-            changed = True
-            self._acked = max(self._acked, version)
-            error = err or error
-        if changed:
-            ctl.set_json(state_key(self.rid), encode_state(self._acked, error))
+        self._state.rejected(version, reason)
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
@@ -420,7 +403,7 @@ class WeightReceiver:
         self._kick.set()
         self._thread.join(timeout=10)
         try:
-            self._flush_acks(self._ctl)
+            self._state.write(self._ctl)
             self._ctl.set_json(f"member/{self.rid}/gone", True)
         except RuntimeError:
             pass  # store already gone: the sender sees the heartbeat stop instead
