@@ -9,7 +9,9 @@ and as Hydra structured configs (see :func:`register_configs`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from omegaconf import MISSING
@@ -27,6 +29,27 @@ def _patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(p, str) for p in value):  # type: ignore[attr-defined]
         raise TypeError(f"{owner}: {name}={value!r} must be a list of glob patterns, e.g. ['*lora_*']")
     return tuple(value)  # type: ignore[arg-type]
+
+
+_C = TypeVar("_C", "SenderConfig", "ReceiverConfig")
+
+
+def resolve_config(cls: type[_C], config: _C | None, owner: str, job: str | None, options: dict[str, object]) -> _C:
+    """``config`` (with ``job`` applied), or a new ``cls`` from the keyword ``options``.
+
+    Passing both ``config`` and options that differ from the defaults is a TypeError:
+    one of them would be silently ignored.
+    """
+    options = {k: (v if isinstance(v, str) or not isinstance(v, (list, tuple)) else list(v)) for k, v in options.items()}
+    if config is None:
+        return cls(job=job, **options)  # type: ignore[arg-type]
+    if not isinstance(config, cls):
+        raise TypeError(f"{owner}: config={config!r} must be a {cls.__name__}")
+    defaults = cls()
+    changed = sorted(k for k, v in options.items() if v != getattr(defaults, k))
+    if changed:
+        raise TypeError(f"{owner}: pass either config= or the options {changed}, not both")
+    return dataclasses.replace(config, job=job) if job is not None else config
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 import torch
@@ -40,7 +41,7 @@ from lightning_wsync._control import (
 )
 from lightning_wsync._manifest import Layout, select_tensors
 from lightning_wsync._membership import StateReport
-from lightning_wsync.config import ReceiverConfig
+from lightning_wsync.config import ReceiverConfig, resolve_config
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
@@ -76,15 +77,23 @@ class WeightReceiver:
         store: dist.Store | str | None = None,
         job: str | None = None,
         *,
+        name: str | None = None,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+        timeout_s: float = 30.0,
+        heartbeat_s: float = 0.5,
+        secret: str | None = None,
+        verify: bool = False,
         config: ReceiverConfig | None = None,
-        **options: object,
     ) -> None:
-        if config is not None and options:
-            raise TypeError(f"WeightReceiver: pass either config= or keyword options, not both (got {sorted(options)})")
-        cfg = config if config is not None else ReceiverConfig(job=job, **options)  # type: ignore[arg-type]
+        options: dict[str, object] = {
+            "name": name, "include": include, "exclude": exclude, "timeout_s": timeout_s,
+            "heartbeat_s": heartbeat_s, "secret": secret, "verify": verify,
+        }  # fmt: skip
+        cfg = resolve_config(ReceiverConfig, config, "WeightReceiver", job, options)
         self.config = cfg
         self._tensors = select_tensors(module, cfg.include, cfg.exclude)
-        job_name = resolve_job(cfg.job if config is None or job is None else job, "WeightReceiver")
+        job_name = resolve_job(cfg.job, "WeightReceiver")
         handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
         self._store_address = handle.address
         self._ctl = Control(handle.store, job_name, resolve_secret(cfg.secret))

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -41,7 +42,7 @@ from lightning_wsync._control import (
 from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state, state_key
 from lightning_wsync._snapshot import Snapshot
-from lightning_wsync.config import SenderConfig
+from lightning_wsync.config import SenderConfig, resolve_config
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
 from lightning_wsync.transport.net import NetSendLink
 from lightning_wsync.transport.shm import ShmSegment, remove_stale_segments, segment_name
@@ -119,14 +120,21 @@ class WeightSender:
         store: dist.Store | str | None = None,
         job: str | None = None,
         *,
+        dtype: str | None = None,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+        bucket_mb: float = 32.0,
+        timeout_s: float = 30.0,
+        transport: str = "auto",
+        heartbeat_timeout_s: float = 10.0,
+        secret: str | None = None,
         config: SenderConfig | None = None,
-        **options: object,
     ) -> None:
-        if config is not None and options:
-            raise TypeError(f"WeightSender: pass either config= or keyword options, not both (got {sorted(options)})")
-        cfg = config if config is not None else SenderConfig(job=job, **options)  # type: ignore[arg-type]
-        if config is not None and job is not None:
-            cfg = SenderConfig(**{**cfg.__dict__, "job": job})
+        options: dict[str, object] = {
+            "dtype": dtype, "include": include, "exclude": exclude, "bucket_mb": bucket_mb, "timeout_s": timeout_s,
+            "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s, "secret": secret,
+        }  # fmt: skip
+        cfg = resolve_config(SenderConfig, config, "WeightSender", job, options)
         self.config = cfg
         self._tensors = select_tensors(module, cfg.include, cfg.exclude)
         if not self._tensors:

@@ -81,10 +81,9 @@ def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
 
     receivers = result["memory"]["receivers"]
     assert set(receivers) == {"r0", "r1"}
-    # The snapshot (shared memory) or staging buffer (gloo) is visible in the growth.
+    # The sender's snapshot is visible in its growth. (A receiver's 4 MiB staging buffer
+    # is not reliably: the allocator may reuse heap pages freed while building the model.)
     assert result["memory"]["sender"]["peak_rss_bytes"] >= model["pushed_bytes"] // 2
-    if transport == "gloo":
-        assert all(m["anon_bytes"] >= model["pushed_bytes"] // 2 for m in receivers.values())
     assert result["compare"] == {}
     assert set(_children_alive()) <= before, "bench left child processes running"
 
