@@ -19,7 +19,6 @@ import hmac
 import logging
 import struct
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol, cast
@@ -267,13 +266,3 @@ class NetReceiveLink:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, poll_s: float = _POLL_S) -> bool:
-    """Poll ``predicate`` until true or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
