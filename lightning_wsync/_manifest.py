@@ -153,6 +153,13 @@ def copy_out(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tenso
             t.detach().copy_(e.view(buffer), non_blocking=True)
 
 
+def bind_views(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+    """Point ``tensors`` at their bytes in ``buffer`` (same tensor objects, new storage)."""
+    with torch.no_grad():
+        for e, t in zip(layout.entries, tensors):
+            t.data = e.view(buffer)
+
+
 def checksum(buffer: torch.Tensor, start: int, end: int) -> int:
     """xxh3-64 of bytes [start, end) of a CPU uint8 buffer (releases the GIL)."""
     return int(xxhash.xxh3_64_intdigest(buffer[start:end].numpy().data))

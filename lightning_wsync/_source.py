@@ -9,13 +9,15 @@ verified the version; applying it is one copy under the link's lock.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-from lightning_wsync._manifest import Layout, copy_out
-from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError
+from lightning_wsync._manifest import Layout, bind_views, copy_out
+from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync.transport.shm import ShmReceiveLink
 
@@ -29,13 +31,15 @@ class Source:
 
     def __init__(
         self, epoch: int, layout: Layout, ordered: list[torch.Tensor],
-        shm: ShmReceiveLink | None, net: NetReceiveLink | None,
+        shm: ShmReceiveLink | None, net: NetReceiveLink | None, *, swap: bool = False,
     ) -> None:  # fmt: skip
         self.epoch = epoch
         self.layout = layout
         self.shm = shm
         self.net = net
         self._ordered = ordered
+        self._swap = swap and net is not None
+        self._viewed: torch.Tensor | None = None  # swap: the staged buffer the module points at
         self._staging: torch.Tensor | None = None
         self._rejected: int | None = None  # a shared version that failed its checksums
 
@@ -50,6 +54,7 @@ class Source:
         host: str,
         name: str,
         net: Callable[[str], NetReceiveLink],
+        swap: bool = False,
     ) -> Source:
         """Pick the data plane the sender's record allows from this host."""
         transport = str(record["transport"])
@@ -61,7 +66,10 @@ class Source:
             )
         if transport in ("auto", "shm") and same_host:
             return cls(epoch, layout, ordered, ShmReceiveLink(str(record["shm"]), layout), None)
-        return cls(epoch, layout, ordered, None, net(str(record["backend"])))
+        backend = str(record["backend"])
+        if swap:
+            _check_swappable(layout, ordered, name, backend)
+        return cls(epoch, layout, ordered, None, net(backend), swap=swap)
 
     def describe(self) -> str:
         return "shared memory" if self.shm is not None else "network"
@@ -118,12 +126,21 @@ class Source:
         return False
 
     def _apply_staged(self, link: NetReceiveLink, held: int | None) -> int | None:
+        if self._swap:
+            return link.take_staged(held, self._viewed, self._bind)
         with link.lock:
             staged = link.staged_version
-            if staged is None or (held is not None and staged <= held):
+            if staged is None or link.staging is None or (held is not None and staged <= held):
                 return None
             copy_out(link.layout, link.staging, self._ordered)
             return staged
+
+    def _bind(self, buffer: torch.Tensor) -> None:
+        first = self._viewed is None
+        bind_views(self.layout, buffer, self._ordered)
+        self._viewed = buffer
+        if first and buffer.device.type == "cpu":
+            _return_freed_pages()  # the module's own storage just went; the link allocates its successor
 
     def _apply_shared(
         self, held: int | None, latest: Callable[[], Latest | None], wait: Callable[[], None], timeout_s: float, name: str
@@ -163,3 +180,27 @@ class Source:
             self.net.close()
         if self.shm is not None:
             self.shm.close()
+
+
+def _check_swappable(layout: Layout, ordered: list[torch.Tensor], name: str, backend: str) -> None:
+    """apply="swap" points tensors at the staging buffer: each must already be in its wire form."""
+    want = torch.device("cpu") if backend == "gloo" else None
+    for e, t in zip(layout.entries, ordered):
+        device_ok = t.device == want if want is not None else t.device.type == "cuda"
+        if t.dtype != e.wire_dtype or not device_ok:
+            raise WeightSyncSchemaError(
+                f"WeightReceiver {name!r}: apply='swap' needs every tensor as the {backend} link stages it, "
+                f"but {e.name!r} is {str(t.dtype).removeprefix('torch.')} on {t.device} and arrives as "
+                f"{str(e.wire_dtype).removeprefix('torch.')} on {want or 'the GPU'}; hold the module in the "
+                f"wire dtype on that device, or use apply='copy'"
+            )
+
+
+def _return_freed_pages() -> None:
+    """Ask glibc to unmap free heap pages; tensors below its mmap threshold stay mapped when freed."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc (musl): the memory is reused by the next allocation instead

@@ -106,6 +106,9 @@ class SenderConfig:
         return max(1, int(self.bucket_mb * 2**20))
 
 
+APPLY_MODES = ("copy", "swap")
+
+
 @dataclass(kw_only=True)
 class ReceiverConfig:
     """Settings of :class:`~lightning_wsync.WeightReceiver`.
@@ -122,6 +125,13 @@ class ReceiverConfig:
         verify: on the shared-memory path too, check every bucket's xxh3 checksum (published
             by the sender) before applying; costs one extra read of the bytes. The network
             path always verifies.
+        apply: how a version reaches the module from the network path. ``"copy"`` (default)
+            writes into the module's own tensors, so references to them (shared memory,
+            CUDA graphs, data pointers) stay valid. ``"swap"`` points each tensor at the
+            verified staging buffer instead (``tensor.data = ...``) and receives the next
+            version into the buffer it held before: one full copy less per version, same
+            memory; it needs every tensor in the wire dtype on the link's device. The
+            shared-memory path always copies (its one copy is the private one).
     """
 
     job: str | None = None
@@ -132,6 +142,7 @@ class ReceiverConfig:
     heartbeat_s: float = 0.5
     secret: str | None = None
     verify: bool = False
+    apply: str = "copy"
 
     def __post_init__(self) -> None:
         owner = "WeightReceiver"
@@ -141,6 +152,8 @@ class ReceiverConfig:
         _positive(owner, "heartbeat_s", self.heartbeat_s, "e.g. heartbeat_s=0.5")
         if not isinstance(self.verify, bool):
             raise TypeError(f"{owner}: verify={self.verify!r} must be True or False")
+        if self.apply not in APPLY_MODES:
+            raise ValueError(f"{owner}: apply={self.apply!r} must be one of {APPLY_MODES} (default 'copy')")
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"{owner}: name={self.name!r} must be non-empty and contain no '/'")
 

@@ -84,11 +84,12 @@ class WeightReceiver:
         heartbeat_s: float = 0.5,
         secret: str | None = None,
         verify: bool = False,
+        apply: str = "copy",
         config: ReceiverConfig | None = None,
     ) -> None:
         options: dict[str, object] = {
             "name": name, "include": include, "exclude": exclude, "timeout_s": timeout_s,
-            "heartbeat_s": heartbeat_s, "secret": secret, "verify": verify,
+            "heartbeat_s": heartbeat_s, "secret": secret, "verify": verify, "apply": apply,
         }  # fmt: skip
         cfg = resolve_config(ReceiverConfig, config, "WeightReceiver", job, options)
         self.config = cfg
@@ -242,8 +243,12 @@ class WeightReceiver:
                 # One store round trip per poll for the newest version; sender changes and
                 # the close signal are rarer and looked at every _SLOW_POLL_S.
                 slow, next_slow = now >= next_slow, (now + _SLOW_POLL_S if now >= next_slow else next_slow)
+                # From a network link, versions arrive through the link itself: `latest` only
+                # feeds latest_published, so it is read at the slow pace too.
+                source = self._source
+                fast = source is None or source.net is None
                 steps = ((self._follow_sender, self._follow_close) if slow else ()) + (
-                    self._follow_versions, self._follow_sums,
+                    (self._follow_versions, self._follow_sums) if fast or slow else ()
                 )
                 for step in steps:
                     try:
@@ -351,17 +356,16 @@ class WeightReceiver:
 
     def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
         layout = Layout.from_json(layout_text)
+        closed_key = f"closed/{epoch}"
         try:
             layout.check_module(self._tensors, self.name)
+            source = self._make_source(epoch, layout, record)
         except WeightSyncSchemaError as exc:
             self._error = exc  # raised by update()/wait_for_version(); reported on each version
             log.error("%s", exc)
             with self._cond:
                 self._cond.notify_all()
             return
-        closed_key = f"closed/{epoch}"
-        try:
-            source = self._make_source(epoch, layout, record)
         except OSError as exc:  # its shared segment is gone: that sender has ended
             self._refused_epochs.add(epoch)
             log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
@@ -380,7 +384,7 @@ class WeightReceiver:
 
     def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> Source:
         return Source.open(
-            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
+            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name, swap=self.config.apply == "swap",
             net=lambda backend: NetReceiveLink(
                 self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
                 addr=local_address(self._store_address), timeout_s=self.config.timeout_s,

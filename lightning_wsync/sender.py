@@ -50,6 +50,8 @@ from lightning_wsync.transport.shm import ShmSegment, remove_stale_segments, seg
 log = logging.getLogger(__name__)
 
 _MEMBERSHIP_REFRESH_S = 0.05
+_COLLECT_POLL_MIN_S = 0.0005
+_COLLECT_POLL_MAX_S = 0.005
 _KEEP_VERSION_RECORDS = 4
 
 
@@ -314,7 +316,9 @@ class WeightSender:
                         f"(last heartbeat {age:.1f} s ago); it is stalled or slow: check it, or raise timeout_s"
                     )
                 break
-            time.sleep(0.0005)
+            # Poll often at first (small pushes), then at 1% of the time spent so far: the
+            # report's latency stays within ~1% while a long push costs the store few requests.
+            time.sleep(min(_COLLECT_POLL_MAX_S, max(_COLLECT_POLL_MIN_S, (time.perf_counter() - handle._started) / 100)))
         return PushReport(
             version=handle.version,
             delivered=tuple(delivered),

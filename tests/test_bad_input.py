@@ -41,6 +41,7 @@ CASES: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("receiver timeout", WeightReceiver, {"timeout_s": None}, ValueError, r"timeout_s=None must be a number > 0"),
     ("receiver include", WeightReceiver, {"include": "x"}, TypeError, r"include='x' must be a list"),
     ("receiver verify", WeightReceiver, {"verify": "yes"}, TypeError, r"verify='yes' must be True or False"),
+    ("receiver apply", WeightReceiver, {"apply": "move"}, ValueError, r"apply='move' must be one of \('copy', 'swap'\) \(default 'copy'\)"),
     ("receiver job", WeightReceiver, {"job": ""}, ValueError, r"job=''; pass job='<run name>' or set WSYNC_JOB"),
     ("callback every_n_steps", WeightSyncCallback, {"every_n_steps": 0}, ValueError, r"every_n_steps=0 must be an int >= 1"),
     ("callback module", WeightSyncCallback, {"every_n_steps": 1, "module": "a..b"}, ValueError, r"module='a..b' must be an attribute path"),

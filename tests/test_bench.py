@@ -73,7 +73,10 @@ def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
     assert result["ok"] is True and result["problems"] == []
 
     assert set(MEDIANS) <= set(result["medians"]) and all(result["medians"][k] > 0 for k in MEDIANS)
-    assert set(RATIOS) <= set(result["ratios"]) and all(result["ratios"][k] > 0 for k in RATIOS)
+    ratios = result["ratios"]
+    assert set(RATIOS) <= set(ratios) and all(ratios[k] > 0 for k in RATIOS if "memory" not in k), ratios
+    # A receiver's growth can read 0 at this size (pages freed earlier get reused): >= 0, not None.
+    assert all(ratios[k] >= 0 for k in RATIOS if "memory" in k), ratios
     assert all(len(result["bounds"][k]) == 2 for k in ("memcpy_s", "shm_s", "tcp_s"))
     names = {t["name"] for t in result["targets"]}
     assert ("gloo_throughput_to_tcp" in names) == (transport == "gloo")

@@ -24,15 +24,15 @@ def start(children, store, job, name, spec, results, **options):
     return p
 
 
-@pytest.mark.parametrize("transport", ["auto", "gloo"])
-def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport):
+@pytest.mark.parametrize("transport,apply", [("auto", "copy"), ("gloo", "copy"), ("gloo", "swap")])
+def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport, apply):
     spec = ("mixed", 0)
     model = build(spec)
     results = Inbox(CTX)
     store = f"127.0.0.1:{port}"
     names = {"r0", "r1", "r2"}
     with WeightSender(model, store=store, job="five", transport=transport, timeout_s=20) as sender:
-        procs = [start(children, store, "five", n, spec, results) for n in sorted(names)]
+        procs = [start(children, store, "five", n, spec, results, apply=apply) for n in sorted(names)]
         collect(results, "ready", names, timeout_s=120)
         for version in range(1, 6):
             mutate(model, version)
@@ -47,8 +47,8 @@ def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport):
         assert p.exitcode == 0
 
 
-@pytest.mark.parametrize("transport", ["auto", "gloo"])
-def test_sigkill_mid_push_isolated(children, port, transport):
+@pytest.mark.parametrize("transport,apply", [("auto", "copy"), ("gloo", "copy"), ("gloo", "swap")])
+def test_sigkill_mid_push_isolated(children, port, transport, apply):
     spec = ("big", 256)
     model = build(spec)
     results = Inbox(CTX)
@@ -56,7 +56,7 @@ def test_sigkill_mid_push_isolated(children, port, transport):
     names = {"r0", "r1", "r2"}
     timeout_s = 8.0
     with WeightSender(model, store=store, job="kill", transport=transport, timeout_s=timeout_s) as sender:
-        procs = {n: start(children, store, "kill", n, spec, results) for n in sorted(names)}
+        procs = {n: start(children, store, "kill", n, spec, results, apply=apply) for n in sorted(names)}
         collect(results, "ready", names, timeout_s=120)
         assert sorted(sender.push(1).wait(timeout_s=60).delivered) == sorted(names)
         collect(results, "version", names, timeout_s=60)
@@ -77,7 +77,7 @@ def test_sigkill_mid_push_isolated(children, port, transport):
         assert sorted(report.delivered) == ["r1", "r2"] and report.failed == {}, report
         collect(results, "version", {"r1", "r2"}, timeout_s=60)
 
-        start(children, store, "kill", "late", spec, results)  # no push follows: it must get 3 at once
+        start(children, store, "kill", "late", spec, results, apply=apply)  # no push follows: it must get 3 at once
         late = collect(results, "version", {"late"}, timeout_s=120)["late"]
         assert late[2:4] == (3, digest(model))
 
@@ -209,3 +209,37 @@ def test_bf16_rollout_module_takes_a_bf16_push_as_is(port):
             assert receiver.wait_for_version(1, timeout_s=10) == 1
     for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
         assert torch.equal(b, a.to(torch.bfloat16) if a.is_floating_point() else a), name
+
+
+def test_swap_apply_repoints_the_same_tensors_between_two_buffers(port):
+    src = build(("mixed", 0))
+    dst = build(("mixed", 1))
+    params = dict(dst.named_parameters())
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="swap", transport="gloo", timeout_s=10) as sender:
+        with WeightReceiver(dst, store=store, job="swap", apply="swap", timeout_s=10) as receiver:
+            storages = []
+            for version in range(1, 5):
+                mutate(src, version)
+                sender.push(version)
+                assert receiver.wait_for_version(version, timeout_s=30) == version
+                assert digest(dst) == digest(src)
+                storages.append(next(iter(params.values())).untyped_storage().data_ptr())
+    # Same Parameter objects (optimizers, hooks and references stay valid), new storage:
+    # the two staging buffers alternate, so no version is received into the one in use.
+    assert dict(dst.named_parameters()) == params
+    assert storages[0] == storages[2] and storages[1] == storages[3] and storages[0] != storages[1]
+
+
+def test_swap_apply_refuses_a_module_not_in_the_wire_dtype(port):
+    src = build(("mixed", 0))
+    dst = build(("mixed", 1))  # float32, while the sender casts to bfloat16
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="swap-dtype", transport="gloo", dtype="bfloat16", timeout_s=5):
+        with WeightReceiver(dst, store=store, job="swap-dtype", apply="swap", timeout_s=5) as receiver:
+            with pytest.raises(
+                WeightSyncSchemaError,
+                match=r"apply='swap' needs every tensor as the gloo link stages it, but '[\w.]+' is float32 on cpu "
+                r"and arrives as bfloat16 on cpu; hold the module in the wire dtype on that device, or use apply='copy'",
+            ):
+                receiver.wait_for_version(1, timeout_s=10)

@@ -37,7 +37,7 @@ from lightning_wsync.bench._model import build_model, spec_for_size
 from lightning_wsync.bench._procs import BenchError, Children
 from lightning_wsync.bench._push import run_push_phase
 from lightning_wsync.bench._report import format_table, summarize
-from lightning_wsync.config import SenderConfig
+from lightning_wsync.config import APPLY_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
 
 __all__ = ["add_arguments", "run"]
@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--receivers", type=int, default=4, help="receiver processes on this host (default 4)")
     parser.add_argument("--transport", choices=("auto", "shm", "gloo"), default="auto", help="sender transport")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None, help="cast on the wire; receivers hold their module in this dtype")
+    parser.add_argument("--bucket-mb", type=float, default=SenderConfig.bucket_mb,
+                        help=f"network send and checksum unit in MiB (default {SenderConfig.bucket_mb:g})")
+    parser.add_argument("--apply", choices=APPLY_MODES, default="copy",
+                        help="receivers' apply mode (WeightReceiver apply=; 'swap' matters on the network path)")
     parser.add_argument("--pushes", type=int, default=5, help="timed pushes after one warm-up (default 5)")
     parser.add_argument("--compare", choices=_COMPARE, action="append", default=[], help="also run another library")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")
@@ -88,7 +92,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     torch.set_num_threads(1)
     spec = spec_for_size(args.size_mb)
     model = build_model(spec, seed=args.seed)
-    config = SenderConfig(dtype=args.dtype)
+    config = SenderConfig(dtype=args.dtype, bucket_mb=args.bucket_mb)
     tensors = list(select_tensors(model).values())
     pushed_bytes = build_layout(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
     interleave = _fits_interleaved(spec.nbytes, pushed_bytes, args.receivers, args.transport)
@@ -106,7 +110,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
                 between = None
             phase = run_push_phase(
                 model, spec, n_receivers=args.receivers, pushes=args.pushes, transport=args.transport,
-                dtype=args.dtype, timeout_s=args.timeout_s, between=between,
+                dtype=args.dtype, bucket_mb=args.bucket_mb, apply=args.apply, timeout_s=args.timeout_s,
+                between=between,
             )  # fmt: skip
             if interleave:
                 bounds.release()
@@ -132,7 +137,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     return {
         "config": {
             "size_mb": args.size_mb, "receivers": args.receivers, "transport": args.transport,
-            "dtype": args.dtype, "pushes": args.pushes, "torch": torch.__version__, "cpus": os.cpu_count(),
+            "dtype": args.dtype, "bucket_mb": args.bucket_mb, "apply": args.apply, "pushes": args.pushes, "torch": torch.__version__, "cpus": os.cpu_count(),
             "threads_per_process": 1,
             "bounds_schedule": "interleaved" if interleave else "before-and-after",
         },
@@ -182,6 +187,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--size-mb={args.size_mb!r} must be >= 1 (MiB of float32 weights), e.g. --size-mb 256")
     if args.receivers < 1:
         raise ValueError(f"--receivers={args.receivers!r} must be >= 1, e.g. --receivers 4")
+    if not args.bucket_mb > 0:
+        raise ValueError(f"--bucket-mb={args.bucket_mb!r} must be > 0, e.g. --bucket-mb 32")
     if args.pushes < 1:
         raise ValueError(f"--pushes={args.pushes!r} must be >= 1 (5 or more for stable medians)")
     if not args.timeout_s > 0:

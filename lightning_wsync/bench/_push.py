@@ -23,6 +23,7 @@ from torch import nn
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
 from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
 from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
+from lightning_wsync.config import SenderConfig
 from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ class PushPhase:
 
 
 def _receiver_main(
-    conn: Connection, store: str, job: str, name: str, spec: ModelSpec, wire: str | None, timeout_s: float
+    conn: Connection, store: str, job: str, name: str, spec: ModelSpec, wire: str | None, apply: str,
+    timeout_s: float,
 ) -> None:
     init_child()
     try:
@@ -79,7 +81,7 @@ def _receiver_main(
         if wire_dtype is not None:
             model = model.to(wire_dtype)  # rollout modules in the wire dtype, as bf16 inference engines hold them
         base = reset_peak()
-        with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s) as receiver:
+        with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s, apply=apply) as receiver:
             conn.send(("ready", os.getpid()))
             want = 0
             while True:
@@ -108,6 +110,8 @@ def run_push_phase(
     pushes: int,
     transport: str,
     dtype: str | None,
+    bucket_mb: float = SenderConfig.bucket_mb,
+    apply: str = "copy",
     timeout_s: float,
     between: Callable[[], None] | None = None,
 ) -> PushPhase:
@@ -119,14 +123,15 @@ def run_push_phase(
     names = [f"r{i}" for i in range(n_receivers)]
     job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
     base = reset_peak()
-    sender = WeightSender(model, store="127.0.0.1:0", job=job, transport=transport, dtype=dtype, timeout_s=timeout_s)
+    sender = WeightSender(model, store="127.0.0.1:0", job=job, transport=transport, dtype=dtype,
+                          bucket_mb=bucket_mb, timeout_s=timeout_s)
     phase = PushPhase(pushed_bytes=sender.layout.total_bytes, n_tensors=len(sender.layout.entries))
     try:
         with Children() as children:
             address = sender.store_address
             assert address is not None
             conns = {
-                n: children.start(_receiver_main, (address, job, n, spec, dtype, timeout_s), name=f"wsync-bench-{n}")
+                n: children.start(_receiver_main, (address, job, n, spec, dtype, apply, timeout_s), name=f"wsync-bench-{n}")
                 for n in names
             }
             for n, conn in conns.items():

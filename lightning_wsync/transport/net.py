@@ -183,7 +183,9 @@ class NetReceiveLink:
         on_rejected: Callable[[int, str], None],
     ) -> None:
         self.layout = layout
-        self.staging = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)  # touched now, not mid-receive
+        self.device = device
+        # Touched now, not mid-receive; None after take_staged() handed it over unreplaced.
+        self.staging: torch.Tensor | None = self._new_staging()
         self.lock = threading.Lock()  # held while staging is being applied
         self.staged_version: int | None = None
         self.epoch = epoch
@@ -197,6 +199,25 @@ class NetReceiveLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
+
+    def _new_staging(self) -> torch.Tensor:
+        return torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+
+    def take_staged(
+        self, held: int | None, spare: torch.Tensor | None, bind: Callable[[torch.Tensor], None]
+    ) -> int | None:
+        """Swap mode: ``bind`` the staged buffer (if newer than ``held``) and stage the next in ``spare``.
+
+        ``spare`` is the buffer the module viewed until now; None: the link allocates one
+        before its next receive. Returns the version handed over.
+        """
+        with self.lock:  # the next receive cannot start into `spare` before `bind` has run
+            staged, buffer = self.staged_version, self.staging
+            if staged is None or buffer is None or (held is not None and staged <= held):
+                return None
+            bind(buffer)
+            self.staging, self.staged_version = spare, None
+            return staged
 
     def _run(self) -> None:
         ctl = self._control.clone()
@@ -214,7 +235,7 @@ class NetReceiveLink:
                 _shutdown(pg)
 
     def _serve(self, pg: PeerGroup, ctl: Control, prefix: str) -> None:
-        device = self.staging.device
+        device = self.device
         nb = len(self.layout.buckets)
         n = 0
         while not self._stop.is_set():
@@ -230,12 +251,15 @@ class NetReceiveLink:
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
             with self.lock:  # waits for an update() that is copying the previous version out
                 self.staged_version = None
-            works = [pg.recv([self.staging[a:b]], 0, 0) for a, b in self.layout.buckets]
+                staging = self.staging
+            if staging is None:  # handed to the module by take_staged(); no update() touches it now
+                staging = self.staging = self._new_staging()
+            works = [pg.recv([staging[a:b]], 0, 0) for a, b in self.layout.buckets]
             sums: list[int] = []
             for (a, b), work in zip(self.layout.buckets, works):
                 work.wait()
-                if not self.staging.is_cuda:  # hash bucket i while bucket i+1 arrives
-                    sums.append(_signed(checksum(self.staging, a, b)))
+                if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
+                    sums.append(_signed(checksum(staging, a, b)))
             trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
@@ -250,7 +274,7 @@ class NetReceiveLink:
             ):
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue
-            if not self.staging.is_cuda:
+            if not staging.is_cuda:
                 bad = [i for i, (x, y) in enumerate(zip(sums, sent_sums)) if x != y]
                 if bad:
                     a, b = self.layout.buckets[bad[0]]
