@@ -94,6 +94,30 @@ def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
     assert "push latency" in table and "every one applied bit-exact" in table
 
 
+@pytest.mark.timeout(120)
+def test_bench_with_a_cast_also_runs_the_uncast_pushes_and_swap_apply(capsys):
+    code = main(["bench", "--size-mb", "4", "--receivers", "2", "--pushes", "2", "--transport", "gloo",
+                 "--dtype", "bfloat16", "--apply", "swap", "--bucket-mb", "1", "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["config"]["apply"] == "swap" and result["config"]["bucket_mb"] == 1
+    model = result["model"]
+    assert model["pushed_bytes"] < model["fp32_pushed_bytes"] and model["fp32_pushed_bytes"] >= model["fp32_bytes"]
+    for pushes in (result["pushes"], result["fp32_pushes"]):
+        assert [p["version"] for p in pushes] == [1, 2, 3]
+        assert all(p["digest_ok"] and p["delivered"] == ["r0", "r1"] for p in pushes)
+    ratios = result["ratios"]
+    assert ratios["bytes_to_fp32"] == model["pushed_bytes"] / model["fp32_pushed_bytes"]
+    assert ratios["latency_to_fp32"] > 0 and ratios["stall_to_fp32"] > 0
+    assert len(result["bounds"]["shm_cast_s"]) == 2
+    targets = {t["name"]: t for t in result["targets"]}
+    # With a cast the stall is held to the cast-gather bound, and the latency to the byte ratio.
+    assert "stall_to_gather" in targets and "stall_to_memcpy" not in targets
+    assert targets["latency_to_fp32"]["limit"] == pytest.approx(1.15 * ratios["bytes_to_fp32"])
+    assert "without the cast" in format_table(result)
+
+
 def test_digest_sees_wire_rounding_but_not_equal_copies():
     spec = spec_for_size(1)
     a, b = build_model(spec, seed=3), build_model(spec, seed=3)
@@ -115,6 +139,7 @@ def test_digest_sees_wire_rounding_but_not_equal_copies():
         (["--receivers", "0"], r"--receivers=0 must be >= 1"),
         (["--pushes", "0"], r"--pushes=0 must be >= 1"),
         (["--timeout-s", "0"], r"--timeout-s=0.0 must be > 0"),
+        (["--bucket-mb", "0"], r"--bucket-mb=0.0 must be > 0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):

@@ -8,7 +8,8 @@
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: one warm-up push, then ``--pushes`` timed ones, each timed
-until every receiver has *applied* it. The machine's bounds are measured on the same
+until every receiver has *applied* it. With ``--dtype`` the same pushes are then run
+without the cast, so the cast's gain is measured in the same run. The machine's bounds are measured on the same
 byte count by separate worker processes (one memcpy, shared memory with N parallel
 readers, plain loopback TCP; see ``_bounds``): one round after each timed push, so a
 shared machine's changing load reaches pushes and bounds alike, or, when memory is too
@@ -121,6 +122,13 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             bounds.close(graceful=False)
             raise
         bounds.close()
+    reference = None
+    if args.dtype is not None:
+        # "A cast halves the bytes and the latency with them": the same pushes uncast, same run.
+        reference = run_push_phase(
+            model, spec, n_receivers=args.receivers, pushes=args.pushes, transport=args.transport, dtype=None,
+            bucket_mb=args.bucket_mb, apply=args.apply, timeout_s=args.timeout_s,
+        )  # fmt: skip
     compare: dict[str, object] = {}
     if "torchrl" in args.compare:
         from lightning_wsync.bench._torchrl import compare_torchrl
@@ -128,7 +136,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         compare["torchrl"] = compare_torchrl(model, spec, n_receivers=args.receivers, pushes=args.pushes,
                                              timeout_s=args.timeout_s)  # fmt: skip
     summary = summarize(phase, bounds.samples, transport=args.transport, n_receivers=args.receivers,
-                        model_bytes=spec.nbytes)  # fmt: skip
+                        model_bytes=spec.nbytes, reference=reference)  # fmt: skip
     wsync_latency = summary.medians["latency_s"]
     for entry in compare.values():
         if isinstance(entry, dict) and isinstance(entry.get("latency_s"), float) and wsync_latency is not None:
@@ -142,8 +150,10 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             "bounds_schedule": "interleaved" if interleave else "before-and-after",
         },
         "model": {"tensors": phase.n_tensors, "fp32_bytes": spec.nbytes, "pushed_bytes": phase.pushed_bytes,
+                  "fp32_pushed_bytes": phase.pushed_bytes if reference is None else reference.pushed_bytes,
                   "d_model": spec.d_model, "vocab": spec.vocab, "layers": spec.n_layers},
         "pushes": [s.to_json() for s in phase.samples],
+        "fp32_pushes": [] if reference is None else [s.to_json() for s in reference.samples],
         "bounds": bounds.samples.to_json(),
         "medians": summary.medians,
         "ratios": summary.ratios,

@@ -5,6 +5,9 @@
   wire dtype): what any snapshot must do, so its gap to ``memcpy`` is per-tensor cost.
 * ``shm``: the trainer writes S bytes into ``/dev/shm`` once, then N worker processes
   copy them into private buffers in parallel; timed until the last copy ends.
+* ``shm_cast`` (only when the push casts, e.g. ``--dtype bfloat16``): the same, but the
+  write is the model's tensors cast into the segment, as any cast snapshot must be
+  (the cast reads the float32 bytes: more than a memcpy of the S cast bytes).
 * ``tcp``: plain loopback TCP sockets, the trainer sending S bytes to each worker in
   turn into a private buffer; timed until the last worker has all of them.
 
@@ -42,6 +45,7 @@ class BoundSamples:
     gather_s: list[float] = field(default_factory=list)
     shm_s: list[float] = field(default_factory=list)
     shm_write_s: list[float] = field(default_factory=list)
+    shm_cast_s: list[float] = field(default_factory=list)
     tcp_s: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, list[float]]:
@@ -128,6 +132,7 @@ class BoundBench:
         self._dst: torch.Tensor | None = None
         self._shared: torch.Tensor | None = None
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._shared_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # the cast write, when casting
         self._socks: list[socket.socket] = []
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
@@ -178,6 +183,8 @@ class BoundBench:
             os.close(fd)
         self._mm, self._shared = _map_file(self._path, self.nbytes, writable=True)
         self._pairs = _gather_views(tensors, self._dst, wire_dtype)
+        casts = wire_dtype is not None and any(t.is_floating_point() and t.dtype != wire_dtype for t in tensors)
+        self._shared_pairs = _gather_views(tensors, self._shared, wire_dtype) if casts else []
         self._all("alloc", self.nbytes, self._path)
         self.round(keep=False)
 
@@ -187,6 +194,8 @@ class BoundBench:
         self._memcpy(self._src, self._dst, keep)
         self._gather(self._pairs, keep)
         self._shm(self._src, self._shared, keep)
+        if self._shared_pairs:
+            self._shm_cast(self._shared_pairs, keep)
         self._tcp(self._src, keep)
 
     def release(self) -> None:
@@ -198,7 +207,7 @@ class BoundBench:
 
     def _free_local(self) -> None:
         self._src = self._dst = self._shared = None
-        self._pairs = []
+        self._pairs = self._shared_pairs = []
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -250,6 +259,17 @@ class BoundBench:
         if keep:
             self.samples.shm_s.append(max(done) - t0)
             self.samples.shm_write_s.append(t_write - t0)
+
+    def _shm_cast(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep: bool) -> None:
+        t0 = time.monotonic()
+        with torch.no_grad():
+            for view, t in pairs:
+                view.copy_(t)
+        for conn in self._conns:
+            conn.send(("shm",))
+        done = [self._done(i, "a shared-memory copy") for i in range(len(self._conns))]
+        if keep:
+            self.samples.shm_cast_s.append(max(done) - t0)
 
     def _tcp(self, src: torch.Tensor, keep: bool) -> None:
         for conn in self._conns:
