@@ -92,5 +92,8 @@ def test_rollout_app_builds_a_receiver_config():
     assert cfg.store == "127.0.0.1:29400" and cfg.rollout.first_version_timeout_s == 120.0
     with pytest.raises(ValueError, match=r"heartbeat_s=-1.0 must be a number > 0"):
         OmegaConf.to_object(load("rollout", ["wsync.heartbeat_s=-1"]).wsync)
+    assert OmegaConf.to_object(load("rollout", ["wsync.apply=swap"]).wsync).apply == "swap"
+    with pytest.raises(ValueError, match=r"apply='move' must be one of \('copy', 'swap'\)"):
+        OmegaConf.to_object(load("rollout", ["wsync.apply=move"]).wsync)
     with pytest.raises(ValueError, match=r"name='a/b' must be non-empty and contain no '/'"):
         OmegaConf.to_object(load("rollout", ["wsync.name=a/b"]).wsync)
