@@ -139,18 +139,37 @@ def build_layout(
     return Layout(entries=tuple(entries), buckets=tuple(buckets), total_bytes=max(offset, _ALIGN))
 
 
+def entry_views(layout: Layout, buffer: torch.Tensor) -> list[torch.Tensor]:
+    """Every entry's typed, shaped view of ``buffer``, in layout order.
+
+    Worth computing once per buffer: making ~200 views costs about as much as copying
+    16 MiB.
+    """
+    return [e.view(buffer) for e in layout.entries]
+
+
+def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i] <- src[i]`` in place, casting; one fused call when every tensor is on the CPU.
+
+    The per-tensor loop costs ~10 us of dispatch per tensor, as much as the copy itself
+    for a small policy; the fused call is as fast as one memcpy of the same bytes.
+    """
+    with torch.no_grad():
+        if dst and all(t.device.type == "cpu" for t in dst) and all(t.device.type == "cpu" for t in src):
+            torch._foreach_copy_(list(dst), list(src))
+            return
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+
+
 def copy_into(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
     """Snapshot ``tensors`` (in layout order) into ``buffer``, casting to the wire dtype."""
-    with torch.no_grad():
-        for e, t in zip(layout.entries, tensors):
-            e.view(buffer).copy_(t.detach(), non_blocking=True)
+    copy_tensors(entry_views(layout, buffer), list(tensors))
 
 
 def copy_out(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
     """Write ``buffer``'s bytes into ``tensors`` in place (references held elsewhere stay valid)."""
-    with torch.no_grad():
-        for e, t in zip(layout.entries, tensors):
-            t.detach().copy_(e.view(buffer), non_blocking=True)
+    copy_tensors(list(tensors), entry_views(layout, buffer))
 
 
 def bind_views(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from lightning_wsync._manifest import Layout, checksum, copy_into
+from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
 from lightning_wsync.transport.shm import ShmSegment
 
 
@@ -31,6 +31,7 @@ class Snapshot:
             self.buffer = segment.data[: layout.total_bytes]
         else:
             self.buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self._views = entry_views(layout, self.buffer)
         self._seq = 0
         self._published: tuple[int, int] | None = None  # (version, gen)
         self._cond = threading.Condition()
@@ -48,7 +49,7 @@ class Snapshot:
             self.segment.begin_write()
         else:
             self._seq += 1
-        copy_into(self.layout, self.buffer, tensors)
+        copy_tensors(self._views, tensors)
         if self.buffer.is_cuda or any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()  # the copies were queued without blocking; finish them
         if self.segment is not None:

@@ -1,7 +1,8 @@
 """Where a receiver's versions come from for one sender epoch, and how they are applied.
 
 From a sender on this host the module is written straight from the shared snapshot
-(one copy); torn copies are detected by the snapshot's sequence counter and redone,
+(one copy), as soon as the segment's header shows a newer complete version (the store's
+announcement follows); torn copies are detected by the snapshot's sequence counter and redone,
 after two tries through a private staging buffer so the module is written once from
 bytes known to be whole. From a sender elsewhere a network link has already staged and
 verified the version; applying it is one copy under the link's lock.
@@ -135,6 +136,14 @@ class Source:
             copy_out(link.layout, link.staging, self._ordered)
             return staged
 
+    def _newest(self, announced: Latest | None) -> Latest | None:
+        """The store's newest version, or the segment's own if that is newer (not yet announced)."""
+        assert self.shm is not None
+        local = self.shm.published()
+        if local is None or (announced is not None and announced[0] >= local[0]):
+            return announced
+        return local[0], self.epoch, local[1]
+
     def _bind(self, buffer: torch.Tensor) -> None:
         first = self._viewed is None
         bind_views(self.layout, buffer, self._ordered)
@@ -149,7 +158,7 @@ class Source:
         deadline = time.monotonic() + timeout_s
         attempt = 0
         while True:
-            newest = latest()
+            newest = self._newest(latest())
             if newest is None or (held is not None and newest[0] <= held):
                 return None
             version, epoch, gen = newest

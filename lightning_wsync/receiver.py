@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
 _SLOW_POLL_S = 0.05
+_SHM_WAIT_POLL_S = 0.0005
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
@@ -193,7 +194,7 @@ class WeightReceiver:
                     f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
                 )
             with self._cond:
-                self._cond.wait(timeout=min(remaining, 0.05))
+                self._cond.wait(timeout=min(remaining, self._wait_poll_s()))
 
     @property
     def latest_published(self) -> int | None:
@@ -212,6 +213,16 @@ class WeightReceiver:
         return None if lost is None else time.monotonic() - lost
 
     # -- applying -------------------------------------------------------------------
+    def _wait_poll_s(self) -> float:
+        """How often a blocked wait_for_version looks again without being woken.
+
+        From shared memory update() reads the segment's header itself, so a waiter looks
+        every 0.5 ms (a memory read) instead of waiting for the store's announcement.
+        """
+        source = self._source
+        if source is not None and source.shm is not None and not self.config.verify:
+            return _SHM_WAIT_POLL_S
+        return _SLOW_POLL_S
     def _wait_for_news(self) -> None:
         with self._cond:  # the watcher thread notifies when `latest` moves on
             self._cond.wait(timeout=_POLL_S)

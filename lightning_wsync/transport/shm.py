@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from lightning_wsync._control import pid_alive
-from lightning_wsync._manifest import Layout, checksum, copy_out
+from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,10 @@ class ShmSegment:
     def sequence(self) -> int:
         return int(self.header[_SEQ])
 
+    def version(self) -> int:
+        """Version of the last completed write (meaningful while the sequence is even)."""
+        return int(self.header[_VERSION])
+
     def close(self) -> None:
         del self.header, self.data
         try:
@@ -134,6 +138,7 @@ class ShmReceiveLink:
     def __init__(self, segment_name_: str, layout: Layout) -> None:
         self._segment = ShmSegment(segment_name_, layout.total_bytes, create=False)
         self._layout = layout
+        self._views = entry_views(layout, self._segment.data)
 
     def try_apply(self, gen: int, tensors: list[torch.Tensor]) -> bool:
         """Copy the snapshot of generation ``gen`` into ``tensors``.
@@ -145,12 +150,25 @@ class ShmReceiveLink:
         if seg.sequence() != gen:
             return False
         _fence()
-        copy_out(self._layout, seg.data, tensors)
+        copy_tensors(tensors, self._views)
         _fence()
         return seg.sequence() == gen
 
     def sequence(self) -> int:
         return self._segment.sequence()
+
+    def published(self) -> tuple[int, int] | None:
+        """(version, generation) of the snapshot as it stands, or None while it is being written.
+
+        Read straight from the segment, before the sender has announced it on the store;
+        a write that starts meanwhile is caught by :meth:`try_apply`'s sequence checks.
+        """
+        seg = self._segment
+        gen = seg.sequence()
+        if gen == 0 or gen % 2:
+            return None
+        _fence()
+        return seg.version(), gen
 
     def matches(self, gen: int, sums: list[int]) -> int | None:
         """Index of the first bucket whose checksum differs from ``sums`` (None: all match).
@@ -173,4 +191,5 @@ class ShmReceiveLink:
         return seg.sequence() == gen
 
     def close(self) -> None:
+        self._views = []  # views pin the mapping
         self._segment.close()

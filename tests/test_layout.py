@@ -1,0 +1,53 @@
+"""Fast unit tests of the flat layout's copies and of the shared segment's header."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lightning_wsync._manifest import build_layout, copy_out, copy_tensors, entry_views
+from lightning_wsync.transport.shm import ShmReceiveLink, ShmSegment
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(7, 5, generator=g),
+        "t": torch.randn(5, 7, generator=g).t(),  # non-contiguous
+        "h": torch.randn(3, generator=g).to(torch.bfloat16),
+        "n": torch.arange(4, dtype=torch.int64),
+    }
+
+
+def test_fused_copies_cast_and_round_trip_every_dtype_and_stride():
+    src = _tensors()
+    layout = build_layout(src, torch.bfloat16, 1 << 20)
+    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    copy_tensors(entry_views(layout, buffer), list(src.values()))
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}  # "t" stays non-contiguous
+    dst["t"] = torch.zeros(5, 7).t()
+    copy_out(layout, buffer, dst.values())
+    for k, v in src.items():
+        want = v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+        assert torch.equal(dst[k], want), k
+    copy_tensors([], [])  # nothing selected: nothing to do
+
+
+def test_segment_header_shows_only_completed_writes():
+    layout = build_layout({"x": torch.zeros(16)}, None, 1 << 20)
+    name = f"wsync-{os.getpid()}-0-test-header"
+    writer = ShmSegment(name, layout.total_bytes, create=True)
+    reader = ShmReceiveLink(name, layout)
+    try:
+        assert reader.published() is None  # nothing written yet
+        writer.begin_write()
+        assert reader.published() is None  # odd: being written
+        gen = writer.end_write(7)
+        assert reader.published() == (7, gen)
+        writer.begin_write()
+        assert reader.published() is None
+        assert writer.end_write(8) == gen + 2 and reader.published() == (8, gen + 2)
+    finally:
+        reader.close()
+        writer.close()
