@@ -8,8 +8,9 @@
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: one warm-up push, then ``--pushes`` timed ones, each timed
-until every receiver has *applied* it. With ``--dtype`` the same pushes are then run
-without the cast, so the cast's gain is measured in the same run. The machine's bounds are measured on the same
+until every receiver has *applied* it. With ``--dtype`` the same pushes also run
+without the cast (to a second receiver set, alternating with the cast pushes when
+memory allows), so the cast's gain is measured in the same run. The machine's bounds are measured on the same
 byte count by separate worker processes (one memcpy, shared memory with N parallel
 readers, plain loopback TCP; see ``_bounds``): one round after each timed push, so a
 shared machine's changing load reaches pushes and bounds alike, or, when memory is too
@@ -34,9 +35,9 @@ import torch
 
 from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync.bench._bounds import BoundBench
-from lightning_wsync.bench._model import build_model, spec_for_size
+from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
 from lightning_wsync.bench._procs import BenchError, Children
-from lightning_wsync.bench._push import run_push_phase
+from lightning_wsync.bench._push import PushPhase, PushRun, run_push_phase
 from lightning_wsync.bench._report import format_table, summarize
 from lightning_wsync.config import APPLY_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
@@ -96,7 +97,17 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     config = SenderConfig(dtype=args.dtype, bucket_mb=args.bucket_mb)
     tensors = list(select_tensors(model).values())
     pushed_bytes = build_layout(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
-    interleave = _fits_interleaved(spec.nbytes, pushed_bytes, args.receivers, args.transport)
+    fp32_bytes = build_layout(select_tensors(model), None, config.bucket_bytes).total_bytes
+    # With a cast, the uncast pushes alternate with the cast ones (two receiver sets) when
+    # memory allows, so the machine's drift reaches both alike; else they run afterwards.
+    alongside = args.dtype is not None and _fits(
+        spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=fp32_bytes, bounds=False
+    )
+    reference_bytes = fp32_bytes if alongside else 0
+    interleave = _fits(spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=reference_bytes)
+    schedule = {"bounds_schedule": "interleaved" if interleave else "before-and-after",
+                "uncast_schedule": None if args.dtype is None else ("alternating" if alongside else "after")}  # fmt: skip
+    reference: PushPhase | None = None
     with Children() as children:
         bounds = BoundBench(children, args.receivers, pushed_bytes, args.timeout_s)
         try:
@@ -109,11 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
                          "measuring bounds before and after them instead")  # fmt: skip
                 bounds.measure(first_half, tensors, config.wire_dtype)
                 between = None
-            phase = run_push_phase(
-                model, spec, n_receivers=args.receivers, pushes=args.pushes, transport=args.transport,
-                dtype=args.dtype, bucket_mb=args.bucket_mb, apply=args.apply, timeout_s=args.timeout_s,
-                between=between,
-            )  # fmt: skip
+            phase, reference = _push_phases(model, spec, args, between=between, alongside=alongside)
             if interleave:
                 bounds.release()
             else:
@@ -122,8 +129,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             bounds.close(graceful=False)
             raise
         bounds.close()
-    reference = None
-    if args.dtype is not None:
+    if args.dtype is not None and reference is None:
         # "A cast halves the bytes and the latency with them": the same pushes uncast, same run.
         reference = run_push_phase(
             model, spec, n_receivers=args.receivers, pushes=args.pushes, transport=args.transport, dtype=None,
@@ -146,8 +152,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         "config": {
             "size_mb": args.size_mb, "receivers": args.receivers, "transport": args.transport,
             "dtype": args.dtype, "bucket_mb": args.bucket_mb, "apply": args.apply, "pushes": args.pushes, "torch": torch.__version__, "cpus": os.cpu_count(),
-            "threads_per_process": 1,
-            "bounds_schedule": "interleaved" if interleave else "before-and-after",
+            "threads_per_process": 1, **schedule,
         },
         "model": {"tensors": phase.n_tensors, "fp32_bytes": spec.nbytes, "pushed_bytes": phase.pushed_bytes,
                   "fp32_pushed_bytes": phase.pushed_bytes if reference is None else reference.pushed_bytes,
@@ -168,16 +173,48 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
-def _fits_interleaved(model_bytes: int, pushed_bytes: int, n: int, transport: str) -> bool:
-    """Whether the bounds' buffers can stay allocated while the receivers hold theirs.
+def _push_phases(
+    model: torch.nn.Module, spec: ModelSpec, args: argparse.Namespace, *, between: Callable[[], None] | None,
+    alongside: bool,
+) -> tuple[PushPhase, PushPhase | None]:
+    """The pushes as asked; with ``alongside``, uncast pushes alternate with the cast ones."""
+    common = {"n_receivers": args.receivers, "transport": args.transport, "bucket_mb": args.bucket_mb,
+              "apply": args.apply, "timeout_s": args.timeout_s}  # fmt: skip
+    if not alongside:
+        return run_push_phase(model, spec, pushes=args.pushes, dtype=args.dtype, between=between, **common), None
+    cast, uncast = PushRun(model, spec, dtype=args.dtype, **common), PushRun(model, spec, dtype=None, **common)
+    with cast:
+        cast.push(1, warmup=True)
+        cast.freeze_sender_memory()  # before the second sender in this process allocates
+        with uncast:
+            uncast.push(1, warmup=True)
+            for version in range(2, args.pushes + 2):
+                for run in (cast, uncast) if version % 2 else (uncast, cast):
+                    run.push(version)
+                if between is not None:
+                    between()
+    assert cast.phase is not None and uncast.phase is not None
+    return cast.phase, uncast.phase
+
+
+def _fits(
+    model_bytes: int, pushed_bytes: int, n: int, transport: str, *, reference_bytes: int = 0, bounds: bool = True
+) -> bool:
+    """Whether the receivers (and, with ``bounds``, the bounds' buffers) fit in memory at once.
 
     Interleaving a round of bounds after each push is the fairer schedule on a shared
     machine; it needs, beyond the trainer's model: source, destination and shared
     segment of the bounds, the sender's snapshot, and per receiver its module, the
     bound worker's buffer and (gloo) a staging buffer, plus ~300 MiB per process.
+    ``reference_bytes``: a second, uncast sender and receiver set alongside.
     """
-    per_receiver = model_bytes + pushed_bytes + (pushed_bytes if transport == "gloo" else 0) + 2 * _PROCESS_BYTES
-    need = 4 * pushed_bytes + n * per_receiver + _HEADROOM_BYTES
+    gloo = transport == "gloo"
+    per_receiver = model_bytes + (pushed_bytes if gloo else 0) + _PROCESS_BYTES
+    need = 2 * pushed_bytes + n * per_receiver + _HEADROOM_BYTES
+    if bounds:
+        need += 3 * pushed_bytes + n * (pushed_bytes + _PROCESS_BYTES)
+    if reference_bytes:
+        need += 2 * reference_bytes + n * (model_bytes + (reference_bytes if gloo else 0) + _PROCESS_BYTES)
     return need <= _available_bytes()
 
 

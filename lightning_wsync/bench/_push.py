@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from multiprocessing.connection import Connection
 
 import torch
@@ -102,6 +103,124 @@ def _receiver_main(
         report_failure(conn, f"receiver {name}")
 
 
+class PushRun:
+    """A real sender here and its receivers in spawned processes; pushes one version at a time.
+
+    ::
+
+        with PushRun(model, spec, n_receivers=4, ...) as run:
+            for version in range(1, 7):
+                run.push(version)
+        phase = run.phase  # samples, memory
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        *,
+        n_receivers: int,
+        transport: str,
+        dtype: str | None,
+        bucket_mb: float = SenderConfig.bucket_mb,
+        apply: str = "copy",
+        timeout_s: float,
+    ) -> None:
+        self._model = model
+        self._spec = spec
+        self._names = [f"r{i}" for i in range(n_receivers)]
+        self._transport = transport
+        self._dtype = dtype
+        self._wire_dtype = None if dtype is None else getattr(torch, dtype)
+        self._bucket_mb = bucket_mb
+        self._apply = apply
+        self._timeout_s = timeout_s
+        self._sender: WeightSender | None = None
+        self._children: Children | None = None
+        self._conns: dict[str, Connection] = {}
+        self._last_mem: dict[str, dict[str, int]] = {}
+        self._base = reset_peak()
+        self._sender_memory: MemGrowth | None = None
+        self.phase: PushPhase | None = None
+
+    def __enter__(self) -> PushRun:
+        job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
+        self._base = reset_peak()
+        self._sender = WeightSender(self._model, store="127.0.0.1:0", job=job, transport=self._transport,
+                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s)  # fmt: skip
+        self.phase = PushPhase(pushed_bytes=self._sender.layout.total_bytes, n_tensors=len(self._sender.layout.entries))
+        try:
+            self._children = Children().__enter__()
+            address = self._sender.store_address
+            assert address is not None
+            for n in self._names:
+                args = (address, job, n, self._spec, self._dtype, self._apply, self._timeout_s)
+                self._conns[n] = self._children.start(_receiver_main, args, name=f"wsync-bench-{n}")
+            for n, conn in self._conns.items():
+                receive(conn, self._timeout_s, f"receiver {n} to start")
+            _wait_registered(self._sender, self._names, self._timeout_s)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
+            raise
+        return self
+
+    def push(self, version: int, *, warmup: bool = False) -> PushSample:
+        """Change the model, push ``version``, wait until every receiver applied and hashed it."""
+        sender, phase, timeout_s = self._sender, self.phase, self._timeout_s
+        assert sender is not None and phase is not None, "use PushRun as a context manager"
+        mutate(self._model, version)
+        expected = digest(self._model, self._wire_dtype)
+        started = time.monotonic()
+        handle = sender.push(version)
+        stall = time.monotonic() - started
+        report = handle.wait(timeout_s)
+        applied_at: dict[str, float] = {}
+        applied: dict[str, int] = {}
+        digest_ok = True
+        for n, conn in self._conns.items():
+            _, got, at, mem = receive(conn, timeout_s, f"receiver {n} to apply version {version}")
+            assert isinstance(got, int) and isinstance(at, float) and isinstance(mem, dict)
+            applied[n], applied_at[n], self._last_mem[n] = got, at, mem
+            digest_ok = digest_ok and got == version
+        for conn in self._conns.values():
+            conn.send(("digest",))
+        for n, conn in self._conns.items():
+            got_digest = receive(conn, timeout_s, f"receiver {n} to hash version {version}")[2]
+            digest_ok = digest_ok and got_digest == expected
+        sample = PushSample(
+            version=version, warmup=warmup, stall_s=stall, core_stall_s=handle.stall_s,
+            latency_s=max(applied_at.values()) - started, report_latency_s=report.latency_s,
+            delivered=report.delivered, failed=dict(report.failed), applied=applied, digest_ok=digest_ok,
+        )  # fmt: skip
+        phase.samples.append(sample)
+        log.debug("push %d: %s", version, sample)
+        return sample
+
+    def freeze_sender_memory(self) -> None:
+        """Take the sender's memory figure now (before another sender in this process starts)."""
+        self._sender_memory = growth(self._base)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        sender, children, phase = self._sender, self._children, self.phase
+        try:
+            if exc_type is None and sender is not None and phase is not None:
+                phase.sender_memory = self._sender_memory or growth(self._base)
+                phase.receiver_memory = {
+                    n: MemGrowth(peak_rss=m["peak_rss_bytes"], anon=m["anon_bytes"], shmem=m["shmem_bytes"])
+                    for n, m in self._last_mem.items()
+                }
+                sender.close(flush_timeout_s=0)
+                for n, conn in self._conns.items():
+                    receive(conn, self._timeout_s, f"receiver {n} to see the sender close")
+        finally:
+            try:
+                if children is not None:
+                    children.__exit__(exc_type, exc, tb)
+            finally:
+                if sender is not None:
+                    sender.close(flush_timeout_s=0)
+
+
 def run_push_phase(
     model: nn.Module,
     spec: ModelSpec,
@@ -119,73 +238,15 @@ def run_push_phase(
 
     ``between`` runs after each timed push, once every receiver has applied it.
     """
-    wire_dtype = None if dtype is None else getattr(torch, dtype)
-    names = [f"r{i}" for i in range(n_receivers)]
-    job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
-    base = reset_peak()
-    sender = WeightSender(model, store="127.0.0.1:0", job=job, transport=transport, dtype=dtype,
-                          bucket_mb=bucket_mb, timeout_s=timeout_s)
-    phase = PushPhase(pushed_bytes=sender.layout.total_bytes, n_tensors=len(sender.layout.entries))
-    try:
-        with Children() as children:
-            address = sender.store_address
-            assert address is not None
-            conns = {
-                n: children.start(_receiver_main, (address, job, n, spec, dtype, apply, timeout_s), name=f"wsync-bench-{n}")
-                for n in names
-            }
-            for n, conn in conns.items():
-                receive(conn, timeout_s, f"receiver {n} to start")
-            _wait_registered(sender, names, timeout_s)
-            last_mem: dict[str, dict[str, int]] = {}
-            for version in range(1, pushes + 2):
-                mutate(model, version)
-                expected = digest(model, wire_dtype)
-                started = time.monotonic()
-                handle = sender.push(version)
-                stall = time.monotonic() - started
-                report = handle.wait(timeout_s)
-                applied_at: dict[str, float] = {}
-                applied: dict[str, int] = {}
-                digest_ok = True
-                for n, conn in conns.items():
-                    _, got, at, mem = receive(conn, timeout_s, f"receiver {n} to apply version {version}")
-                    assert isinstance(got, int) and isinstance(at, float) and isinstance(mem, dict)
-                    applied[n], applied_at[n], last_mem[n] = got, at, mem
-                    digest_ok = digest_ok and got == version
-                for conn in conns.values():
-                    conn.send(("digest",))
-                for n, conn in conns.items():
-                    got_digest = receive(conn, timeout_s, f"receiver {n} to hash version {version}")[2]
-                    digest_ok = digest_ok and got_digest == expected
-                phase.samples.append(
-                    PushSample(
-                        version=version,
-                        warmup=version == 1,
-                        stall_s=stall,
-                        core_stall_s=handle.stall_s,
-                        latency_s=max(applied_at.values()) - started,
-                        report_latency_s=report.latency_s,
-                        delivered=report.delivered,
-                        failed=dict(report.failed),
-                        applied=applied,
-                        digest_ok=digest_ok,
-                    )
-                )
-                log.debug("push %d: %s", version, phase.samples[-1])
-                if between is not None and version > 1:
-                    between()
-            phase.sender_memory = growth(base)
-            phase.receiver_memory = {
-                n: MemGrowth(peak_rss=m["peak_rss_bytes"], anon=m["anon_bytes"], shmem=m["shmem_bytes"])
-                for n, m in last_mem.items()
-            }
-            sender.close(flush_timeout_s=0)
-            for n, conn in conns.items():
-                receive(conn, timeout_s, f"receiver {n} to see the sender close")
-    finally:
-        sender.close(flush_timeout_s=0)
-    return phase
+    run = PushRun(model, spec, n_receivers=n_receivers, transport=transport, dtype=dtype, bucket_mb=bucket_mb,
+                  apply=apply, timeout_s=timeout_s)  # fmt: skip
+    with run:
+        for version in range(1, pushes + 2):
+            run.push(version, warmup=version == 1)
+            if between is not None and version > 1:
+                between()
+    assert run.phase is not None
+    return run.phase
 
 
 def _wait_registered(sender: WeightSender, names: list[str], timeout_s: float) -> None:
