@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 from multiprocessing.connection import Connection
 
 import torch
@@ -225,21 +226,16 @@ def run_push_phase(
     model: nn.Module,
     spec: ModelSpec,
     *,
-    n_receivers: int,
     pushes: int,
-    transport: str,
-    dtype: str | None,
-    bucket_mb: float = SenderConfig.bucket_mb,
-    apply: str = "copy",
-    timeout_s: float,
     between: Callable[[], None] | None = None,
+    **options: Any,
 ) -> PushPhase:
     """One warm-up push and ``pushes`` timed ones to ``n_receivers`` receiver processes.
 
-    ``between`` runs after each timed push, once every receiver has applied it.
+    ``between`` runs after each timed push, once every receiver has applied it;
+    ``options`` are :class:`PushRun`'s.
     """
-    run = PushRun(model, spec, n_receivers=n_receivers, transport=transport, dtype=dtype, bucket_mb=bucket_mb,
-                  apply=apply, timeout_s=timeout_s)  # fmt: skip
+    run = PushRun(model, spec, **options)
     with run:
         for version in range(1, pushes + 2):
             run.push(version, warmup=version == 1)
