@@ -136,7 +136,11 @@ class NetSendLink:
                 n += 1
         except Exception as exc:  # noqa: BLE001 - any failure ends this link only
             if not self._stop.is_set():
-                self.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                text = str(exc).strip()
+                error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                if "timed out" in text.lower():  # the receiver took no bytes for timeout_s: stalled or slow
+                    error = f"no progress within timeout_s={self._timeout_s} (stalled or slow receiver; {error})"
+                self.error = error
                 log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
         finally:
             _shutdown(pg)
