@@ -31,8 +31,11 @@ CATCH_UP_S = 90.0  # bound on a live receiver holding the newest version (includ
 class Fleet:
     """Receiver processes with their own report queues; checks every applied version."""
 
-    def __init__(self, children: Any, store: str, job: str, spec: tuple[str, int], digests: dict[int, str]) -> None:
+    def __init__(
+        self, children: Any, store: str, job: str, spec: tuple[str, int], digests: dict[int, str], **options: Any
+    ) -> None:
         self.children, self.store, self.job, self.spec, self.digests = children, store, job, spec, digests
+        self.options = options
         self.procs: dict[str, Any] = {}
         self.queues: dict[str, Any] = {}
         self.held: dict[str, int] = {}
@@ -44,7 +47,7 @@ class Fleet:
         name = f"r{self.count}"
         self.count += 1
         q = CTX.Queue()
-        p = CTX.Process(target=receiver_main, args=(self.store, self.job, name, self.spec, q, {}), daemon=True)
+        p = CTX.Process(target=receiver_main, args=(self.store, self.job, name, self.spec, q, self.options), daemon=True)
         p.start()
         self.children.track(p.pid)
         self.procs[name], self.queues[name], self.held[name] = p, q, -1
@@ -78,15 +81,15 @@ class Fleet:
                 self.drain(name, 0.05)
 
 
-@pytest.mark.parametrize("transport", ["auto", "gloo"])
-def test_chaos(children, port, transport):
+@pytest.mark.parametrize("transport,apply", [("auto", "copy"), ("gloo", "copy"), ("gloo", "swap")])
+def test_chaos(children, port, transport, apply):
     rng = random.Random(1234)
     spec = ("big", 16)
     model = build(spec)
     digests: dict[int, str] = {}
     store = f"127.0.0.1:{port}"
     with WeightSender(model, store=store, job="chaos", transport=transport, timeout_s=TIMEOUT_S) as sender:
-        fleet = Fleet(children, store, "chaos", spec, digests)
+        fleet = Fleet(children, store, "chaos", spec, digests, apply=apply)
         for _ in range(3):
             fleet.start()
         stalled: tuple[str, float] | None = None
