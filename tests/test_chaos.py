@@ -127,5 +127,5 @@ def test_chaos(children, port, transport, apply):
             fleet.stopped.discard(stalled[0])
         fleet.wait_all_hold(PUSHES)  # the resumed one catches up too
         assert kills >= 2 and late >= 1 and stalls >= 1 and fleet.applied >= PUSHES
-        print(f"chaos[{transport}]: {PUSHES} pushes, {kills} kills, {late} late joins, {stalls} stalls, "
+        print(f"chaos[{transport}, apply={apply}]: {PUSHES} pushes, {kills} kills, {late} late joins, {stalls} stalls, "
               f"{fleet.applied} applies checked, 0 torn")
