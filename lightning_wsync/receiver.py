@@ -213,26 +213,19 @@ class WeightReceiver:
 
     # -- applying -------------------------------------------------------------------
     def _wait_for_news_until(self, until: float) -> None:
-        """Block until something may have changed: the watcher's signal, or the shared segment moving.
+        """Block until something may have changed, or ``until``.
 
         From shared memory update() reads the segment's header itself, so a waiter watches
-        the header's counter (a memory read every 1 ms, ~3% of a core) instead of waiting
-        for the store's announcement; other changes are looked at by the caller at least
-        every _SLOW_POLL_S.
+        the segment rather than waiting for the watcher's signal of the store's announcement.
         """
         source = self._source
         if source is None or source.shm is None or self.config.verify:
             with self._cond:
                 self._cond.wait(timeout=max(0.0, until - time.monotonic()))
             return
-        try:
-            seen = source.shm.sequence()
-            while time.monotonic() < until and self._source is source and not (self._error or self._sender_closed):
-                time.sleep(_SHM_WAIT_POLL_S)
-                if source.shm.sequence() != seen:
-                    return
-        except (AttributeError, ValueError):
-            return  # the source was closed under us (a new sender epoch): the caller looks again
+        source.wait_shared_change(
+            until, lambda: self._source is not source or bool(self._error or self._sender_closed), _SHM_WAIT_POLL_S
+        )
 
     def _wait_for_news(self) -> None:
         with self._cond:  # the watcher thread notifies when `latest` moves on

@@ -1,8 +1,9 @@
 """What the machine allows, measured on the pushed byte count with the benchmark's own code.
 
 * ``memcpy``: one contiguous copy of S bytes, one thread (and two threads, for reference).
-* ``gather``: the model's tensors copied one by one into one S-byte buffer (cast to the
-  wire dtype): what any snapshot must do, so its gap to ``memcpy`` is per-tensor cost.
+* ``gather``: the model's tensors copied into their places in one S-byte buffer (cast to
+  the wire dtype), the way the sender's snapshot copies them: what any snapshot must do,
+  so its gap to ``memcpy`` is per-tensor cost.
 * ``shm``: the trainer writes S bytes into ``/dev/shm`` once, then N worker processes
   copy them into private buffers in parallel; timed until the last copy ends.
 * ``shm_cast`` (only when the push casts, e.g. ``--dtype bfloat16``): the same, but the
@@ -25,11 +26,13 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
 
+from lightning_wsync._manifest import copy_tensors
 from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
 
 _SHM_DIR = "/dev/shm"
@@ -243,33 +246,30 @@ class BoundBench:
 
     def _gather(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep: bool) -> None:
         t0 = time.perf_counter()
-        with torch.no_grad():
-            for view, t in pairs:
-                view.copy_(t)
+        _copy_pairs(pairs)
         if keep:
             self.samples.gather_s.append(time.perf_counter() - t0)
 
     def _shm(self, src: torch.Tensor, shared: torch.Tensor, keep: bool) -> None:
+        total, write = self._shm_round(lambda: shared.copy_(src))
+        if keep:
+            self.samples.shm_s.append(total)
+            self.samples.shm_write_s.append(write)
+
+    def _shm_cast(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep: bool) -> None:
+        total, _ = self._shm_round(lambda: _copy_pairs(pairs))
+        if keep:
+            self.samples.shm_cast_s.append(total)
+
+    def _shm_round(self, write: Callable[[], object]) -> tuple[float, float]:
+        """``write`` the shared segment, then every worker copies it out: (whole, write) seconds."""
         t0 = time.monotonic()
-        shared.copy_(src)
+        write()
         t_write = time.monotonic()
         for conn in self._conns:
             conn.send(("shm",))
         done = [self._done(i, "a shared-memory copy") for i in range(len(self._conns))]
-        if keep:
-            self.samples.shm_s.append(max(done) - t0)
-            self.samples.shm_write_s.append(t_write - t0)
-
-    def _shm_cast(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep: bool) -> None:
-        t0 = time.monotonic()
-        with torch.no_grad():
-            for view, t in pairs:
-                view.copy_(t)
-        for conn in self._conns:
-            conn.send(("shm",))
-        done = [self._done(i, "a shared-memory copy") for i in range(len(self._conns))]
-        if keep:
-            self.samples.shm_cast_s.append(max(done) - t0)
+        return max(done) - t0, t_write - t0
 
     def _tcp(self, src: torch.Tensor, keep: bool) -> None:
         for conn in self._conns:
@@ -324,6 +324,11 @@ def _gather_views(
         pairs.append((dst[offset : offset + nbytes].view(dtype).view(t.shape), t.detach()))
         offset += nbytes
     return pairs
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each source tensor into its view, the way the sender's snapshot copies (casting)."""
+    copy_tensors([view for view, _ in pairs], [t for _, t in pairs])
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
