@@ -53,6 +53,7 @@ from lightning_wsync.errors import (
 )
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync._source import Source
+from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ class WeightReceiver:
     """Receives the versions a :class:`WeightSender` publishes into ``module``.
 
     Args:
-        module: the rollout module; its parameters and buffers are updated in place.
+        module: the rollout module, whose parameters and buffers are updated in place;
+            or an :class:`~lightning_wsync.engines.ApplyTarget` (e.g. an inference
+            engine's loader), handed each complete, verified version by ``update()``.
         store: a ``torch.distributed.Store`` or ``"host:port"`` (always joined as a
             client). Default ``$WSYNC_STORE``.
         config: a :class:`ReceiverConfig`; or pass its fields as keyword arguments.
@@ -74,7 +77,7 @@ class WeightReceiver:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | ApplyTarget,
         store: dist.Store | str | None = None,
         job: str | None = None,
         *,
@@ -94,7 +97,17 @@ class WeightReceiver:
         }  # fmt: skip
         cfg = resolve_config(ReceiverConfig, config, "WeightReceiver", job, options)
         self.config = cfg
-        self._tensors = select_tensors(module, cfg.include, cfg.exclude)
+        self._target: TargetTensors | None = None
+        if isinstance(module, nn.Module):
+            self._tensors = select_tensors(module, cfg.include, cfg.exclude)
+        elif callable(module):
+            self._target = TargetTensors(module, cfg.include, cfg.exclude)
+            self._tensors = {}  # allocated from the sender's layout when it is known
+        else:
+            raise TypeError(
+                f"WeightReceiver: module={module!r} is neither an nn.Module nor a callable "
+                f"ApplyTarget (tensors, version); pass the rollout module or a loader function"
+            )
         job_name = resolve_job(cfg.job, "WeightReceiver")
         handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
         self._store_address = handle.address
@@ -152,6 +165,8 @@ class WeightReceiver:
             except WeightSyncIntegrityError:
                 self.version = None  # the module may hold a torn copy now; say so
                 raise
+            if applied is not None and self._target is not None:
+                self._hand_over(applied)
         if applied is not None:
             self.version = applied
             self._state.held(applied)
@@ -226,6 +241,18 @@ class WeightReceiver:
         source.wait_shared_change(
             until, lambda: self._source is not source or bool(self._error or self._sender_closed), _SHM_WAIT_POLL_S
         )
+
+    def _hand_over(self, version: int) -> None:
+        assert self._target is not None
+        try:
+            self._target.hand_over(version)
+        except Exception as exc:
+            held, self.version = self.version, None  # the target may hold part of a version
+            raise WeightSyncError(
+                f"WeightReceiver {self.name!r}: the apply target raised on version {version!r} "
+                f"({type(exc).__name__}: {exc}); it held {held!r} before and may now hold part of "
+                f"{version!r}, so version is None until the next update() hands over the newest again"
+            ) from exc
 
     def _wait_for_news(self) -> None:
         with self._cond:  # the watcher thread notifies when `latest` moves on
@@ -374,6 +401,8 @@ class WeightReceiver:
         layout = Layout.from_json(layout_text)
         closed_key = f"closed/{epoch}"
         try:
+            if self._target is not None:
+                self._tensors = self._target.tensors_for(layout)
             layout.check_module(self._tensors, self.name)
             source = self._make_source(epoch, layout, record)
         except WeightSyncSchemaError as exc:
