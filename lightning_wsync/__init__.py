@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING
 
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 from lightning_wsync.config import CallbackConfig, ReceiverConfig, SenderConfig, register_configs
+from lightning_wsync.engines import ApplyTarget
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
@@ -30,6 +31,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'lightning_wsync' has no attribute {name!r}")
 
 __all__ = [
+    "ApplyTarget",
     "CallbackConfig",
     "ExperienceReader",
     "ExperienceWriter",

@@ -42,6 +42,7 @@ from lightning_wsync._control import (
 from lightning_wsync._manifest import Layout, select_tensors
 from lightning_wsync._membership import StateReport
 from lightning_wsync.config import ReceiverConfig, resolve_config
+from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
@@ -53,7 +54,6 @@ from lightning_wsync.errors import (
 )
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync._source import Source
-from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 
 log = logging.getLogger(__name__)
 

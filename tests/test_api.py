@@ -5,6 +5,7 @@ import lightning_wsync
 
 def test_all_is_pinned():
     assert sorted(lightning_wsync.__all__) == [
+        "ApplyTarget",
         "CallbackConfig",
         "ExperienceReader",
         "ExperienceWriter",

@@ -20,10 +20,10 @@ pytest.importorskip("vllm", reason="vLLM not installed: pip install 'lightning-w
 pytest.importorskip("transformers", reason="transformers comes with vLLM")
 sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
 
-from tiny_llama import write_tiny_llama  # noqa: E402
+from tiny_llama import write_tiny_llama
 
-from lightning_wsync import WeightSender, WeightSyncError  # noqa: E402
-from lightning_wsync.engines.vllm import VllmWeightSync, make_llm  # noqa: E402
+from lightning_wsync import WeightSender, WeightSyncError
+from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -80,8 +80,10 @@ def test_engine_follows_pushed_versions_and_rejects_a_corrupted_one(tmp_path, po
 
     store = f"127.0.0.1:{port}"
     seen: list[list[list[int]]] = []
-    with WeightSender(trainer_model, store=store, job="vllm", timeout_s=30) as sender:
-        with VllmWeightSync(llm, store=store, job="vllm", name="engine", verify=True, timeout_s=30) as sync:
+    with (
+        WeightSender(trainer_model, store=store, job="vllm", timeout_s=30) as sender,
+        VllmWeightSync(llm, store=store, job="vllm", name="engine", verify=True, timeout_s=30) as sync,
+    ):
             assert sync.names == ["engine-w0"]
             for version in range(3):
                 if version:

@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
+from typing_extensions import Self
 
 from lightning_wsync.errors import WeightSyncError
 
@@ -225,7 +226,7 @@ class VllmWeightSync:
             newest = max(s["version"] for s in states if s["version"] is not None)
             self._llm.collective_rpc("wsync_wait_for_version", args=(newest, self.timeout_s))
             states = self.state()
-        held = states[0]["version"]
+        held: int | None = states[0]["version"]
         if held is None or held == before:
             return None
         if not self._llm.reset_prefix_cache():
@@ -243,7 +244,7 @@ class VllmWeightSync:
             self._closed = True
             self._llm.collective_rpc("wsync_close")
 
-    def __enter__(self) -> VllmWeightSync:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
