@@ -120,4 +120,4 @@ def test_engine_follows_pushed_versions_and_rejects_a_corrupted_one(tmp_path, po
             assert sync.wait_for_version(4, timeout_s=30) == 4
             assert engine_tokens() == reference() != held
     with pytest.raises(WeightSyncError, match="no receiver runs here"):
-        llm.collective_rpc("wsync_update")
+        sync.update()

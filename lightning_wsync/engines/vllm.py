@@ -33,13 +33,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from typing_extensions import Self
 
+from lightning_wsync import errors
 from lightning_wsync.errors import WeightSyncError
 
 if TYPE_CHECKING:
@@ -98,12 +99,12 @@ class WsyncWorkerExtension:
         cast(_Worker, self).reload_weights(weights_iterator=iter(tensors.items()))
         log.debug("vLLM worker reloaded version %d in %.3f s", version, time.perf_counter() - started)
 
-    def wsync_update(self) -> int | None:
-        """Hand the newest complete version to the model, if newer; return it or None."""
-        return self._wsync_get().update()
+    def wsync_update(self) -> dict[str, Any]:
+        """Hand the newest complete version to the model, if newer (see ``_outcome``)."""
+        return _outcome(lambda: self._wsync_get().update())
 
-    def wsync_wait_for_version(self, min_version: int, timeout_s: float | None) -> int:
-        return self._wsync_get().wait_for_version(min_version, timeout_s)
+    def wsync_wait_for_version(self, min_version: int, timeout_s: float | None) -> dict[str, Any]:
+        return _outcome(lambda: self._wsync_get().wait_for_version(min_version, timeout_s))
 
     def wsync_state(self) -> dict[str, Any]:
         r = self._wsync_get()
@@ -123,6 +124,26 @@ class WsyncWorkerExtension:
         if self._wsync_receiver is None:
             raise WeightSyncError("vLLM worker: no receiver runs here; create a VllmWeightSync(llm) first")
         return self._wsync_receiver
+
+
+def _outcome(call: Callable[[], int | None]) -> dict[str, Any]:
+    """The result, or the WeightSyncError raised, as plain data.
+
+    In multi-process mode vLLM wraps a worker's exception into its own; the driver
+    raises the receiver's error class again from this record (``_unwrap``).
+    """
+    try:
+        return {"version": call()}
+    except WeightSyncError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+def _unwrap(results: list[dict[str, Any]]) -> list[int | None]:
+    for r in results:
+        if "error" in r:
+            cls = getattr(errors, r["error"], WeightSyncError)
+            raise cls(r["message"])
+    return [r["version"] for r in results]
 
 
 def make_llm(model: str | os.PathLike[str], **engine_kwargs: Any) -> Any:
@@ -193,12 +214,17 @@ class VllmWeightSync:
 
         Call between ``generate`` calls. Returns the version applied, or None.
         """
-        return self._settle(self._llm.collective_rpc("wsync_update"))
+        return self._settle(_unwrap(self._llm.collective_rpc("wsync_update")))
 
     def wait_for_version(self, min_version: int = 0, timeout_s: float | None = None) -> int:
-        """Block until every worker holds a version >= ``min_version``; return it."""
+        """Block until every worker holds a version >= ``min_version``; return it.
+
+        Raises:
+            WeightSyncTimeoutError, WeightSyncClosedError, WeightSyncStoreError: as
+                :meth:`WeightReceiver.wait_for_version` in the worker raised them.
+        """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self._settle(self._llm.collective_rpc("wsync_wait_for_version", args=(min_version, timeout_s)))
+        self._settle(_unwrap(self._llm.collective_rpc("wsync_wait_for_version", args=(min_version, timeout_s))))
         assert self.version is not None
         return self.version
 
@@ -224,7 +250,7 @@ class VllmWeightSync:
                     f"push less often"
                 )
             newest = max(s["version"] for s in states if s["version"] is not None)
-            self._llm.collective_rpc("wsync_wait_for_version", args=(newest, self.timeout_s))
+            _unwrap(self._llm.collective_rpc("wsync_wait_for_version", args=(newest, self.timeout_s)))
             states = self.state()
         held: int | None = states[0]["version"]
         if held is None or held == before:
