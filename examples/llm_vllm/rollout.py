@@ -19,18 +19,18 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: starts in seconds
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from task import GROUP, NEW_TOKENS, PROMPTS, digit_tokens, reward  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
+import torch
+from task import GROUP, NEW_TOKENS, PROMPTS, digit_tokens, reward
+from transformers import AutoTokenizer
+from vllm import SamplingParams
 
-from lightning_wsync import (  # noqa: E402
+from lightning_wsync import (
     ExperienceWriter,
     WeightSyncClosedError,
     WeightSyncStoreError,
     WeightSyncTimeoutError,
 )
-from lightning_wsync.engines.vllm import VllmWeightSync, make_llm  # noqa: E402
+from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
 
 def main(model_dir: str, out_dir: str) -> None:

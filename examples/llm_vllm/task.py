@@ -25,7 +25,7 @@ def digit_tokens(tokenizer) -> set[int]:  # type: ignore[no-untyped-def]
     ids = set()
     for i in range(len(tokenizer)):
         text = tokenizer.decode([i])
-        core = text[1:] if text.startswith(" ") else text
+        core = text.removeprefix(" ")
         if core and core.isascii() and core.isdigit():
             ids.add(i)
     return ids

@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import GROUP, PROMPTS  # noqa: E402
+from task import GROUP, PROMPTS
 
-from lightning_wsync import ExperienceReader, WeightSyncCallback  # noqa: E402
+from lightning_wsync import ExperienceReader, WeightSyncCallback
 
 
 class DigitsLearner(L.LightningModule):
