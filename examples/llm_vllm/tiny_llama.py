@@ -35,8 +35,12 @@ def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     return out
 
 
-def write_tiny_llama(path: str | Path, *, seed: int = 0, init_std: float = 0.02) -> Path:
-    """Write config, random weights (safetensors) and tokenizer of a 2-layer Llama to ``path``."""
+def write_tiny_llama(path: str | Path, *, seed: int = 0, init_std: float = 0.02, **sizes: int) -> Path:
+    """Write config, random weights (safetensors) and tokenizer of a 2-layer Llama to ``path``.
+
+    ``sizes`` override the config (e.g. ``hidden_size``, ``num_hidden_layers``, ``vocab_size``
+    above the tokenizer's 512 for a bigger model of the same shape).
+    """
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -46,13 +50,17 @@ def write_tiny_llama(path: str | Path, *, seed: int = 0, init_std: float = 0.02)
     bpe.train_from_iterator(corpus(seed=seed), vocab_size=VOCAB, min_frequency=2, special_tokens=SPECIAL)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tok.save_pretrained(path)
+    shape = {
+        "vocab_size": VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,  # head_dim 32: vLLM's CPU attention needs >= 32
+        "num_key_value_heads": 2,
+        **sizes,
+    }
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head_dim 32: vLLM's CPU attention needs >= 32
-        num_key_value_heads=2,
+        **shape,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id,
