@@ -98,3 +98,15 @@ def test_corrupted_version_never_reaches_the_target(port):
 def test_neither_module_nor_callable_is_refused():
     with pytest.raises(TypeError, match=r"module=42 is neither an nn.Module nor a callable ApplyTarget"):
         WeightReceiver(42, store="127.0.0.1:1", job="x")  # type: ignore[arg-type]
+
+
+def test_vllm_engine_module_imports_without_vllm_and_names_the_extra():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; this checks the message without it")
+    from lightning_wsync.engines import vllm as engine
+
+    assert engine.WORKER_EXTENSION == "lightning_wsync.engines.vllm.WsyncWorkerExtension"
+    with pytest.raises(ImportError, match=r"needs vLLM: pip install 'lightning-wsync\[vllm\]'"):
+        engine.make_llm("model-dir")
