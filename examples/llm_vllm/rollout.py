@@ -35,6 +35,7 @@ from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
 def main(model_dir: str, out_dir: str) -> None:
     out = Path(out_dir)
+    t_start = time.monotonic()
     tok = AutoTokenizer.from_pretrained(model_dir)
     digits = digit_tokens(tok)
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
@@ -47,7 +48,7 @@ def main(model_dir: str, out_dir: str) -> None:
     batches = 0
     with VllmWeightSync(llm, name="rollout", timeout_s=120) as sync:
         sync.wait_for_version(0, timeout_s=120)
-        print(f"[rollout] engine at version {sync.version} after {time.monotonic() - started:.1f} s", flush=True)
+        print(f"[rollout] engine up and at version {sync.version} {time.monotonic() - t_start:.1f} s after start", flush=True)
         while True:
             t0 = time.perf_counter()
             applied = sync.update()
