@@ -121,3 +121,45 @@ def test_engine_follows_pushed_versions_and_rejects_a_corrupted_one(tmp_path, po
             assert engine_tokens() == reference() != held
     with pytest.raises(WeightSyncError, match="no receiver runs here"):
         sync.update()
+
+
+def test_multiprocess_engine_receives_inside_its_worker_process(tmp_path, port, monkeypatch, children):
+    """vLLM's default mode: the worker (and its receiver) lives in the engine-core process."""
+    import os
+
+    import psutil
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from lightning_wsync import WeightSyncTimeoutError
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    path = write_tiny_llama(tmp_path / "model", init_std=0.5)
+    trainer_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(path)(PROMPTS[0]).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm = make_llm(path, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    for child in psutil.Process().children(recursive=True):  # vLLM's engine-core process, killed by PID at the end
+        children.track(child.pid)
+    store = f"127.0.0.1:{port}"
+    try:
+        with (
+            WeightSender(trainer_model, store=store, job="vllm-mp", timeout_s=30) as sender,
+            VllmWeightSync(llm, store=store, job="vllm-mp", timeout_s=30) as sync,
+        ):
+            (name,) = sync.names
+            assert name.endswith("-w0") and name != f"vllm-{os.getpid()}-w0"  # named by the worker's pid
+            # The worker's WeightSyncTimeoutError comes back as that class, not vLLM's wrapper.
+            with pytest.raises(WeightSyncTimeoutError, match=r"no version >= 0 within timeout_s=0.5"):
+                sync.wait_for_version(0, timeout_s=0.5)
+            for version in (0, 1):
+                if version:
+                    perturb(trainer_model, version)
+                sender.push(version)
+                assert sync.wait_for_version(version, timeout_s=30) == version
+                expected, gap = hf_greedy(trainer_model, ids)
+                assert gap > 1e-4
+                out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                assert list(out[0].outputs[0].token_ids) == expected, f"version {version}"
+    finally:
+        llm.llm_engine.engine_core.shutdown()
