@@ -106,7 +106,9 @@ def test_engine_follows_pushed_versions_and_rejects_a_corrupted_one(tmp_path, po
             while not sender.store.check(["wsync/vllm/v/3/sums"]):  # bounded poll: sums published
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
-            sender._snapshot.buffer[100] ^= 0x10
+            newest = sender._ring.newest()
+            assert newest is not None and newest.version == 3
+            sender._ring.buffers[newest.slot][100] ^= 0x10  # a bit flips in shared memory after the snapshot
             while sync.state()[0]["rejected"] == 0:
                 assert time.monotonic() < deadline, "the corrupted version was never checked"
                 assert sync.update() is None
