@@ -24,7 +24,10 @@ reports are awaited by a daemon thread (``wsync-callback-reports``). With
 the push K pushes back is confirmed: every receiver live at that push holds it (or a
 newer version), or was reported failed. Under DDP the other ranks then wait for rank 0
 at their next collective. When training ends, rank 0 waits at most ``2 * timeout_s``
-for the report of the last push, then closes the sender (receivers see the close).
+for the report of the last push, then closes the sender for good (receivers see
+``sender_closed``). A ``fit()`` that raises (SIGTERM included) closes it without
+waiting and not for good: receivers see ``sender_left`` and follow the next ``fit()``
+or relaunched trainer of the job, whose versions continue above the last one.
 
 **Metrics**, logged to the Trainer's loggers by rank 0 at the push step:
 
@@ -218,15 +221,17 @@ class WeightSyncCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_push(trainer, None)
-        self._close(trainer, flush=True)
+        self._close(trainer, flush=True, final=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close(trainer, flush=False)
+        # Any exception, SIGTERM (Lightning raises SIGTERMException) included: the trainer
+        # may be relaunched, so receivers must keep following the job, not end.
+        self._close(trainer, flush=False, final=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close(trainer, flush=True)
+        self._close(trainer, flush=True, final=False)  # a finished fit() closed in on_train_end
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -312,7 +317,7 @@ class WeightSyncCallback(Callback):
             metrics["wsync/version_lag"] = float(self._pushes - min(self._held.get(n, 0) for n in names))
         return metrics
 
-    def _close(self, trainer: pl.Trainer, *, flush: bool) -> None:
+    def _close(self, trainer: pl.Trainer, *, flush: bool, final: bool) -> None:
         sender, reports = self._sender, self._reports
         self._sender, self._reports, self._mirror = None, None, {}
         if reports is not None:
@@ -321,7 +326,7 @@ class WeightSyncCallback(Callback):
             if flush and metrics:
                 _log_metrics(trainer, metrics)
         if sender is not None:
-            sender.close(flush_timeout_s=0)  # already awaited above
+            sender.close(flush_timeout_s=0, final=final)  # already awaited above
 
 
 class _MirrorModule(nn.Module):

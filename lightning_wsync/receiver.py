@@ -114,6 +114,7 @@ class WeightReceiver:
         self._rejected_version = -2
         self._refused_epochs: set[int] = set()
         self._sender_closed = False
+        self._sender_left = False
         self._closed = False
         self._cond = threading.Condition()
         self._apply_lock = threading.Lock()
@@ -202,8 +203,16 @@ class WeightReceiver:
 
     @property
     def sender_closed(self) -> bool:
-        """The sender announced its close (no newer version will come from it)."""
+        """Training finished: the sender closed for good (a completed ``fit()`` or
+        ``close(final=True)``). Leave the rollout loop once ``update()`` returns None."""
         return self._sender_closed
+
+    @property
+    def sender_left(self) -> bool:
+        """The sender went away without finishing (an exception in ``fit()``, SIGTERM, a
+        relaunch); training may go on. The next sender of the job is followed as soon as
+        it starts, with higher versions, and this turns False again."""
+        return self._sender_left
 
     @property
     def store_lost_s(self) -> float | None:
@@ -328,10 +337,18 @@ class WeightReceiver:
         if source is None:
             return
         closed_key = f"closed/{source.epoch}"
-        if not self._sender_closed and ctl.has(closed_key) and ctl.get_json(closed_key):
-            with self._cond:
+        if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
+            self._on_closed(ctl.get_json(closed_key))
+
+    def _on_closed(self, record: object) -> None:
+        """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
+        final = isinstance(record, dict) and record.get("final") is True
+        with self._cond:
+            if final:
                 self._sender_closed = True
-                self._cond.notify_all()
+            else:
+                self._sender_left = True
+            self._cond.notify_all()
 
     def _refuse(self, exc: WeightSyncAuthError) -> None:
         """A record failed authentication: fatal before a valid sender is known, else ignored."""
@@ -385,16 +402,14 @@ class WeightReceiver:
         except OSError as exc:  # its shared segment is gone: that sender has ended
             self._refused_epochs.add(epoch)
             log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
-            if ctl.has(closed_key) and ctl.get_json(closed_key):
-                with self._cond:
-                    self._sender_closed = True
-                    self._cond.notify_all()
+            if ctl.has(closed_key):
+                self._on_closed(ctl.get_json(closed_key))
             return
         with self._apply_lock:
             if self._source is not None:
                 self._source.close()
             self._source = source
-            self._sender_closed = False
+            self._sender_closed = self._sender_left = False
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip
 

@@ -333,12 +333,15 @@ class WeightSender:
         return [m.label for m in self._members.live()]
 
     # -- lifecycle ----------------------------------------------------------------
-    def close(self, flush_timeout_s: float | None = None) -> None:
+    def close(self, flush_timeout_s: float | None = None, *, final: bool = True) -> None:
         """Wait (bounded) for the last push to be delivered, then signal receivers and stop.
 
         Args:
             flush_timeout_s: bound on waiting for the last push; default ``timeout_s``;
                 0 closes at once.
+            final: True (default): training is finished, receivers see ``sender_closed``.
+                False: this sender goes away but training may go on (an exception, a
+                relaunch): receivers see ``sender_left`` and follow the next sender.
         """
         if self._closed:
             return
@@ -347,7 +350,7 @@ class WeightSender:
             last.wait(flush_timeout_s)
         self._closed = True
         try:
-            self._ctl.set_json(f"closed/{self.epoch}", True)
+            self._ctl.set_json(f"closed/{self.epoch}", {"final": final})
         except RuntimeError as exc:
             log.warning("could not signal close on the store: %s", exc)
         self._stop.set()
@@ -368,7 +371,7 @@ class WeightSender:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close(flush_timeout_s=0 if exc_type is not None else None)
+        self.close(flush_timeout_s=0 if exc_type is not None else None, final=exc_type is None)
 
 
 def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:
