@@ -45,6 +45,7 @@ from lightning_wsync.config import ReceiverConfig, resolve_config
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
+    WeightSyncConfigError,
     WeightSyncError,
     WeightSyncIntegrityError,
     WeightSyncSchemaError,
@@ -284,7 +285,7 @@ class WeightReceiver:
                 if self._store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self._store_lost_since = None
-            except RuntimeError as exc:
+            except WeightSyncStoreError as exc:  # the store boundary (Control); nothing else means "lost"
                 if self._store_lost_since is None:
                     self._store_lost_since = time.monotonic()
                     log.warning("receiver %r: store %s unreachable (%s); keeping version %r", self.name,
@@ -309,7 +310,7 @@ class WeightReceiver:
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.store.get("latest"))
+        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.get_raw("latest"))
         if latest is not None:
             record = (int(latest["version"]), int(latest["epoch"]), int(latest["gen"]))
             if record != self._latest and (self._latest is None or record[0] > self._latest[0]):
@@ -350,8 +351,9 @@ class WeightReceiver:
                 self._sender_left = True
             self._cond.notify_all()
 
-    def _refuse(self, exc: WeightSyncAuthError) -> None:
-        """A record failed authentication: fatal before a valid sender is known, else ignored."""
+    def _refuse(self, exc: WeightSyncError) -> None:
+        """A record failed authentication, or a sender cannot be used from here (a
+        configuration error): fatal before a valid sender is known, else ignored."""
         if self._source is None:
             self._error = exc
             with self._cond:
@@ -363,10 +365,10 @@ class WeightReceiver:
 
     def _follow_sender(self, ctl: Control) -> None:
         """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        current_text = ctl.get_text("sender/current")
-        if current_text is None:
+        pointer = ctl.get_json("sender/current")  # signed with a secret: a forged one raises
+        if pointer is None:
             return
-        current = int(current_text)
+        current = int(pointer["epoch"])
         floor = self._source.epoch if self._source is not None else 0
         if current <= floor:
             return
@@ -404,6 +406,12 @@ class WeightReceiver:
             log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
             if ctl.has(closed_key):
                 self._on_closed(ctl.get_json(closed_key))
+            return
+        except WeightSyncStoreError:
+            raise
+        except WeightSyncError as exc:  # transport='shm' across hosts, a segment that is not ours
+            self._refused_epochs.add(epoch)
+            self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
         with self._apply_lock:
             if self._source is not None:

@@ -187,7 +187,7 @@ class WeightSender:
                 "addr": self._addr,
             },
         )
-        self._ctl.set_text("sender/current", str(self.epoch))
+        self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it
 
         self._closed = False
         self._last_handle: PushHandle | None = None
@@ -293,7 +293,7 @@ class WeightSender:
         last_delivery: float | None = None
         while pending:
             with self._report_lock:
-                states = self._report_ctl.store.multi_get([state_key(rid) for rid in pending])
+                states = self._report_ctl.multi_get([state_key(rid) for rid in pending])
             for (rid, member), raw in zip(list(pending.items()), states):
                 acked, error = decode_state(self._report_ctl, rid, raw)
                 if acked >= handle.version:

@@ -17,6 +17,7 @@ def test_all_is_pinned():
         "WeightSyncAuthError",
         "WeightSyncCallback",
         "WeightSyncClosedError",
+        "WeightSyncConfigError",
         "WeightSyncError",
         "WeightSyncIntegrityError",
         "WeightSyncSchemaError",

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from lightning_wsync._control import pid_alive
+from lightning_wsync._control import open_segment, pid_alive
 from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
 from lightning_wsync.errors import WeightSyncError
 
@@ -56,7 +56,7 @@ class ShmSegment:
         self.path = os.path.join(_SHM_DIR, name)
         self._owner = create
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
-        fd = os.open(self.path, flags, 0o600)
+        fd = open_segment(self.path, flags)  # name checked, no symlink, a regular file of this user
         try:
             if create:
                 try:
