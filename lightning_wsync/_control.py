@@ -14,16 +14,23 @@ generations), never what to trust.
     layout/<epoch>                JSON tensor table and buckets of that epoch
     latest                        JSON {version, epoch, gen} of the newest published version
     v/<version>                   JSON version record
-    v/<version>/ack/<rid>         "ok" or "error: <reason>" from receiver <rid>
-    v/<version>/acks              counter of acks (one poll tells whether any arrived)
+    v/<version>/sums              JSON bucket checksums (only when a receiver verifies)
     closed/<epoch>                JSON {final}: set by WeightSender.close(); final=False when
                                   the sender left without finishing (exception, SIGTERM)
     members/next                  counter; each WeightReceiver takes the next rid
     member/<rid>                  JSON member record (name, host, pid)
     member/<rid>/hb               heartbeat counter
     member/<rid>/gone             set by WeightReceiver.close()
+    member/<rid>/state            JSON {acked, error}: newest version held, last rejection
     member/<rid>/net              generation of the receiver's newest network link
-    pg/<epoch>/<rid>/<gen>/...    prefix of one sender-receiver process group
+    members/low                   JSON: every rid below it is gone and its keys deleted
+    pg/<epoch>/<rid>/<gen>/...    prefix of one sender-receiver process group (gloo's
+                                  rendezvous keys 0/0 and 0/1, announcements ann/<n>)
+
+Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
+receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the
+link is in use or replaced, ``v/<version>*`` beyond the newest few, and the records of
+sender epochs two or more behind the current one.
 """
 
 from __future__ import annotations
@@ -232,6 +239,34 @@ def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
             f"sender and receivers as the same user, or use transport='gloo' on the sender"
         )
     return fd
+
+
+def member_keys(rid: int) -> tuple[str, ...]:
+    """Every key receiver ``rid`` writes outside its process groups."""
+    base = f"member/{rid}"
+    return (base, f"{base}/hb", f"{base}/state", f"{base}/gone", f"{base}/net")
+
+
+def group_keys(epoch: int, rid: int, gen: int) -> tuple[str, ...]:
+    """The keys gloo's rendezvous writes under one link's prefix (rank 0 and rank 1)."""
+    prefix = f"pg/{epoch}/{rid}/{gen}/"
+    return (prefix + "0/0", prefix + "0/1")
+
+
+_KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)
+_EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before sweeping
+
+
+def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> None:
+    """Delete the records of sender epochs ``_KEEP_EPOCHS`` or more behind ``epoch``, and
+    the version record the previous sender left (``latest_version``; a new version follows)."""
+    if latest_version is not None:
+        ctl.delete(f"v/{latest_version}")
+        ctl.delete(f"v/{latest_version}/sums")
+    newest_old = epoch - _KEEP_EPOCHS
+    for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
+        for key in (f"sender/{old}", f"layout/{old}", f"closed/{old}"):
+            ctl.delete(key)
 
 
 class Control:

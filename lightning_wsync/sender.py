@@ -38,9 +38,10 @@ from lightning_wsync._control import (
     local_address,
     resolve_job,
     resolve_secret,
+    retire_old_epochs,
 )
 from lightning_wsync._manifest import build_layout, select_tensors
-from lightning_wsync._membership import Member, Membership, decode_state, state_key
+from lightning_wsync._membership import Member, Membership, decode_state
 from lightning_wsync._snapshot import Snapshot
 from lightning_wsync.config import SenderConfig, resolve_config
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
@@ -172,7 +173,7 @@ class WeightSender:
         device = next(iter(self._tensors.values())).device if use_device else torch.device("cpu")
         self._snapshot = Snapshot(self.layout, segment=segment, device=device)
         self._backend = "nccl" if use_device else "gloo"
-        self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+        self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s, epoch=self.epoch)
 
         self._ctl.set_json(f"layout/{self.epoch}", self.layout.to_json())
         self._ctl.set_json(
@@ -188,6 +189,7 @@ class WeightSender:
             },
         )
         self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it
+        retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
         self._closed = False
         self._last_handle: PushHandle | None = None
@@ -293,7 +295,7 @@ class WeightSender:
         last_delivery: float | None = None
         while pending:
             with self._report_lock:
-                states = self._report_ctl.multi_get([state_key(rid) for rid in pending])
+                states = self._members.read_states(self._report_ctl, list(pending))
             for (rid, member), raw in zip(list(pending.items()), states):
                 acked, error = decode_state(self._report_ctl, rid, raw)
                 if acked >= handle.version:
@@ -351,6 +353,9 @@ class WeightSender:
         self._closed = True
         try:
             self._ctl.set_json(f"closed/{self.epoch}", {"final": final})
+            for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
+                self._ctl.delete(f"v/{old}")
+                self._ctl.delete(f"v/{old}/sums")
         except RuntimeError as exc:
             log.warning("could not signal close on the store: %s", exc)
         self._stop.set()
