@@ -141,6 +141,8 @@ class WeightSyncCallback(Callback):
         self._store = store
         self._last_pushed: int | None = None  # identical on every rank; saved in checkpoints
         self._floor: int | None = None  # pushes must be above this (checkpoint and store)
+        self._restored: int | None = None  # last_pushed_version of the checkpoint resumed from
+        self._published: int | None = None  # the store's newest version when this fit started
         self._sharded = False
         self._sender: WeightSender | None = None
         self._target: nn.Module | None = None
@@ -176,8 +178,12 @@ class WeightSyncCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Start before Lightning fetches the first batch: in an actor-learner loop that
         # batch comes from rollout workers waiting for these initial weights. A resumed
-        # run pushes in on_train_start instead, once global_step is restored.
-        self._start(trainer, pl_module, push=trainer.ckpt_path is None)
+        # run pushes in on_train_start instead, once global_step is restored. FSDP and
+        # ModelParallel restore a checkpoint only after this hook (trainer.ckpt_path is
+        # still None here, the weights not yet loaded): their first push waits for
+        # on_train_start too, so a resumed run never publishes its initial weights.
+        late_restore = trainer.strategy.restore_checkpoint_after_setup
+        self._start(trainer, pl_module, push=trainer.ckpt_path is None and not late_restore)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -206,6 +212,7 @@ class WeightSyncCallback(Callback):
         latest, error = trainer.strategy.broadcast((latest, error), src=0)
         if error is not None:
             raise WeightSyncError(f"WeightSyncCallback: global rank 0 could not start its WeightSender: {error}")
+        self._published = latest
         floors = [v for v in (self._last_pushed, latest) if v is not None]
         self._floor = max(floors) if floors else None
         if push:
@@ -240,13 +247,22 @@ class WeightSyncCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         version = state_dict.get("last_pushed_version")
-        self._last_pushed = None if version is None else int(version)
+        self._last_pushed = self._restored = None if version is None else int(version)
+        if self._target is not None and self._last_pushed is not None:
+            # FSDP and ModelParallel restore callbacks after on_fit_start, where the floor
+            # was set: raise it now (every rank loads the same checkpoint).
+            self._floor = max(self._last_pushed, -1 if self._floor is None else self._floor)
 
     # -- pushing --------------------------------------------------------------------
     def _maybe_push(self, trainer: pl.Trainer, gathered: dict[str, torch.Tensor] | None) -> None:
         """Push ``global_step`` if it is above every version seen; the same decision on every rank."""
         step = trainer.global_step
-        if self._floor is not None and step <= self._floor:
+        # Resuming at the step the checkpoint last pushed, on a store that does not hold it
+        # (a relaunched trainer with a fresh store): those are that version's weights;
+        # publish them again so late receivers get them at once.
+        published = -1 if self._published is None else self._published
+        republish = self._pushes == 0 and step == self._restored and published < step
+        if self._floor is not None and step <= self._floor and not republish:
             if step != self._last_pushed and step != self._skipped:
                 self._skipped = step
                 log.info("WeightSyncCallback: step %d not pushed: version %d is already published or recorded "
