@@ -35,9 +35,9 @@ sender epochs two or more behind the current one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
-import errno
 import json
 import os
 import re
@@ -50,7 +50,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_wsync.errors import WeightSyncAuthError, WeightSyncConfigError, WeightSyncError, WeightSyncStoreError
+from lightning_wsync.errors import (
+    WeightSyncAuthError,
+    WeightSyncConfigError,
+    WeightSyncError,
+    WeightSyncStoreError,
+)
 
 _T = TypeVar("_T")
 

@@ -83,7 +83,7 @@ def _decode(raw: bytes) -> dict[str, torch.Tensor]:
     header = json.loads(raw[_HEADER.size : _HEADER.size + n])
     version = header["version"]
     if isinstance(version, bool) or not isinstance(version, int):
-        raise ValueError(f"version {version!r} is not an int")
+        raise TypeError(f"version {version!r} is not an int")
     out: dict[str, torch.Tensor] = {}
     offset = _HEADER.size + n
     for name, dtype_name, shape in header["tensors"]:

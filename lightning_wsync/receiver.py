@@ -343,7 +343,7 @@ class WeightReceiver:
 
     def _on_closed(self, record: object) -> None:
         """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
-        final = isinstance(record, dict) and record.get("final") is True
+        final = record is True or (isinstance(record, dict) and record.get("final") is True)  # True: older senders
         with self._cond:
             if final:
                 self._sender_closed = True

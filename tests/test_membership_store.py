@@ -68,6 +68,7 @@ _EPOCH_S = 4.0  # a relaunched trainer (a new sender epoch) this often
 _SAMPLE_S = 0.25
 
 
+@pytest.mark.timeout(_RUN_S + 100)
 def test_store_key_count_stays_bounded(server, port, children):
     store, job = f"127.0.0.1:{port}", "long"
     results = CTX.Queue()
