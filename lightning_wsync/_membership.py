@@ -4,7 +4,8 @@ A receiver registers under a fresh id (``members/next``), writes its record and 
 bumps ``member/<rid>/hb`` every ``heartbeat_s``. An id whose record has not appeared
 does not hold up the ids after it (its owner may have died between the two steps, or
 any client may have bumped the counter): it is looked for again at each refresh and
-given up after ``_FORGET_AFTER`` heartbeat timeouts. The sender compares counter values
+given up after one heartbeat timeout if it has no heartbeat key (its owner died at once,
+or an earlier sender retired it), else after ``_FORGET_AFTER`` heartbeat timeouts. The sender compares counter values
 against its own clock, so hosts need no synchronised clocks. A receiver is gone when
 it closed (``gone`` key), when its process no longer exists (same host only), or when
 its heartbeat has not moved for ``heartbeat_timeout_s``.
@@ -131,7 +132,11 @@ class Membership:
                 del self._unrecorded[rid]
                 continue
             if record is None:  # registering right now, or its owner died before writing it
-                if now - since > _FORGET_AFTER * self._heartbeat_timeout_s:
+                # A receiver writes its heartbeat key within moments of taking its id; an id
+                # with no keys at all for heartbeat_timeout_s is one whose owner died at once,
+                # or whose keys were deleted when an earlier sender retired it.
+                started = ctl.has(f"member/{rid}/hb")
+                if now - since > (_FORGET_AFTER if started else 1) * self._heartbeat_timeout_s:
                     del self._unrecorded[rid]
                     for key in member_keys(rid):
                         self._ctl.delete(key)
