@@ -8,6 +8,7 @@ from lightning_wsync.engines import ApplyTarget
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
+    WeightSyncConfigError,
     WeightSyncError,
     WeightSyncIntegrityError,
     WeightSyncSchemaError,
@@ -44,6 +45,7 @@ __all__ = [
     "WeightSyncAuthError",
     "WeightSyncCallback",
     "WeightSyncClosedError",
+    "WeightSyncConfigError",
     "WeightSyncError",
     "WeightSyncIntegrityError",
     "WeightSyncSchemaError",

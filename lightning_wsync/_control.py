@@ -3,39 +3,61 @@
 Every key lives under ``wsync/<job>/``. Keys that a wait depends on carry the
 version, sender epoch or group generation in their name, so a key written for one
 version can never satisfy a wait for another. Only two keys are overwritten:
-``latest`` and ``sender/current`` (pointers read by value, never waited on).
+``latest`` and ``sender/current`` (pointers read by value, never waited on). Every
+JSON record is signed with the job's secret when one is set (see :meth:`Control.seal`);
+counters cannot be, and only say "look again" (who registered, heartbeats, link
+generations), never what to trust.
 
     sender/epoch                  counter; each WeightSender takes the next epoch
-    sender/current                epoch of the newest sender
+    sender/current                JSON {epoch} of the newest sender
     sender/<epoch>                JSON sender record (host, pid, transport, shm segment)
     layout/<epoch>                JSON tensor table and buckets of that epoch
     latest                        JSON {version, epoch, gen} of the newest published version
     v/<version>                   JSON version record
-    v/<version>/ack/<rid>         "ok" or "error: <reason>" from receiver <rid>
-    v/<version>/acks              counter of acks (one poll tells whether any arrived)
-    closed/<epoch>                set by WeightSender.close()
+    v/<version>/sums              JSON bucket checksums (only when a receiver verifies)
+    closed/<epoch>                JSON {final}: set by WeightSender.close(); final=False when
+                                  the sender left without finishing (exception, SIGTERM)
     members/next                  counter; each WeightReceiver takes the next rid
     member/<rid>                  JSON member record (name, host, pid)
     member/<rid>/hb               heartbeat counter
     member/<rid>/gone             set by WeightReceiver.close()
+    member/<rid>/state            JSON {acked, error}: newest version held, last rejection
     member/<rid>/net              generation of the receiver's newest network link
-    pg/<epoch>/<rid>/<gen>/...    prefix of one sender-receiver process group
+    members/low                   JSON: every rid below it is gone and its keys deleted
+    pg/<epoch>/<rid>/<gen>/...    prefix of one sender-receiver process group (gloo's
+                                  rendezvous keys 0/0 and 0/1, announcements ann/<n>)
+
+Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
+receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the
+link is in use or replaced, ``v/<version>*`` beyond the newest few, and the records of
+sender epochs two or more behind the current one.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import os
+import re
 import socket
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_wsync.errors import WeightSyncAuthError, WeightSyncStoreError
+from lightning_wsync.errors import (
+    WeightSyncAuthError,
+    WeightSyncConfigError,
+    WeightSyncError,
+    WeightSyncStoreError,
+)
+
+_T = TypeVar("_T")
 
 ENV_STORE = "WSYNC_STORE"
 ENV_JOB = "WSYNC_JOB"
@@ -178,8 +200,87 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+SHM_DIR = "/dev/shm"
+# What transport.shm.segment_name() makes: wsync-<pid>-<epoch>-<job with [A-Za-z0-9_.-] only>.
+_SEGMENT_NAME = re.compile(r"wsync-[0-9]{1,10}-[0-9]{1,20}-[A-Za-z0-9_.-]{0,64}")
+
+
+def check_segment_name(name: object) -> str:
+    """``name`` if it is a segment name lightning_wsync creates (read from the store: untrusted)."""
+    if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
+        raise WeightSyncConfigError(
+            f"shared-memory segment name {name!r} (from the sender's record on the store) is not one "
+            f"lightning_wsync creates ('wsync-<pid>-<epoch>-<job>', no '/'); refused. A peer without the "
+            f"job's secret wrote it: set the same WSYNC_SECRET on every peer and firewall the store's port"
+        )
+    return name
+
+
+def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
+    """Open a shared-memory segment file safely: a valid name directly under /dev/shm, no
+    symlink followed, a regular file, and (when not creating it) owned by this user."""
+    if not path.startswith(SHM_DIR + "/"):
+        raise WeightSyncConfigError(f"shared-memory segment {path!r} is not under {SHM_DIR!r}; refused")
+    check_segment_name(path[len(SHM_DIR) + 1 :])
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # the name is a symlink
+            raise WeightSyncConfigError(
+                f"shared-memory segment {path!r} is a symbolic link; refused (segments are regular files "
+                f"that the sender creates): remove it, and check who else writes to {SHM_DIR}"
+            ) from None
+        raise
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif not flags & os.O_CREAT and info.st_uid != os.geteuid():
+        problem = f"belongs to uid {info.st_uid}, not this process's uid {os.geteuid()}"
+    if problem is not None:
+        os.close(fd)
+        raise WeightSyncConfigError(
+            f"shared-memory segment {path!r} {problem}; it is not a snapshot of a sender of this user. Run "
+            f"sender and receivers as the same user, or use transport='gloo' on the sender"
+        )
+    return fd
+
+
+def member_keys(rid: int) -> tuple[str, ...]:
+    """Every key receiver ``rid`` writes outside its process groups."""
+    base = f"member/{rid}"
+    return (base, f"{base}/hb", f"{base}/state", f"{base}/gone", f"{base}/net")
+
+
+def group_keys(epoch: int, rid: int, gen: int) -> tuple[str, ...]:
+    """The keys gloo's rendezvous writes under one link's prefix (rank 0 and rank 1)."""
+    prefix = f"pg/{epoch}/{rid}/{gen}/"
+    return (prefix + "0/0", prefix + "0/1")
+
+
+_KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)
+_EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before sweeping
+
+
+def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> None:
+    """Delete the records of sender epochs ``_KEEP_EPOCHS`` or more behind ``epoch``, and
+    the version record the previous sender left (``latest_version``; a new version follows)."""
+    if latest_version is not None:
+        ctl.delete(f"v/{latest_version}")
+        ctl.delete(f"v/{latest_version}/sums")
+    newest_old = epoch - _KEEP_EPOCHS
+    for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
+        for key in (f"sender/{old}", f"layout/{old}", f"closed/{old}"):
+            ctl.delete(key)
+
+
 class Control:
-    """Typed access to one job's keys on the store. Thread-safe as the store is."""
+    """Typed access to one job's keys on the store. Thread-safe as the store is.
+
+    The one error boundary for store operations: a ``RuntimeError`` from the store
+    becomes :class:`WeightSyncStoreError` naming the operation and key, so callers tell
+    a lost store from any other failure by type.
+    """
 
     def __init__(self, store: dist.Store, job: str, secret: bytes | None = None) -> None:
         self.job = job
@@ -238,14 +339,33 @@ class Control:
         return hmac.new(self.secret, f"wsync/{self.job}/".encode() + message, hashlib.sha256).digest()
 
     # -- primitives ---------------------------------------------------------------
+    def _call(self, op: str, key: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except WeightSyncError:
+            raise
+        except RuntimeError as exc:
+            raise WeightSyncStoreError(
+                f"control-plane store of job {self.job!r}: {op} {key!r} failed ({_first_line(exc)}); the "
+                f"store's host (the trainer's torchrun agent or `lightning-wsync store`) is gone or unreachable"
+            ) from exc
+
     def has(self, key: str) -> bool:
-        return bool(self.store.check([key]))
+        return self._call("check", key, lambda: bool(self.store.check([key])))
 
     def get_text(self, key: str) -> str | None:
         """The value at ``key``, or None when absent (never blocks waiting for it)."""
-        if not self.store.check([key]):
+        if not self.has(key):
             return None
-        return self.store.get(key).decode()
+        return self.get_raw(key).decode()
+
+    def get_raw(self, key: str) -> bytes:
+        """The bytes at ``key``, which must exist (a missing key waits for the store's timeout)."""
+        return self._call("get", key, lambda: bytes(self.store.get(key)))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The bytes at each of ``keys`` (all must exist), in one round trip."""
+        return self._call("multi_get", keys[0] if keys else "", lambda: [bytes(v) for v in self.store.multi_get(keys)])
 
     def get_json(self, key: str) -> Any:
         """The record at ``key`` (verified when a secret is set), or None when absent."""
@@ -253,13 +373,14 @@ class Control:
         return None if text is None else self.open(key, text)
 
     def set_text(self, key: str, value: str) -> None:
-        self.store.set(key, value)
+        self._call("set", key, lambda: self.store.set(key, value))
 
     def set_json(self, key: str, value: object) -> None:
-        self.store.set(key, self.seal(key, value))
+        sealed = self.seal(key, value)
+        self._call("set", key, lambda: self.store.set(key, sealed))
 
     def add(self, key: str, amount: int) -> int:
-        return int(self.store.add(key, amount))
+        return self._call("add", key, lambda: int(self.store.add(key, amount)))
 
     def delete(self, key: str) -> None:
         try:

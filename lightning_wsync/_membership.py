@@ -1,7 +1,11 @@
 """Receivers as the sender sees them: registration, heartbeats, and why one is gone.
 
 A receiver registers under a fresh id (``members/next``), writes its record and then
-bumps ``member/<rid>/hb`` every ``heartbeat_s``. The sender compares counter values
+bumps ``member/<rid>/hb`` every ``heartbeat_s``. An id whose record has not appeared
+does not hold up the ids after it (its owner may have died between the two steps, or
+any client may have bumped the counter): it is looked for again at each refresh and
+given up after one heartbeat timeout if it has no heartbeat key (its owner died at once,
+or an earlier sender retired it), else after ``_FORGET_AFTER`` heartbeat timeouts. The sender compares counter values
 against its own clock, so hosts need no synchronised clocks. A receiver is gone when
 it closed (``gone`` key), when its process no longer exists (same host only), or when
 its heartbeat has not moved for ``heartbeat_timeout_s``.
@@ -15,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from lightning_wsync._control import Control, pid_alive
+from lightning_wsync._control import Control, group_keys, member_keys, pid_alive
 from lightning_wsync.errors import WeightSyncAuthError
 from lightning_wsync.transport.net import NetSendLink
 
@@ -35,6 +39,9 @@ class Member:
     gone_reason: str | None = None
     link: NetSendLink | None = None
     verify: bool = False  # wants per-bucket checksums on the shared-memory path
+    cleaned_gen: int = 0  # process-group keys of link generations up to this one are deleted
+    gone_at: float = 0.0  # time.monotonic() when gone_reason was set
+    retired: bool = False  # gone for good and its keys deleted from the store
 
     @property
     def label(self) -> str:
@@ -90,46 +97,97 @@ class StateReport:
 
 
 class Membership:
-    """The sender's view of the receivers, refreshed from its background thread."""
+    """The sender's view of the receivers, refreshed from its background thread.
 
-    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float) -> None:
+    It also keeps the store bounded: the keys of a receiver gone for good, and the
+    process-group keys of its links once a link is in use or replaced, are deleted;
+    ``members/low`` records the lowest id that may still be live, so a later sender
+    does not look through every id the job ever handed out.
+    """
+
+    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float, epoch: int = 0) -> None:
         self._ctl = control
         self._host_id = host_id
         self._heartbeat_timeout_s = heartbeat_timeout_s
-        self._next_rid = 0
+        self._epoch = epoch
+        low = control.get_json("members/low")
+        self._next_rid = self._low = 0 if low is None else int(low)
+        self._unrecorded: dict[int, float] = {}  # rid reserved, record not seen yet -> since
         self._members: dict[int, Member] = {}
         self._lock = threading.Lock()
+        self._retire_lock = threading.Lock()  # a report never reads state keys being deleted
 
     def refresh(self) -> None:
         ctl = self._ctl
         registered = ctl.add("members/next", 0)
+        now = time.monotonic()
         while self._next_rid < registered:
+            self._unrecorded[self._next_rid] = now
+            self._next_rid += 1
+        for rid, since in list(self._unrecorded.items()):
             try:
-                record = ctl.get_json(f"member/{self._next_rid}")
+                record = ctl.get_json(f"member/{rid}")
             except WeightSyncAuthError as exc:
-                log.error("refused receiver rid=%d: %s", self._next_rid, exc)
-                self._next_rid += 1
+                log.error("refused receiver rid=%d: %s", rid, exc)
+                del self._unrecorded[rid]
                 continue
-            if record is None:
-                break  # registering right now; its record lands on a later refresh
-            member = Member(self._next_rid, str(record["name"]), str(record["host"]), int(record["pid"]),
+            if record is None:  # registering right now, or its owner died before writing it
+                # A receiver writes its heartbeat key within moments of taking its id; an id
+                # with no keys at all for heartbeat_timeout_s is one whose owner died at once,
+                # or whose keys were deleted when an earlier sender retired it.
+                started = ctl.has(f"member/{rid}/hb")
+                if now - since > (_FORGET_AFTER if started else 1) * self._heartbeat_timeout_s:
+                    del self._unrecorded[rid]
+                    for key in member_keys(rid):
+                        self._ctl.delete(key)
+                    log.info("receiver rid=%d reserved an id but never registered; forgotten", rid)
+                continue
+            del self._unrecorded[rid]
+            member = Member(rid, str(record["name"]), str(record["host"]), int(record["pid"]),
                             verify=bool(record.get("verify", False)))  # fmt: skip
             member.hb, member.hb_seen_at = ctl.add(f"member/{member.rid}/hb", 0), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
-            self._next_rid += 1
         now = time.monotonic()
         for member in self.members():
             if member.gone_reason is not None:
+                # Kept a while, so reports still read what it acknowledged before leaving.
+                if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
+                    self._retire(member)
                 continue
             hb = ctl.add(f"member/{member.rid}/hb", 0)
             if hb != member.hb:
                 member.hb, member.hb_seen_at = hb, now
             reason = self._gone_reason(member, now)
             if reason is not None:
-                member.gone_reason = reason
+                member.gone_reason, member.gone_at = reason, now
                 if member.link is not None:
                     member.link.close(timeout_s=0)
+            elif (link := member.link) is not None and link.gen > member.cleaned_gen and link.sent_version is not None:
+                self._delete_groups(member, link.gen)  # both ends joined: the group's keys are spent
+        self._advance_low()
+
+    def _delete_groups(self, member: Member, up_to_gen: int) -> None:
+        for gen in range(member.cleaned_gen + 1, up_to_gen + 1):
+            for key in group_keys(self._epoch, member.rid, gen):
+                self._ctl.delete(key)
+        member.cleaned_gen = max(member.cleaned_gen, up_to_gen)
+
+    def _retire(self, member: Member) -> None:
+        """Delete the keys of a receiver gone for good (reports keep its name and reason)."""
+        self._delete_groups(member, self._ctl.add(f"member/{member.rid}/net", 0))
+        with self._retire_lock:
+            member.retired = True
+            for key in member_keys(member.rid):
+                self._ctl.delete(key)
+
+    def _advance_low(self) -> None:
+        with self._lock:
+            open_rids = [rid for rid, m in self._members.items() if not m.retired]
+        low = min([*open_rids, *self._unrecorded, self._next_rid])
+        if low > self._low:
+            self._ctl.set_json("members/low", low)
+            self._low = low
 
     def _gone_reason(self, member: Member, now: float) -> str | None:
         """Why ``member`` is gone for good (a merely silent one may still come back)."""
@@ -147,6 +205,14 @@ class Membership:
         if silent > self._heartbeat_timeout_s:
             return f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
         return None
+
+    def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:
+        """The raw ``member/<rid>/state`` of each of ``rids`` in one round trip; a retired
+        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands)."""
+        with self._retire_lock:
+            retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
+            raws = iter(ctl.multi_get([state_key(rid) for rid in rids if rid not in retired]))
+        return [ctl.seal(state_key(rid), encode_state(-1, None)).encode() if rid in retired else next(raws) for rid in rids]
 
     def members(self) -> list[Member]:
         with self._lock:

@@ -24,7 +24,10 @@ reports are awaited by a daemon thread (``wsync-callback-reports``). With
 the push K pushes back is confirmed: every receiver live at that push holds it (or a
 newer version), or was reported failed. Under DDP the other ranks then wait for rank 0
 at their next collective. When training ends, rank 0 waits at most ``2 * timeout_s``
-for the report of the last push, then closes the sender (receivers see the close).
+for the report of the last push, then closes the sender for good (receivers see
+``sender_closed``). A ``fit()`` that raises (SIGTERM included) closes it without
+waiting and not for good: receivers see ``sender_left`` and follow the next ``fit()``
+or relaunched trainer of the job, whose versions continue above the last one.
 
 **Metrics**, logged to the Trainer's loggers by rank 0 at the push step:
 
@@ -143,6 +146,8 @@ class WeightSyncCallback(Callback):
         self._store = store
         self._last_pushed: int | None = None  # identical on every rank; saved in checkpoints
         self._floor: int | None = None  # pushes must be above this (checkpoint and store)
+        self._restored: int | None = None  # last_pushed_version of the checkpoint resumed from
+        self._published: int | None = None  # the store's newest version when this fit started
         self._sharded = False
         self._sender: WeightSender | None = None
         self._target: nn.Module | None = None
@@ -178,8 +183,12 @@ class WeightSyncCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Start before Lightning fetches the first batch: in an actor-learner loop that
         # batch comes from rollout workers waiting for these initial weights. A resumed
-        # run pushes in on_train_start instead, once global_step is restored.
-        self._start(trainer, pl_module, push=trainer.ckpt_path is None)
+        # run pushes in on_train_start instead, once global_step is restored. FSDP and
+        # ModelParallel restore a checkpoint only after this hook (trainer.ckpt_path is
+        # still None here, the weights not yet loaded): their first push waits for
+        # on_train_start too, so a resumed run never publishes its initial weights.
+        late_restore = trainer.strategy.restore_checkpoint_after_setup
+        self._start(trainer, pl_module, push=trainer.ckpt_path is None and not late_restore)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -208,6 +217,7 @@ class WeightSyncCallback(Callback):
         latest, error = trainer.strategy.broadcast((latest, error), src=0)
         if error is not None:
             raise WeightSyncError(f"WeightSyncCallback: global rank 0 could not start its WeightSender: {error}")
+        self._published = latest
         floors = [v for v in (self._last_pushed, latest) if v is not None]
         self._floor = max(floors) if floors else None
         if push:
@@ -223,15 +233,17 @@ class WeightSyncCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_push(trainer, None, final=True)
-        self._close(trainer, flush=True)
+        self._close(trainer, flush=True, final=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close(trainer, flush=False)
+        # Any exception, SIGTERM (Lightning raises SIGTERMException) included: the trainer
+        # may be relaunched, so receivers must keep following the job, not end.
+        self._close(trainer, flush=False, final=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close(trainer, flush=True)
+        self._close(trainer, flush=True, final=False)  # a finished fit() closed in on_train_end
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -240,7 +252,11 @@ class WeightSyncCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         version = state_dict.get("last_pushed_version")
-        self._last_pushed = None if version is None else int(version)
+        self._last_pushed = self._restored = None if version is None else int(version)
+        if self._target is not None and self._last_pushed is not None:
+            # FSDP and ModelParallel restore callbacks after on_fit_start, where the floor
+            # was set: raise it now (every rank loads the same checkpoint).
+            self._floor = max(self._last_pushed, -1 if self._floor is None else self._floor)
 
     # -- pushing --------------------------------------------------------------------
     def _maybe_push(
@@ -248,7 +264,12 @@ class WeightSyncCallback(Callback):
     ) -> None:
         """Push ``global_step`` if it is above every version seen; the same decision on every rank."""
         step = trainer.global_step
-        if self._floor is not None and step <= self._floor:
+        # Resuming at the step the checkpoint last pushed, on a store that does not hold it
+        # (a relaunched trainer with a fresh store): those are that version's weights;
+        # publish them again so late receivers get them at once.
+        published = -1 if self._published is None else self._published
+        republish = self._pushes == 0 and step == self._restored and published < step
+        if self._floor is not None and step <= self._floor and not republish:
             if step != self._last_pushed and step != self._skipped:
                 self._skipped = step
                 log.info("WeightSyncCallback: step %d not pushed: version %d is already published or recorded "
@@ -327,7 +348,7 @@ class WeightSyncCallback(Callback):
             metrics["wsync/version_lag"] = float(self._pushes - min(self._held.get(n, 0) for n in names))
         return metrics
 
-    def _close(self, trainer: pl.Trainer, *, flush: bool) -> None:
+    def _close(self, trainer: pl.Trainer, *, flush: bool, final: bool) -> None:
         sender, reports = self._sender, self._reports
         self._sender, self._reports, self._mirror = None, None, {}
         if reports is not None:
@@ -336,7 +357,7 @@ class WeightSyncCallback(Callback):
             if flush and metrics:
                 _log_metrics(trainer, metrics)
         if sender is not None:
-            sender.close(flush_timeout_s=0)  # already awaited above
+            sender.close(flush_timeout_s=0, final=final)  # already awaited above
 
 
 class _MirrorModule(nn.Module):

@@ -8,6 +8,7 @@ happen while the system runs raise a subclass of :class:`WeightSyncError`::
     ├── WeightSyncSchemaError      a receiver's module does not match the published one
     ├── WeightSyncClosedError      the sender (or the receiver itself) has closed
     ├── WeightSyncStoreError       the control-plane store cannot be reached
+    ├── WeightSyncConfigError      the setup cannot work as configured (names the fix)
     ├── WeightSyncIntegrityError   received bytes failed verification (torn or corrupt)
     └── WeightSyncAuthError        a peer's signature does not match the shared secret
 
@@ -23,6 +24,7 @@ __all__ = [
     "WeightSyncSchemaError",
     "WeightSyncClosedError",
     "WeightSyncStoreError",
+    "WeightSyncConfigError",
     "WeightSyncIntegrityError",
     "WeightSyncAuthError",
 ]
@@ -46,6 +48,12 @@ class WeightSyncClosedError(WeightSyncError):
 
 class WeightSyncStoreError(WeightSyncError):
     """The control-plane store is unreachable or answered with an error."""
+
+
+class WeightSyncConfigError(WeightSyncError):
+    """The setup cannot work as configured: ``transport='shm'`` across hosts, a shared
+    segment that is not a wsync snapshot of this user, a segment name that is not one
+    lightning_wsync creates. Never reported as a store failure; the message names the fix."""
 
 
 class WeightSyncIntegrityError(WeightSyncError):

@@ -47,6 +47,7 @@ from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncClosedError,
+    WeightSyncConfigError,
     WeightSyncError,
     WeightSyncIntegrityError,
     WeightSyncSchemaError,
@@ -134,6 +135,7 @@ class WeightReceiver:
         self._rejected_version = -2
         self._refused_epochs: set[int] = set()
         self._sender_closed = False
+        self._sender_left = False
         self._closed = False
         self._cond = threading.Condition()
         self._apply_lock = threading.Lock()
@@ -225,8 +227,16 @@ class WeightReceiver:
 
     @property
     def sender_closed(self) -> bool:
-        """The sender announced its close (no newer version will come from it)."""
+        """Training finished: the sender closed for good (a completed ``fit()`` or
+        ``close(final=True)``). Leave the rollout loop once ``update()`` returns None."""
         return self._sender_closed
+
+    @property
+    def sender_left(self) -> bool:
+        """The sender went away without finishing (an exception in ``fit()``, SIGTERM, a
+        relaunch); training may go on. The next sender of the job is followed as soon as
+        it starts, with higher versions, and this turns False again."""
+        return self._sender_left
 
     @property
     def store_lost_s(self) -> float | None:
@@ -302,7 +312,7 @@ class WeightReceiver:
                 if self._store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self._store_lost_since = None
-            except RuntimeError as exc:
+            except WeightSyncStoreError as exc:  # the store boundary (Control); nothing else means "lost"
                 if self._store_lost_since is None:
                     self._store_lost_since = time.monotonic()
                     log.warning("receiver %r: store %s unreachable (%s); keeping version %r", self.name,
@@ -327,7 +337,7 @@ class WeightReceiver:
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.store.get("latest"))
+        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.get_raw("latest"))
         if latest is not None:
             record = Published(int(latest["version"]), int(latest["epoch"]))
             if record != self._latest and (self._latest is None or record.version > self._latest.version):
@@ -355,13 +365,22 @@ class WeightReceiver:
         if source is None:
             return
         closed_key = f"closed/{source.epoch}"
-        if not self._sender_closed and ctl.has(closed_key) and ctl.get_json(closed_key):
-            with self._cond:
-                self._sender_closed = True
-                self._cond.notify_all()
+        if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
+            self._on_closed(ctl.get_json(closed_key))
 
-    def _refuse(self, exc: WeightSyncAuthError) -> None:
-        """A record failed authentication: fatal before a valid sender is known, else ignored."""
+    def _on_closed(self, record: object) -> None:
+        """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
+        final = record is True or (isinstance(record, dict) and record.get("final") is True)  # True: older senders
+        with self._cond:
+            if final:
+                self._sender_closed = True
+            else:
+                self._sender_left = True
+            self._cond.notify_all()
+
+    def _refuse(self, exc: WeightSyncError) -> None:
+        """A record failed authentication, or a sender cannot be used from here (a
+        configuration error): fatal before a valid sender is known, else ignored."""
         if self._source is None:
             self._error = exc
             with self._cond:
@@ -373,10 +392,10 @@ class WeightReceiver:
 
     def _follow_sender(self, ctl: Control) -> None:
         """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        current_text = ctl.get_text("sender/current")
-        if current_text is None:
+        pointer = ctl.get_json("sender/current")  # signed with a secret: a forged one raises
+        if pointer is None:
             return
-        current = int(current_text)
+        current = int(pointer["epoch"])
         floor = self._source.epoch if self._source is not None else 0
         if current <= floor:
             return
@@ -414,16 +433,20 @@ class WeightReceiver:
         except OSError as exc:  # its shared segment is gone: that sender has ended
             self._refused_epochs.add(epoch)
             log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
-            if ctl.has(closed_key) and ctl.get_json(closed_key):
-                with self._cond:
-                    self._sender_closed = True
-                    self._cond.notify_all()
+            if ctl.has(closed_key):
+                self._on_closed(ctl.get_json(closed_key))
+            return
+        except WeightSyncStoreError:
+            raise
+        except WeightSyncError as exc:  # transport='shm' across hosts, a segment that is not ours
+            self._refused_epochs.add(epoch)
+            self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
         with self._apply_lock:
             if self._source is not None:
                 self._source.close()
             self._source = source
-            self._sender_closed = False
+            self._sender_closed = self._sender_left = False
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip
 

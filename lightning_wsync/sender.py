@@ -38,9 +38,10 @@ from lightning_wsync._control import (
     local_address,
     resolve_job,
     resolve_secret,
+    retire_old_epochs,
 )
 from lightning_wsync._manifest import build_layout, select_tensors
-from lightning_wsync._membership import Member, Membership, decode_state, state_key
+from lightning_wsync._membership import Member, Membership, decode_state
 from lightning_wsync.config import SenderConfig, resolve_config
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
 from lightning_wsync.transport.net import NetSendLink
@@ -186,7 +187,7 @@ class WeightSender:
         lease_s = min(cfg.timeout_s, cfg.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
         self._ring = SnapshotRing(self.layout, segment=segment, device=device, slots=2, lease_s=lease_s)
         self._backend = "nccl" if use_device else "gloo"
-        self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+        self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s, epoch=self.epoch)
 
         self._ctl.set_json(f"layout/{self.epoch}", self.layout.to_json())
         self._ctl.set_json(
@@ -201,7 +202,8 @@ class WeightSender:
                 "addr": self._addr,
             },
         )
-        self._ctl.set_text("sender/current", str(self.epoch))
+        self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it
+        retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
         self._closed = False
         self._closed_superseded = 0
@@ -320,7 +322,7 @@ class WeightSender:
         last_delivery: float | None = None
         while pending:
             with self._report_lock:
-                states = self._report_ctl.store.multi_get([state_key(rid) for rid in pending])
+                states = self._members.read_states(self._report_ctl, list(pending))
             for (rid, member), raw in zip(list(pending.items()), states):
                 acked, error = decode_state(self._report_ctl, rid, raw)
                 if acked >= handle.version:
@@ -370,12 +372,15 @@ class WeightSender:
         return [m.label for m in self._members.live()]
 
     # -- lifecycle ----------------------------------------------------------------
-    def close(self, flush_timeout_s: float | None = None) -> None:
+    def close(self, flush_timeout_s: float | None = None, *, final: bool = True) -> None:
         """Wait (bounded) for the last push to be delivered, then signal receivers and stop.
 
         Args:
             flush_timeout_s: bound on waiting for the last push; default ``timeout_s``;
                 0 closes at once.
+            final: True (default): training is finished, receivers see ``sender_closed``.
+                False: this sender goes away but training may go on (an exception, a
+                relaunch): receivers see ``sender_left`` and follow the next sender.
         """
         if self._closed:
             return
@@ -384,7 +389,10 @@ class WeightSender:
             last.wait(flush_timeout_s)
         self._closed = True
         try:
-            self._ctl.set_json(f"closed/{self.epoch}", True)
+            self._ctl.set_json(f"closed/{self.epoch}", {"final": final})
+            for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
+                self._ctl.delete(f"v/{old}")
+                self._ctl.delete(f"v/{old}/sums")
         except RuntimeError as exc:
             log.warning("could not signal close on the store: %s", exc)
         self._stop.set()
@@ -405,7 +413,7 @@ class WeightSender:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close(flush_timeout_s=0 if exc_type is not None else None)
+        self.close(flush_timeout_s=0 if exc_type is not None else None, final=exc_type is None)
 
 
 def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:

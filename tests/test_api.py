@@ -18,6 +18,7 @@ def test_all_is_pinned():
         "WeightSyncAuthError",
         "WeightSyncCallback",
         "WeightSyncClosedError",
+        "WeightSyncConfigError",
         "WeightSyncError",
         "WeightSyncIntegrityError",
         "WeightSyncSchemaError",

@@ -51,6 +51,8 @@ CASES: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("writer channel", ExperienceWriter, {"channel": "a/b"}, ValueError, r"channel='a/b' must be a non-empty name"),
     ("writer timeout", ExperienceWriter, {"timeout_s": 0}, ValueError, r"timeout_s=0 must be > 0"),
     ("reader idle timeout", ExperienceReader, {"idle_timeout_s": -5}, ValueError, r"idle_timeout_s=-5 must be > 0"),
+    ("writer max item", ExperienceWriter, {"max_item_mb": 0}, ValueError, r"max_item_mb=0 must be a number > 0"),
+    ("reader max item", ExperienceReader, {"max_item_mb": "1"}, ValueError, r"max_item_mb='1' must be a number > 0"),
 ]
 
 

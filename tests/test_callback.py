@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
+import torch
 import torch.distributed as dist
 from _lightning_workers import (
     PolicyModule,
@@ -22,6 +23,7 @@ from _lightning_workers import (
 )
 from conftest import free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_wsync import SenderConfig, WeightReceiver
 from lightning_wsync.callback import WeightSyncCallback
@@ -129,13 +131,59 @@ def test_resume_continues_above_last_pushed(tmp_path, store, caplog):
     assert logger.values("wsync/version") == [8, 10]
     assert "step 6 not pushed: version 6 is already published" in caplog.text
 
-    # A new store (the job's record lost with it): the checkpoint's version 4 is the floor.
+    # A new store (the job's record lost with it): the checkpoint's weights are version 4's,
+    # published again at once for receivers of the new store; then above it.
     fresh_port = free_port()
     fresh = dist.TCPStore("127.0.0.1", fresh_port, is_master=True, wait_for_workers=False)
     cb = WeightSyncCallback(every_n_steps=2, store=f"127.0.0.1:{fresh_port}", job="resume")
     logger, _ = fit(tmp_path, cb, max_steps=10, ckpt_path=path)
-    assert logger.values("wsync/version") == [6, 8, 10]
+    assert logger.values("wsync/version") == [4, 6, 8, 10]
     assert cb.last_pushed_version == 10
+    del fresh
+
+
+class _LateRestore(SingleDeviceStrategy):
+    """Restores the checkpoint after on_fit_start, as FSDPStrategy and ModelParallelStrategy do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def _strategy(late: bool) -> dict[str, object]:
+    return {"strategy": _LateRestore(torch.device("cpu"))} if late else {}
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.parametrize("restore", ["before_fit_start", "after_fit_start"])
+def test_resumed_trainer_serves_a_late_receiver_at_once(tmp_path, store, children, restore):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    fit(tmp_path, WeightSyncCallback(every_n_steps=2, module="policy", store=store, job="late"), max_steps=6,
+        callbacks=[ckpt], enable_checkpointing=True)  # fmt: skip
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    late = restore == "after_fit_start"
+
+    # The trainer is relaunched with a fresh store; a rollout worker is already waiting there.
+    fresh_port = free_port()
+    fresh = dist.TCPStore("127.0.0.1", fresh_port, is_master=True, wait_for_workers=False)
+    fresh_store = f"127.0.0.1:{fresh_port}"
+    results = CTX.Queue()
+    proc = CTX.Process(target=receiver_main, args=(fresh_store, "late", "r0", results), daemon=True)
+    proc.start()
+    children.track(proc.pid)
+    next_message(results, "ready", timeout_s=60)
+    cb = WeightSyncCallback(every_n_steps=2, module="policy", store=fresh_store, job="late", max_version_lag=0)
+    logger, model = fit(tmp_path, cb, max_steps=8, ckpt_path=path, **_strategy(late))
+    assert logger.values("wsync/version") == [4, 6, 8]
+    assert next_message(results, "version", timeout_s=30)[2] == 4  # at once: before step 6 was trained
+    assert logger.values("wsync/delivered")[0] == 1
+
+    # The same store again (it holds 8): versions continue above it, never at or below.
+    cb2 = WeightSyncCallback(every_n_steps=2, module="policy", store=fresh_store, job="late")
+    logger, _ = fit(tmp_path, cb2, max_steps=12, ckpt_path=path, **_strategy(late))
+    assert logger.values("wsync/version") == [10, 12]
+    assert cb.last_pushed_version == 8
+    proc.kill()
     del fresh
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from lightning_wsync._manifest import build_layout
-from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.transport.ring import SnapshotRing
-from lightning_wsync.transport.shm import ShmReader, ShmSegment, SlotRef, check_segment_name, remove_stale_segments
+from lightning_wsync._control import check_segment_name
+from lightning_wsync.errors import WeightSyncConfigError
+from lightning_wsync.transport.shm import ShmReader, ShmSegment, SlotRef, remove_stale_segments
 
 
 def _layout():
@@ -143,7 +144,7 @@ def test_a_dead_readers_pin_is_ignored(ring):
 def test_segment_names_from_the_store_are_checked():
     assert check_segment_name("wsync-12-3-job_a") == "wsync-12-3-job_a"
     for bad in ("../etc/passwd", "wsync-1-2-a/b", "x", "wsync-1-2-" + "a" * 65):
-        with pytest.raises(WeightSyncError, match="not a wsync segment name"):
+        with pytest.raises(WeightSyncConfigError, match="is not one lightning_wsync creates"):
             check_segment_name(bad)
 
 

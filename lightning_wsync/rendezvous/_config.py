@@ -14,6 +14,7 @@ from typing import Literal, get_args
 __all__ = [
     "ENV_JOB",
     "ENV_ROLE",
+    "ENV_SECRET",
     "ENV_STORE",
     "VALID_ROLES",
     "Role",
@@ -28,6 +29,7 @@ VALID_ROLES: tuple[Role, ...] = get_args(Role)
 ENV_STORE = "WSYNC_STORE"  # "host:port" of the shared control-plane TCPStore
 ENV_JOB = "WSYNC_JOB"  # the --rdzv-id, shared by the trainer and rollout jobs
 ENV_ROLE = "WSYNC_ROLE"  # "trainer" or "rollout"
+ENV_SECRET = "WSYNC_SECRET"  # the job's shared secret; signs the rendezvous state
 
 # torchrun always injects this legacy key (its --rdzv-timeout, default 900); the
 # c10d backend ignores it, and so do we.

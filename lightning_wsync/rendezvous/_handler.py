@@ -46,6 +46,7 @@ from typing_extensions import override
 from lightning_wsync.rendezvous._config import (
     ENV_JOB,
     ENV_ROLE,
+    ENV_SECRET,
     ENV_STORE,
     WsyncRendezvousConfig,
     parse_rdzv_conf,
@@ -293,7 +294,7 @@ class WsyncRendezvousHandler(RendezvousHandler):
             keep_alive_interval=cfg.keep_alive_interval_s,
             keep_alive_max_attempt=cfg.keep_alive_max_attempt,
         )
-        backend = GuardedC10dBackend(self._store, run_id, self._health)
+        backend = GuardedC10dBackend(self._store, run_id, self._health, _secret())
         return create_dynamic_handler(self._store, backend, params)
 
     def _advance_epoch(self) -> None:
@@ -340,6 +341,12 @@ class WsyncRendezvousHandler(RendezvousHandler):
             else:
                 os.environ[name] = value
         self._saved_env = None
+
+
+def _secret() -> bytes | None:
+    """The job's shared secret (``WSYNC_SECRET``): it signs the rendezvous state."""
+    secret = os.environ.get(ENV_SECRET)
+    return secret.encode() if secret else None
 
 
 def _check_job(job: str) -> None:

@@ -9,6 +9,8 @@ connect: a refused connection means nobody listens at the endpoint any more.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import socket
 import threading
@@ -19,7 +21,10 @@ from typing import Any
 # torch.distributed re-exports these without marking them public; mypy --strict wants
 # them from where the stubs define them.
 from torch._C._distributed_c10d import Store, TCPStore
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
     C10dRendezvousBackend,
 )
@@ -38,6 +43,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 2.0
+_SIGNED_STATE = b"wsync-signed-state-v1\0"  # then 32 bytes of HMAC-SHA256, then the pickle
 _LISTEN_POLL_S = 0.2
 
 
@@ -236,16 +242,32 @@ def names_this_machine(host: str) -> bool:
 
 
 class GuardedC10dBackend(C10dRendezvousBackend):
-    """The stock c10d rendezvous backend, failing fast once the store is lost.
+    """The stock c10d rendezvous backend, failing fast once the store is lost, and
+    signing its state when the job has a shared secret.
+
+    torch's dynamic rendezvous keeps its state on the store as a pickle and unpickles
+    whatever it reads there. With ``secret`` every state written carries an HMAC-SHA256
+    over the store key and the pickle, and state read back is verified *before* it is
+    handed to torch: unsigned or forged state raises ``RendezvousStateError`` and is
+    never unpickled.
 
     Args:
         store: the shared store.
         run_id: the role-scoped inner run id.
         health: liveness of the store, shared with the handler.
+        secret: the job's shared secret (``WSYNC_SECRET``), or None to sign nothing.
     """
 
-    def __init__(self, store: Store, run_id: str, health: StoreHealth) -> None:
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        health: StoreHealth,
+        secret: bytes | None = None,
+    ) -> None:
         self._health = health
+        self._secret = secret
+        self._state_key = "torch.rendezvous." + run_id
         health.check()
         super().__init__(store, run_id)
 
@@ -253,18 +275,62 @@ class GuardedC10dBackend(C10dRendezvousBackend):
     def get_state(self) -> tuple[bytes, Any] | None:
         self._health.check()
         try:
-            return super().get_state()
+            result = super().get_state()
         except RendezvousConnectionError:
             self._health.listening()
             raise
+        return None if result is None else (self._verified(result[0]), result[1])
 
     @override
     def set_state(
         self, state: bytes, token: Any | None = None
     ) -> tuple[bytes, Any, bool] | None:
         self._health.check()
+        if token and not isinstance(token, bytes):
+            # torch's shortcut for a token it did not issue, answered with verified state.
+            current = self.get_state()
+            return None if current is None else (*current, False)
         try:
-            return super().set_state(state, token)
+            result = super().set_state(self._signed(state), token)
         except RendezvousConnectionError:
             self._health.listening()
             raise
+        if result is None:
+            return None
+        new_state, new_token, _ = result
+        verified = self._verified(new_state)
+        return verified, new_token, verified == state
+
+    def _mac(self, state: bytes) -> bytes:
+        assert self._secret is not None
+        message = self._state_key.encode() + b"\0" + state
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
+
+    def _signed(self, state: bytes) -> bytes:
+        if self._secret is None:
+            return state
+        return _SIGNED_STATE + self._mac(state) + state
+
+    def _verified(self, raw: bytes) -> bytes:
+        """The pickle inside ``raw``, only if signed with the secret (checked before any unpickling)."""
+        signed = raw.startswith(_SIGNED_STATE)
+        if self._secret is None:
+            if signed:
+                raise RendezvousStateError(
+                    f"wsync rendezvous: the state at store key {self._state_key!r} is signed, but "
+                    "this agent has no secret. Fix: set the job's WSYNC_SECRET for every torchrun "
+                    "agent of the job."
+                )
+            return raw
+        head = len(_SIGNED_STATE)
+        mac, state = raw[head : head + 32], raw[head + 32 :]
+        if not signed or not hmac.compare_digest(mac, self._mac(state)):
+            raise RendezvousStateError(
+                f"wsync rendezvous: refused the state at store key {self._state_key!r}: it is "
+                f"{'signed with a different secret' if signed else 'not signed'} (WSYNC_SECRET "
+                "is set here). torch keeps this state as a pickle, so it was not unpickled: "
+                "someone with access to the store, or an agent without the secret, wrote it. "
+                "Fix: set the same WSYNC_SECRET for every torchrun agent of the job, and "
+                "firewall the store's port."
+            )
+        return state

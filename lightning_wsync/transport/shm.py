@@ -22,7 +22,6 @@ import mmap
 import os
 import re
 import shutil
-import stat
 import struct
 import threading
 import time
@@ -31,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_wsync._control import pid_alive
+from lightning_wsync._control import open_segment, pid_alive
 from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
 from lightning_wsync.errors import WeightSyncError
 
@@ -47,7 +46,6 @@ _MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
 _PIN = struct.Struct("<qqqqq")
 _PIN_SLOT_OFFSET = 0
 _NO_SLOT = -1
-_SEGMENT_NAME = re.compile(r"wsync-\d+-\d+-[A-Za-z0-9_.-]{1,64}")
 
 # A lock round trip is a full memory barrier on every platform CPython supports; it
 # orders the sequence and pin words against each other and against the bulk copies.
@@ -82,16 +80,6 @@ def segment_name(job: str, epoch: int) -> str:
     return f"wsync-{os.getpid()}-{epoch}-{safe}"
 
 
-def check_segment_name(name: str) -> str:
-    """A segment name read from the store names a file directly in /dev/shm, nothing else."""
-    if not _SEGMENT_NAME.fullmatch(name):
-        raise WeightSyncError(
-            f"shared memory: segment name {name!r} from the store is not a wsync segment name "
-            f"(wsync-PID-EPOCH-JOB, no path separators); the store holds a forged or foreign record"
-        )
-    return name
-
-
 def _pin_dir(segment_path: str) -> str:
     return segment_path + ".pins"
 
@@ -107,12 +95,9 @@ class ShmSegment:
         self.name = name
         self.path = os.path.join(_SHM_DIR, name)
         self._owner = create
-        if create:
-            size = _PAGE + slots * _stride(nbytes)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        else:
-            check_segment_name(name)
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        size = _PAGE + slots * _stride(nbytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
+        fd = open_segment(self.path, flags)  # name checked, no symlink, a regular file of this user
         try:
             if create:
                 try:
@@ -130,8 +115,6 @@ class ShmSegment:
                 with open(os.path.join(_pin_dir(self.path), "owner"), "w") as f:
                     f.write(str(_PIDNS))  # lets remove_stale_segments judge the creator's PID
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise WeightSyncError(f"shared memory: {self.path!r} is not a regular file; not a wsync segment")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
             # MAP_POPULATE maps every page now: otherwise the first push pays one page
             # fault per 4 KiB (at 1 GiB, ~0.6 s of the trainer's stall).

@@ -116,6 +116,7 @@ class Jobs:
         nproc: int = 2,
         max_restarts: int = 0,
         rdzv_id: str = "exp1",
+        env: dict[str, str] | None = None,
     ) -> Job:
         argv = [
             sys.executable,
@@ -132,7 +133,7 @@ class Jobs:
             str(SCRIPTS / script),
             *script_args,
         ]
-        return self.start(name, argv)
+        return self.start(name, argv, env)
 
     def describe(self) -> str:
         return "\n".join(
