@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from lightning_wsync._manifest import Layout, _dtype_name, bind_views, copy_out
-from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
+from lightning_wsync.errors import WeightSyncConfigError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync.transport.shm import ShmReader, SlotRef, remove_stale_segments
 
@@ -187,7 +187,7 @@ def open_source(
     transport = str(record["transport"])
     same_host = record["host"] == host and record["shm"] is not None
     if transport == "shm" and not same_host:
-        raise WeightSyncError(
+        raise WeightSyncConfigError(
             f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
             f"{record['host']!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
         )

@@ -9,12 +9,12 @@
             run_rollout(policy)
             receiver.update()                           # newest complete version, if newer
 
-A background thread registers the receiver, sends heartbeats and watches the store for
-new versions and sender restarts. From a sender on this host, ``update()`` copies the
-shared snapshot straight into the module (torn copies are detected and redone); from a
-sender on another host, a network link stages each version privately and verifies it
-first. Either way the module is only ever written by ``update()`` on the caller's
-thread, and only with a complete version.
+A background thread (:mod:`~lightning_wsync._watcher`) sends heartbeats and
+acknowledgements and follows the sender. From a sender on this host, ``update()`` pins
+the newest complete slot of the shared snapshot ring and copies it straight into the
+module; from a sender on another host, a network link stages each version privately
+and verifies it first (:mod:`~lightning_wsync._source`). Either way the module is only
+ever written by ``update()`` on the caller's thread, and only with a complete version.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,42 +35,26 @@ from lightning_wsync._control import (
     connect_store,
     default_receiver_name,
     host_id,
-    local_address,
     resolve_job,
     resolve_secret,
 )
-from lightning_wsync._manifest import Layout, select_tensors
+from lightning_wsync._manifest import select_tensors
 from lightning_wsync._membership import StateReport
 from lightning_wsync.config import ReceiverConfig, resolve_config
 from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 from lightning_wsync.errors import (
-    WeightSyncAuthError,
     WeightSyncClosedError,
-    WeightSyncConfigError,
     WeightSyncError,
     WeightSyncIntegrityError,
-    WeightSyncSchemaError,
     WeightSyncStoreError,
     WeightSyncTimeoutError,
 )
-from lightning_wsync.transport.net import NetReceiveLink
-from lightning_wsync._source import ReceiveSource, open_source
+from lightning_wsync._source import ReceiveSource
+from lightning_wsync._watcher import SLOW_POLL_S, Published, ReceiverWatcher
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.002
-_SLOW_POLL_S = 0.05
-_EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
-
-
-class Published(NamedTuple):
-    """A version as announced on the store."""
-
-    version: int
-    epoch: int
-
-
-class WeightReceiver:
+class WeightReceiver(ReceiverWatcher):
     """Receives the versions a :class:`WeightSender` publishes into ``module``.
 
     Args:
@@ -218,7 +201,7 @@ class WeightReceiver:
                     f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
                     f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
                 )
-            self._wait_for_news_until(time.monotonic() + min(remaining, _SLOW_POLL_S))
+            self._wait_for_news_until(time.monotonic() + min(remaining, SLOW_POLL_S))
 
     @property
     def latest_published(self) -> int | None:
@@ -280,201 +263,6 @@ class WeightReceiver:
             raise WeightSyncClosedError(f"WeightReceiver {self.name!r} is closed; create a new one")
         if self._error is not None:
             raise self._error
-
-    # -- background ---------------------------------------------------------------
-    def _watch(self) -> None:
-        ctl = self._watch_ctl
-        next_beat = next_slow = 0.0
-        fast = True
-        while not self._stop.is_set():
-            self._kick.clear()  # before the work: a kick during it makes the wait below return at once
-            try:
-                now = time.monotonic()
-                if now >= next_beat:
-                    ctl.add(f"member/{self.rid}/hb", 1)
-                    next_beat = now + self.config.heartbeat_s
-                self._state.write(ctl)
-                # Sender changes and the close signal are looked at every _SLOW_POLL_S.
-                slow, next_slow = now >= next_slow, (now + _SLOW_POLL_S if now >= next_slow else next_slow)
-                # Versions arrive through a network link itself, and a shared segment's header
-                # is read by update() directly: then `latest` only feeds latest_published and
-                # is read at the slow pace too. With verify, the published checksums are needed.
-                source = self._source
-                fast = source is None or self.config.verify
-                steps = ((self._follow_sender, self._follow_close) if slow else ()) + (
-                    (self._follow_versions, self._follow_sums) if fast or slow else ()
-                )
-                for step in steps:
-                    try:
-                        step(ctl)
-                    except WeightSyncAuthError as exc:
-                        self._refuse(exc)
-                if self._store_lost_since is not None:
-                    log.info("receiver %r: store reachable again", self.name)
-                    self._store_lost_since = None
-            except WeightSyncStoreError as exc:  # the store boundary (Control); nothing else means "lost"
-                if self._store_lost_since is None:
-                    self._store_lost_since = time.monotonic()
-                    log.warning("receiver %r: store %s unreachable (%s); keeping version %r", self.name,
-                                self._store_address, str(exc).strip().splitlines()[0][:200], self.version)  # fmt: skip
-                    with self._cond:
-                        self._cond.notify_all()
-                self._stop.wait(min(1.0, self.config.heartbeat_s))
-            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
-                log.exception("receiver %r: watcher step failed; retrying", self.name)
-                self._stop.wait(min(1.0, self.config.heartbeat_s))
-            self._kick.wait(_POLL_S if fast else _SLOW_POLL_S)  # an apply kicks it for its acknowledgement
-
-    def _follow_versions(self, ctl: Control) -> None:
-        source = self._source
-        if isinstance(self._error, WeightSyncSchemaError):
-            latest = ctl.get_json("latest")
-            version = -1 if latest is None else int(latest["version"])
-            if version > self._rejected_version:  # tell the sender, version by version
-                self._rejected_version = version
-                self._state.rejected(version, str(self._error))
-            return
-        if source is None:
-            return
-        # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.get_raw("latest"))
-        if latest is not None:
-            record = Published(int(latest["version"]), int(latest["epoch"]))
-            if record != self._latest and (self._latest is None or record.version > self._latest.version):
-                with self._cond:
-                    self._latest = record
-                    self._cond.notify_all()
-
-    def _published_sums(self, version: int) -> list[int] | None:
-        held = self._sums
-        return held[1] if held is not None and held[0] == version else None
-
-    def _follow_sums(self, ctl: Control) -> None:
-        """With ``verify``, fetch the checksums of the newest shared version for update()."""
-        latest = self._latest
-        if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest.version):
-            return
-        record = ctl.get_json(f"v/{latest.version}/sums")
-        if record is not None and int(record["version"]) == latest.version:
-            self._sums = (latest.version, [int(s) for s in record["sums"]])
-            with self._cond:
-                self._cond.notify_all()
-
-    def _follow_close(self, ctl: Control) -> None:
-        source = self._source
-        if source is None:
-            return
-        closed_key = f"closed/{source.epoch}"
-        if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
-            self._on_closed(ctl.get_json(closed_key))
-
-    def _on_closed(self, record: object) -> None:
-        """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
-        final = record is True or (isinstance(record, dict) and record.get("final") is True)  # True: older senders
-        with self._cond:
-            if final:
-                self._sender_closed = True
-            else:
-                self._sender_left = True
-            self._cond.notify_all()
-
-    def _refuse(self, exc: WeightSyncError) -> None:
-        """A record failed authentication, or a sender cannot be used from here (a
-        configuration error): fatal before a valid sender is known, else ignored."""
-        if self._source is None:
-            self._error = exc
-            with self._cond:
-                self._cond.notify_all()
-            self._stop.set()
-        if str(exc) != self._last_refusal:
-            log.error("receiver %r refused a record: %s", self.name, exc)
-            self._last_refusal = str(exc)
-
-    def _follow_sender(self, ctl: Control) -> None:
-        """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        pointer = ctl.get_json("sender/current")  # signed with a secret: a forged one raises
-        if pointer is None:
-            return
-        current = int(pointer["epoch"])
-        floor = self._source.epoch if self._source is not None else 0
-        if current <= floor:
-            return
-        refusal: WeightSyncAuthError | None = None
-        for epoch in range(current, max(floor, current - _EPOCH_SCAN), -1):
-            if epoch in self._refused_epochs:
-                continue
-            try:
-                record = ctl.get_json(f"sender/{epoch}")
-                layout_text = ctl.get_json(f"layout/{epoch}")
-            except WeightSyncAuthError as exc:
-                self._refused_epochs.add(epoch)
-                refusal = exc
-                continue
-            if record is not None and layout_text is not None:
-                self._switch(ctl, epoch, record, layout_text)
-                return
-        if refusal is not None:
-            self._refuse(refusal)
-
-    def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
-        layout = Layout.from_json(layout_text)
-        closed_key = f"closed/{epoch}"
-        try:
-            if self._target is not None:
-                self._tensors = self._target.tensors_for(layout)
-            layout.check_module(self._tensors, self.name)
-            source = self._make_source(epoch, layout, record)
-        except WeightSyncSchemaError as exc:
-            self._error = exc  # raised by update()/wait_for_version(); reported on each version
-            log.error("%s", exc)
-            with self._cond:
-                self._cond.notify_all()
-            return
-        except OSError as exc:  # its shared segment is gone: that sender has ended
-            self._refused_epochs.add(epoch)
-            log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
-            if ctl.has(closed_key):
-                self._on_closed(ctl.get_json(closed_key))
-            return
-        except WeightSyncStoreError:
-            raise
-        except WeightSyncError as exc:  # transport='shm' across hosts, a segment that is not ours
-            self._refused_epochs.add(epoch)
-            self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
-            return
-        with self._apply_lock:
-            if self._source is not None:
-                self._source.close()
-            self._source = source
-            self._sender_closed = self._sender_left = False
-        log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
-                 self._source.describe())  # fmt: skip
-
-    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
-        return open_source(
-            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name, swap=self.config.apply == "swap",
-            net=lambda backend: NetReceiveLink(
-                self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
-                addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
-                device=self._device if backend == "nccl" else torch.device("cpu"),
-                on_staged=self._on_staged, on_rejected=self._on_rejected,
-            ),
-        )  # fmt: skip
-
-    def _ordered_for(self, layout: Layout) -> list[torch.Tensor]:
-        return [self._tensors[e.name] for e in layout.entries]
-
-    def _on_staged(self, version: int) -> None:
-        self._state.held(version)
-        self._kick.set()  # the watcher acknowledges it now, not at its next (slow) poll
-        with self._cond:
-            self._cond.notify_all()
-
-    def _on_rejected(self, version: int, reason: str) -> None:
-        self.rejected += 1
-        log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
-        self._state.rejected(version, reason)
-        self._kick.set()
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
