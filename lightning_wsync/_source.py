@@ -28,6 +28,7 @@ Reject = Callable[[int, str], None]  # (version, reason)
 # torn only when this receiver stalled past the sender's pin lease. Either way the next
 # try takes the newest version; this many in a row means something is badly wrong.
 _SHARED_ATTEMPTS = 8
+_PIN_ATTEMPTS = 64  # a pin fails while a push lands on that slot; each failure is a header read
 
 
 class ReceiveSource(Protocol):
@@ -69,7 +70,10 @@ class SharedMemorySource:
 
     def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
         torn = False
-        for _ in range(_SHARED_ATTEMPTS):
+        copies = 0
+        for _ in range(_PIN_ATTEMPTS):
+            if copies == _SHARED_ATTEMPTS:
+                break
             ref = self._reader.newest()
             if ref is None or (held is not None and ref.version <= held and not torn) or ref.version == self._rejected:
                 if torn:
@@ -90,6 +94,7 @@ class SharedMemorySource:
                     break
                 return None
             self._reader.copy_to(ref, self._ordered)
+            copies += 1
             if self._reader.unpin(ref):
                 return ref.version
             torn = True  # overwritten under us after a stall past the lease: copy the newest again

@@ -46,6 +46,7 @@ _MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
 _PIN = struct.Struct("<qqqqq")
 _PIN_SLOT_OFFSET = 0
 _NO_SLOT = -1
+_CLAIM_WAIT_S = 20e-6
 
 # A lock round trip is a full memory barrier on every platform CPython supports; it
 # orders the sequence and pin words against each other and against the bulk copies.
@@ -341,7 +342,7 @@ class ShmReader:
     def pin(self, ref: SlotRef) -> bool:
         """Pin ``ref``'s slot; False (nothing held) when it is no longer that version."""
         self._pin.hold(ref)
-        if self._segment.seq(ref.slot) != ref.seq:
+        if self._segment.seq(ref.slot) != ref.seq:  # written meanwhile, or being claimed: take the newest
             self._pin.release()
             return False
         return True
@@ -349,9 +350,21 @@ class ShmReader:
     def unpin(self, ref: SlotRef) -> bool:
         """Let go of ``ref``; True when its bytes stayed intact the whole time."""
         _fence()
-        intact = self._segment.seq(ref.slot) == ref.seq
+        intact = self._settled_seq(ref) == ref.seq
         self._pin.release()
         return intact
+
+    def _settled_seq(self, ref: SlotRef) -> int:
+        """The slot's sequence once a writer's claim of it is decided.
+
+        A writer marks a slot (sequence + 1) before it looks for pins, and puts the
+        sequence back when it finds one: while that takes, the pinned bytes are intact.
+        """
+        seq = self._segment.seq(ref.slot)
+        while seq == ref.seq + 1:
+            time.sleep(_CLAIM_WAIT_S)  # the writer is reading the pin directory: microseconds
+            seq = self._segment.seq(ref.slot)
+        return seq
 
     def copy_to(self, ref: SlotRef, tensors: list[torch.Tensor]) -> None:
         copy_tensors(tensors, self._views[ref.slot])
