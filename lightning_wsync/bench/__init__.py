@@ -34,6 +34,7 @@ from types import FrameType
 import torch
 
 from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync.bench import _hostbench
 from lightning_wsync.bench._bounds import BoundBench
 from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
 from lightning_wsync.bench._procs import BenchError, Children
@@ -66,15 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _hostbench.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the report; return the exit status."""
     try:
         _validate(args)
+        if args.hosts is not None:
+            _hostbench.validate(args)
     except ValueError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.hosts is not None:
+        return _hostbench.run(args)
     threads = torch.get_num_threads()
     restore_signals = _exit_on_sigterm()
     try:
