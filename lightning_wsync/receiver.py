@@ -52,6 +52,7 @@ from lightning_wsync.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_wsync.transport.net import NetReceiveLink
+from lightning_wsync.transport.relay import open_relay_source
 from lightning_wsync._source import Source
 
 log = logging.getLogger(__name__)
@@ -399,6 +400,12 @@ class WeightReceiver:
                  self._source.describe())  # fmt: skip
 
     def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> Source:
+        if record.get("relay") and record["host"] != self._host:
+            return open_relay_source(
+                self._ctl, layout, self._ordered_for(layout), record, epoch=epoch, rid=self.rid, host=self._host,
+                job=self._ctl.job, addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
+                on_published=self._on_staged, on_rejected=self._on_rejected,
+            )  # fmt: skip
         return Source.open(
             epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name, swap=self.config.apply == "swap",
             net=lambda backend: NetReceiveLink(

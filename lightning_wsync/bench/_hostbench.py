@@ -45,7 +45,7 @@ from lightning_wsync.bench._push import Placement, PushRun
 from lightning_wsync.errors import WeightSyncError
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
-_TOPOLOGIES = ("star",)
+_TOPOLOGIES = ("relay", "star")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +157,7 @@ def _phase(
     ]
     run = PushRun(model, spec, n_receivers=len(placement), transport="auto", dtype=args.dtype,
                   bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, store_host=hosts.address(0),
-                  placement=placement)  # fmt: skip
+                  placement=placement, cross_host=topology)  # fmt: skip
     samples: list[dict[str, object]] = []
     with run:
         pushed = run.phase.pushed_bytes if run.phase is not None else 0
@@ -170,7 +170,7 @@ def _phase(
                             "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate
-    hops = 1
+    hops = n_hosts if topology == "relay" else 1
     latency = statistics.median(float(s["latency_s"]) for s in timed)  # type: ignore[arg-type]
     egress = statistics.median(float(s["egress_models"]) for s in timed)  # type: ignore[arg-type]
     nic_s = egress * wire_bound_s

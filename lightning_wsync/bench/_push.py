@@ -144,12 +144,14 @@ class PushRun:
         timeout_s: float,
         store_host: str = "127.0.0.1",
         placement: Sequence[Placement] | None = None,
+        cross_host: str = SenderConfig.cross_host,
     ) -> None:
         self._model = model
         self._spec = spec
         self._placement = {p.name: p for p in placement or ()}
         self._names = list(self._placement) if placement else [f"r{i}" for i in range(n_receivers)]
         self._store_host = store_host
+        self._cross_host = cross_host
         self._transport = transport
         self._dtype = dtype
         self._wire_dtype = None if dtype is None else getattr(torch, dtype)
@@ -168,7 +170,8 @@ class PushRun:
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         self._base = reset_peak()
         self._sender = WeightSender(self._model, store=f"{self._store_host}:0", job=job, transport=self._transport,
-                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s)  # fmt: skip
+                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s,
+                                    cross_host=self._cross_host)  # fmt: skip
         self.phase = PushPhase(pushed_bytes=self._sender.layout.total_bytes, n_tensors=len(self._sender.layout.entries))
         try:
             self._children = Children().__enter__()
