@@ -23,8 +23,16 @@ def test_relay_sends_one_copy_per_push_and_delivers_bit_exact() -> None:
             "--link", "700mbit", "--size-mb", "64", "--pushes", "2", "--topology", "relay", "--no-reference",
             "--timeout-s", "150", "--json"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=400)
     except subprocess.TimeoutExpired:
@@ -42,8 +50,15 @@ def test_relay_sends_one_copy_per_push_and_delivers_bit_exact() -> None:
 
 @pytest.mark.timeout(400)
 def test_leader_killed_mid_version_host_mate_takes_over(tmp_path: Path) -> None:
-    result = run_scenario("relay_failover.py", str(tmp_path), "3", "2", "16", "300mbit", timeout_s=380)
+    result = run_scenario(
+        "relay_failover.py", str(tmp_path), "3", "2", "16", "300mbit", timeout_s=380
+    )
     killed, names, rids = result["killed"], result["names"], result["rids"]
+    print(
+        json.dumps(
+            {k: result[k] for k in ("killed", "leader_after", "reports")}, indent=1
+        )
+    )
     assert killed["name"] is not None and killed["name"].startswith("h1")
     # Killed while its version was on the wire into host 1.
     assert 0 < killed["rx_bytes"] < 16 * 2**20
@@ -51,11 +66,18 @@ def test_leader_killed_mid_version_host_mate_takes_over(tmp_path: Path) -> None:
     for report in result["reports"]:
         if report["version"] > result["kill_at"]:
             assert set(report["delivered"]) == set(names) - {killed["name"]}, report
-            assert report["latency_s"] is not None and report["latency_s"] <= result["timeout_s"]
+            assert (
+                report["latency_s"] is not None
+                and report["latency_s"] <= result["timeout_s"]
+            )
     # Host 1's other receiver leads it now; no process was restarted.
     (mate,) = [n for n in names if n.startswith("h1") and n != killed["name"]]
     assert result["leader_after"]["rid"] == rids[mate]
     applied = result["applied"]
-    assert applied and all(a["exact"] for a in applied), [a for a in applied if not a["exact"]]
+    assert applied and all(a["exact"] for a in applied), [
+        a for a in applied if not a["exact"]
+    ]
     last = max(r["version"] for r in result["reports"])
-    assert {a["name"] for a in applied if a["version"] == last} == set(names) - {killed["name"]}
+    assert {a["name"] for a in applied if a["version"] == last} == set(names) - {
+        killed["name"]
+    }

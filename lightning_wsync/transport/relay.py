@@ -60,8 +60,20 @@ from lightning_wsync._control import Control, pid_alive
 from lightning_wsync._manifest import Layout, checksum
 from lightning_wsync._snapshot import Snapshot
 from lightning_wsync._source import Latest, Source
-from lightning_wsync.transport.net import _MAC_WORDS, PeerGroup, _shutdown, _signed, make_group, trailer_mac
-from lightning_wsync.transport.shm import ShmReceiveLink, ShmSegment, remove_stale_segments, segment_name
+from lightning_wsync.transport.net import (
+    _MAC_WORDS,
+    PeerGroup,
+    _shutdown,
+    _signed,
+    make_group,
+    trailer_mac,
+)
+from lightning_wsync.transport.shm import (
+    ShmReceiveLink,
+    ShmSegment,
+    remove_stale_segments,
+    segment_name,
+)
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,16 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_model(spec_for_size(args.size_mb), seed=None)
-    with WeightReceiver(model, store=args.store, job=args.job, name=args.name, timeout_s=args.timeout_s) as receiver:
-        emit(args.events, event="ready", name=args.name, pid=os.getpid(), rid=receiver.rid)
+    with WeightReceiver(
+        model, store=args.store, job=args.job, name=args.name, timeout_s=args.timeout_s
+    ) as receiver:
+        emit(
+            args.events,
+            event="ready",
+            name=args.name,
+            pid=os.getpid(),
+            rid=receiver.rid,
+        )
         held = -1
         while True:
             try:

@@ -30,11 +30,21 @@ HERE = Path(__file__).resolve().parent
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.exists()
+        else []
+    )
 
 
 def scenario(argv: list[str]) -> dict[str, Any]:
-    out, n_hosts, per_host, size_mb, link = Path(argv[0]), int(argv[1]), int(argv[2]), float(argv[3]), argv[4]
+    out, n_hosts, per_host, size_mb, link = (
+        Path(argv[0]),
+        int(argv[1]),
+        int(argv[2]),
+        float(argv[3]),
+        argv[4],
+    )
     kill_at, pushes, timeout_s = 3, 7, 10.0
     events = out / "events.jsonl"
     with SimHosts(n_hosts + 1) as hosts:
@@ -46,12 +56,19 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         with WeightSender(model, store=f"{hosts.address(0)}:0", job="failover", timeout_s=timeout_s,
                           heartbeat_timeout_s=2.0) as sender:  # fmt: skip
             procs = Procs(hosts, out)
-            names = [f"h{h}r{j}" for h in range(1, n_hosts + 1) for j in range(per_host)]
+            names = [
+                f"h{h}r{j}" for h in range(1, n_hosts + 1) for j in range(per_host)
+            ]
             for name in names:
                 argv_ = [sys.executable, str(HERE / "_relay_receiver.py"), "--store", str(sender.store_address),
                          "--job", "failover", "--name", name, "--size-mb", str(size_mb), "--events", str(events)]  # fmt: skip
                 procs.start(name, int(name[1 : name.index("r")]), argv_)
-            wait_until("every receiver to register", lambda: set(names) <= set(sender.receivers()), 180, procs)
+            wait_until(
+                "every receiver to register",
+                lambda: set(names) <= set(sender.receivers()),
+                180,
+                procs,
+            )
             ctl = Control(sender.store, "failover")
             expected: dict[int, str] = {}
             reports: list[dict[str, Any]] = []
@@ -65,8 +82,12 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                     rx0 = hosts.counters(1)[1]
                     started = time.monotonic()
                     handle = sender.push(version)
-                    wait_until("40% of the version to reach host 1",
-                               lambda: hosts.counters(1)[1] - rx0 >= 0.4 * sender.layout.total_bytes, 30)  # fmt: skip
+                    goal = rx0 + 0.4 * sender.layout.total_bytes
+                    wait_until(
+                        "40% of the version to reach host 1",
+                        lambda goal=goal: hosts.counters(1)[1] >= goal,
+                        30,
+                    )
                     os.kill(int(str(record["pid"])), signal.SIGKILL)
                     killed = {"rid": record["rid"], "pid": record["pid"], "after_s": time.monotonic() - started,
                               "rx_bytes": hosts.counters(1)[1] - rx0}  # fmt: skip
@@ -77,23 +98,42 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                                 "latency_s": report.latency_s})  # fmt: skip
             after = leader_record(ctl, sender.epoch, hosts.name(1))
             ready = {r["pid"]: r for r in read(events) if r["event"] == "ready"}
-            killed["name"] = ready[killed["pid"]]["name"] if killed["pid"] in ready else None
+            killed["name"] = (
+                ready[killed["pid"]]["name"] if killed["pid"] in ready else None
+            )
             latest = pushes
 
             def all_live_hold_latest() -> bool:
-                got = {r["name"] for r in read(events) if r["event"] == "applied" and r["version"] == latest}
+                got = {
+                    r["name"]
+                    for r in read(events)
+                    if r["event"] == "applied" and r["version"] == latest
+                }
                 return got >= set(names) - {killed["name"]}
 
-            wait_until("every live receiver to apply the last version", all_live_hold_latest, timeout_s, procs)
+            wait_until(
+                "every live receiver to apply the last version",
+                all_live_hold_latest,
+                timeout_s,
+                procs,
+            )
         applied = [r for r in read(events) if r["event"] == "applied"]
         return {
             "names": names,
             "reports": reports,
             "killed": killed,
-            "leader_after": None if after is None else {"rid": after["rid"], "pid": after["pid"]},
+            "leader_after": None
+            if after is None
+            else {"rid": after["rid"], "pid": after["pid"]},
             "rids": {r["name"]: r["rid"] for r in ready.values()},
-            "applied": [{"name": r["name"], "version": r["version"], "exact": r["digest"] == expected.get(r["version"])}
-                        for r in applied],  # fmt: skip
+            "applied": [
+                {
+                    "name": r["name"],
+                    "version": r["version"],
+                    "exact": r["digest"] == expected.get(r["version"]),
+                }
+                for r in applied
+            ],
             "kill_at": kill_at,
             "timeout_s": timeout_s,
         }
