@@ -105,9 +105,15 @@ def _run_isolated(args: argparse.Namespace) -> int:
     if args.json:
         argv.append("--json")
     proc = subprocess.Popen(isolated_argv(argv), start_new_session=True)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return proc.wait()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if proc.poll() is None:  # interrupted: unshare --kill-child ends the whole session
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

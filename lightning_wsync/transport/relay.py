@@ -60,6 +60,7 @@ from lightning_wsync._control import Control, pid_alive
 from lightning_wsync._manifest import Layout, checksum
 from lightning_wsync._snapshot import Snapshot
 from lightning_wsync._source import Latest, Source
+from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.transport.net import (
     _MAC_WORDS,
     PeerGroup,
@@ -124,6 +125,35 @@ def read_chain(ctl: Control, epoch: int) -> Chain | None:
     return None if value is None else Chain(int(value["gen"]), tuple(int(r) for r in value["rids"]))
 
 
+class _Superseded(Exception):
+    """The chain changed (or this side stopped) before the hop's peer showed up."""
+
+
+def _join_hop(
+    ctl: Control, prefix: str, rank: int, backend: str, addr: str, timeout_s: float, abandon: Callable[[], bool]
+) -> PeerGroup:
+    """Build a hop's group once its peer is known to be joining it too.
+
+    Both sides first mark themselves under ``prefix``; the group is built only once the
+    other's mark is there, so a side whose peer has moved on to a newer chain leaves at
+    the next check of ``abandon()`` instead of blocking in the group's set-up for timeout_s.
+    """
+    ctl.set_text(prefix + f"joined/{rank}", "1")
+    peer = prefix + f"joined/{1 - rank}"
+    deadline = time.monotonic() + timeout_s
+    next_check = 0.0
+    while not ctl.has(peer):
+        now = time.monotonic()
+        if now >= next_check:
+            if abandon():
+                raise _Superseded(prefix)
+            next_check = now + _CHAIN_POLL_S
+        if now > deadline:
+            raise TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
+        time.sleep(_POLL_S)
+    return make_group(backend, ctl.prefix_store(prefix), rank, addr, timeout_s)
+
+
 def _error_text(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -182,9 +212,11 @@ class RelayHead:
             first = chain.rids[0]
             pg: PeerGroup | None = None
             try:
-                pg = make_group(self._backend, ctl.prefix_store(hop_prefix(self._epoch, chain.gen, first)), 0,
-                                self._addr, self._timeout_s)  # fmt: skip
+                pg = _join_hop(ctl, hop_prefix(self._epoch, chain.gen, first), 0, self._backend, self._addr,
+                               self._timeout_s, lambda: self._stop.is_set() or self._changed.is_set())  # fmt: skip
                 self._feed(pg, ctl, chain)
+            except _Superseded:
+                continue
             except Exception as exc:  # noqa: BLE001 - this hop only; the chain is re-formed
                 if not self._stop.is_set() and not self._changed.is_set():
                     log.warning("relay: hop to leader rid=%d failed: %s", first, _error_text(exc))
@@ -244,7 +276,7 @@ class HostSegment:
             if name is not None:
                 try:
                     self._link = ShmReceiveLink(name, self.layout)
-                except (OSError, ValueError) as exc:  # not created yet by a new leader: retried
+                except (OSError, ValueError, WeightSyncError) as exc:  # a new leader is creating it: retried
                     log.debug("host segment %s not readable yet: %s", name, exc)
                     self._name = None
 
@@ -383,9 +415,16 @@ class RelayMember:
         up_prefix = hop_prefix(self._epoch, chain.gen, self._rid)
         down = _Downstream(ctl, self._epoch, chain, pos, self._backend, self._addr, self._timeout_s)
         pg: PeerGroup | None = None
+
+        def superseded() -> bool:
+            current = read_chain(ctl, self._epoch)
+            return self._stop.is_set() or current is None or current.gen != chain.gen or not self._still_leader(ctl)
+
         try:
-            pg = make_group(self._backend, ctl.prefix_store(up_prefix), 1, self._addr, self._timeout_s)
+            pg = _join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
             self._serve(ctl, pg, up_prefix, chain, down)
+        except _Superseded:
+            return
         except Exception as exc:  # noqa: BLE001 - rebuild with the (maybe new) chain
             if not self._stop.is_set():
                 log.info("relay: rid=%d hop from upstream ended (%s)", self._rid, _error_text(exc)[:200])
@@ -484,6 +523,8 @@ class _Downstream:
         self._n = 0  # messages announced on this hop
         self._broken = False
         self._ready = threading.Event()
+        self._closed = threading.Event()
+        self._gen = chain.gen
         self._connector: threading.Thread | None = None
         if self._rid is not None:
             self._connector = threading.Thread(
@@ -493,8 +534,16 @@ class _Downstream:
 
     def _connect(self, backend: str, addr: str) -> None:
         assert self._prefix is not None
+        ctl = self._ctl.clone()
+
+        def superseded() -> bool:
+            current = read_chain(ctl, self._epoch)
+            return self._closed.is_set() or current is None or current.gen != self._gen
+
         try:
-            self._pg = make_group(backend, self._ctl.clone().prefix_store(self._prefix), 0, addr, self._timeout_s)
+            self._pg = _join_hop(ctl, self._prefix, 0, backend, addr, self._timeout_s, superseded)
+        except _Superseded:
+            pass
         except Exception as exc:  # noqa: BLE001 - the next leader never came: drop it from the chain
             self._fail(exc)
         finally:
@@ -544,8 +593,9 @@ class _Downstream:
                 return
 
     def close(self) -> None:
+        self._closed.set()
         if self._connector is not None:
-            self._connector.join(timeout=0.1)
+            self._connector.join(timeout=1.0)
         _shutdown(self._pg)
 
 
