@@ -186,9 +186,12 @@ class PushRun:
                     )
                 else:
                     self._conns[n] = self._children.start(_receiver_main, args, name=f"wsync-bench-{n}")
+            # Many receivers importing torch at once on a few cores start slowly: bound the
+            # start-up by the receiver count, not by timeout_s alone.
+            startup_s = self._timeout_s * max(1.0, len(self._names) / 4)
             for n, conn in self._conns.items():
-                receive(conn, self._timeout_s, f"receiver {n} to start")
-            _wait_registered(self._sender, self._names, self._timeout_s)
+                receive(conn, startup_s, f"receiver {n} to start")
+            _wait_registered(self._sender, self._names, startup_s)
         except BaseException as exc:
             self.__exit__(type(exc), exc, None)
             raise
