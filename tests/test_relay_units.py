@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
     layout = build_layout(tensors, None, 2 * 2**20)
     pieces = chunks(layout)
     assert pieces[0][0] == 0 and pieces[-1][1] == layout.total_bytes
-    assert all(b == a2 for (_, b, _), (a2, _, _) in zip(pieces, pieces[1:]))
+    assert all(b == a2 for (_, b, _), (a2, _, _) in itertools.pairwise(pieces))
     for a, b, bucket in pieces:
         ba, bb = layout.buckets[bucket]
         assert ba <= a < b <= bb and b - a <= CHUNK_BYTES
