@@ -75,6 +75,11 @@ class Source:
     def describe(self) -> str:
         return "shared memory" if self.shm is not None else "network"
 
+    @property
+    def watches_shared_memory(self) -> bool:
+        """Whether a blocked waiter should watch a segment (wait_shared_change) rather than the store."""
+        return self.shm is not None
+
     def apply(
         self,
         held: int | None,

@@ -220,7 +220,7 @@ class WeightReceiver:
         the segment rather than waiting for the watcher's signal of the store's announcement.
         """
         source = self._source
-        if source is None or source.shm is None or self.config.verify:
+        if source is None or not source.watches_shared_memory or self.config.verify:
             with self._cond:
                 self._cond.wait(timeout=max(0.0, until - time.monotonic()))
             return

@@ -54,10 +54,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import xxhash
 from typing_extensions import override
 
 from lightning_wsync._control import Control, pid_alive
-from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync._manifest import Layout
 from lightning_wsync._snapshot import Snapshot
 from lightning_wsync._source import Latest, Source
 from lightning_wsync.errors import WeightSyncError
@@ -78,9 +79,10 @@ from lightning_wsync.transport.shm import (
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
+CHUNK_BYTES = 1 << 19  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
 _POLL_S = 0.002
 _CHAIN_POLL_S = 0.05
+_SEGMENT_POLL_S = 0.005  # a waiting host-mate reads the segment header this often (~0.5% of a core)
 _DOWNSTREAM_CONNECT_S = 2.0  # a version arriving before the next hop is connected waits this long for it
 _RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded down the chain
 
@@ -297,6 +299,14 @@ class HostSegment:
                     return version
             return None
 
+    def sequence(self) -> int:
+        """The followed segment's sequence counter (-1 when none is followed yet)."""
+        link = self._link
+        try:
+            return -1 if link is None else link.sequence()
+        except (AttributeError, ValueError):
+            return -1  # closed under us by follow(): the caller looks again
+
     def close(self) -> None:
         self.follow(None)
 
@@ -461,13 +471,17 @@ class RelayMember:
             forward = down.begin(header)
             works = [pg.recv([staging[a:b]], 0, 0) for a, b, _ in pieces]
             sums: list[int] = []
+            hasher = xxhash.xxh3_64()
             for i, ((a, b, bucket), work) in enumerate(zip(pieces, works)):
                 work.wait()
                 if forward:
                     down.send(staging[a:b])
-                if last_piece[bucket] == i:  # hash bucket i while the next one arrives
-                    ba, bb = layout.buckets[bucket]
-                    sums.append(_signed(checksum(staging, ba, bb)))
+                # Hash chunk by chunk after forwarding it: a whole bucket hashed at once would hold
+                # the next chunks back from the next hop (xxh3 streamed equals xxh3 in one go).
+                hasher.update(staging[a:b].numpy().data)
+                if last_piece[bucket] == i:
+                    sums.append(_signed(hasher.intdigest()))
+                    hasher = xxhash.xxh3_64()
             trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64)
             pg.recv([trailer], 0, 0).wait()
             if forward:
@@ -626,6 +640,21 @@ class RelaySource(Source):
         reject: Callable[[int, str], None] | None = None,
     ) -> int | None:
         return self.segment.apply(held, self._ordered)
+
+    @property
+    @override
+    def watches_shared_memory(self) -> bool:
+        return True
+
+    @override
+    def wait_shared_change(self, until: float, give_up: Callable[[], bool], poll_s: float) -> None:
+        """Sleep until the host segment's counter moves (a version published), ``until`` or ``give_up()``."""
+        poll_s = max(poll_s, _SEGMENT_POLL_S)
+        seen = self.segment.sequence()
+        while time.monotonic() < until and not give_up():
+            time.sleep(poll_s)
+            if self.segment.sequence() != seen:
+                return
 
     @override
     def describe(self) -> str:
