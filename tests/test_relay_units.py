@@ -30,6 +30,7 @@ def test_push_time_model() -> None:
     wire = link.model_bytes / link.rate
     assert depth(8, 1) == 8 and depth(1, 2) == 1 and depth(7, 2) == 3 and depth(4096, 4) == 7
     assert push_time(1, link, hop_s=0.01, fixed_s=0.1) == pytest.approx(0.1 + wire)
+    assert push_time(1, link, hop_s=0.01, fixed_s=0.1, fanout=4) == pytest.approx(0.1 + wire)
     chain = push_time(8, link, hop_s=0.01, fixed_s=0.1)
     assert chain == pytest.approx(0.1 + wire + 7 * (CHUNK_BYTES / link.rate + 0.01))
     assert push_time(8, link, hop_s=0.01, fixed_s=0.1, fanout=2) > chain  # two wire times per relay

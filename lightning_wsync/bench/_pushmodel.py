@@ -11,7 +11,10 @@ fixed cost t0 (snapshot, announcement, the last host's verification and apply)::
 
     depth(H, f) = H                       for f = 1 (a chain)
                 = ceil(log_f(H (f - 1) + 1))  for f > 1 (complete f-ary tree)
-    T(H, f)     = t0 + f S / B + (depth - 1) (f c / B + h)
+    T(H, f)     = t0 + f S / B + (depth - 1) (f c / B + h)      (f capped at H)
+
+A chain beats fan-out f while (H - 1)(c/B + h) < (f - 1) S/B + ..., i.e. up to about
+H* = 1 + (f - 1) (S/B) / (c/B + h) hosts.
 
 Each relay sends f copies, so its link carries f S per version: fan-out trades f - 1
 extra wire times for fewer hops. With a failure rate p (probability that a given host's
@@ -29,6 +32,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from lightning_wsync.transport.relay import CHUNK_BYTES
+
 TBF_EFFICIENCY = 0.96
 
 
@@ -36,7 +41,7 @@ TBF_EFFICIENCY = 0.96
 class Link:
     model_bytes: float
     link_bits_per_s: float
-    chunk_bytes: float = float(1 << 20)
+    chunk_bytes: float = float(CHUNK_BYTES)
 
     @property
     def rate(self) -> float:
@@ -54,7 +59,8 @@ def push_time(
     repair_s: float = 0.0,
 ) -> float:  # fmt: skip
     d = depth(hosts, fanout)
-    t = fixed_s + fanout * link.model_bytes / link.rate + (d - 1) * (fanout * link.chunk_bytes / link.rate + hop_s)
+    f = min(fanout, hosts)  # a relay never sends more copies than it has children
+    t = fixed_s + f * link.model_bytes / link.rate + (d - 1) * (f * link.chunk_bytes / link.rate + hop_s)
     return t + (1 - (1 - failure_rate) ** hosts) * repair_s
 
 
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     hop_s, fixed_s = fit(points)
     print(f"fitted: per-hop latency h = {hop_s * 1e3:.1f} ms, fixed cost t0 = {fixed_s:.3f} s")
+    lk0 = points[0][1]
+    crossover = 1 + (lk0.model_bytes / lk0.rate) / (lk0.chunk_bytes / lk0.rate + hop_s) if hop_s > 0 else float("inf")
+    print(f"a chain beats fan-out 2 up to about H* = {crossover:.0f} hosts on these links")
     print(f"{'hosts':>6} {'measured s':>11} {'chain s':>8} {'tree f=2 s':>11} {'tree f=4 s':>11}")
     link = points[0][1]
     for hosts, lk, measured in sorted(points, key=lambda p: p[0]):
