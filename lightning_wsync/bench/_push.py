@@ -191,7 +191,7 @@ class PushRun:
             startup_s = self._timeout_s * max(1.0, len(self._names) / 4)
             for n, conn in self._conns.items():
                 receive(conn, startup_s, f"receiver {n} to start")
-            _wait_registered(self._sender, self._names, startup_s)
+            wait_registered(self._sender, self._names, startup_s)
         except BaseException as exc:
             self.__exit__(type(exc), exc, None)
             raise
@@ -277,7 +277,7 @@ def run_push_phase(
     return run.phase
 
 
-def _wait_registered(sender: WeightSender, names: list[str], timeout_s: float) -> None:
+def wait_registered(sender: WeightSender, names: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not set(names) <= set(sender.receivers()):
         if time.monotonic() > deadline:

@@ -55,12 +55,10 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
-from typing_extensions import override
 
 from lightning_wsync._control import Control, pid_alive
-from lightning_wsync._manifest import Layout
-from lightning_wsync._snapshot import Snapshot
-from lightning_wsync._source import Latest, Source
+from lightning_wsync._manifest import Layout, entry_views
+from lightning_wsync._source import Reject, SharedMemorySource, SumsLookup
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.transport.net import (
     _MAC_WORDS,
@@ -70,8 +68,9 @@ from lightning_wsync.transport.net import (
     make_group,
     trailer_mac,
 )
+from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync.transport.shm import (
-    ShmReceiveLink,
+    ShmReader,
     ShmSegment,
     remove_stale_segments,
     segment_name,
@@ -166,12 +165,12 @@ class RelayHead:
     """The sender's side: keeps the chain on the store and feeds its first leader."""
 
     def __init__(
-        self, control: Control, snapshot: Snapshot, *, epoch: int, backend: str, addr: str, timeout_s: float,
+        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timeout_s: float,
         heartbeat_timeout_s: float,
     ) -> None:  # fmt: skip
         self.chain = Chain(0, ())
         self._control = control
-        self._snapshot = snapshot
+        self._ring = ring
         self._epoch = epoch
         self._backend = backend
         self._addr = addr
@@ -180,7 +179,7 @@ class RelayHead:
         self._excluded: dict[int, float] = {}  # rid -> until (time.monotonic())
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self._pieces = [snapshot.buffer[a:b] for a, b, _ in chunks(snapshot.layout)]
+        self._pieces = chunks(ring.layout)
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)
         self._thread.start()
 
@@ -228,27 +227,31 @@ class RelayHead:
                 _shutdown(pg)
 
     def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
-        snap, layout = self._snapshot, self._snapshot.layout
+        ring, layout = self._ring, self._ring.layout
         prefix = hop_prefix(self._epoch, chain.gen, chain.rids[0])
         sent: int | None = None
         n = 0
         while not self._stop.is_set() and not self._changed.is_set():
-            item = snap.wait_newer(sent, 0.05)
-            if item is None:
+            lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
+            if lease is None:
                 continue
-            version, gen = item
-            header = torch.tensor([version, gen, layout.total_bytes, len(self._pieces)], dtype=torch.int64)
-            ctl.set_text(prefix + f"ann/{n}", "1")
-            pg.send([header], 1, 0).wait()
-            works = [pg.send([p], 1, 0) for p in self._pieces]
-            sums = snap.checksums(gen)  # while gloo streams the chunks; shared with the star links
-            for work in works:
-                work.wait()
-            intact = sums is not None and snap.sequence == gen
-            words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
-            mac = trailer_mac(ctl, self._epoch, _RELAY_RID, version, gen, words)
-            pg.send([torch.tensor([gen if intact else -1] + words + mac, dtype=torch.int64)], 1, 0).wait()
-            sent, n = version, n + 1
+            try:
+                buffer, (_, seq, version) = lease.buffer, lease.ref
+                header = torch.tensor([version, seq, layout.total_bytes, len(self._pieces)], dtype=torch.int64)
+                ctl.set_text(prefix + f"ann/{n}", "1")
+                pg.send([header], 1, 0).wait()
+                works = [pg.send([buffer[a:b]], 1, 0) for a, b, _ in self._pieces]
+                sums = ring.checksums(lease)  # while gloo streams the chunks; shared with the star links
+                for work in works:
+                    work.wait()
+                    lease.touch()
+                intact = sums is not None and lease.intact()
+                words = [_signed(x) for x in (sums or [0] * len(layout.buckets))]
+                mac = trailer_mac(ctl, self._epoch, _RELAY_RID, version, seq, words)
+                pg.send([torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)], 1, 0).wait()
+                sent, n = version, n + 1
+            finally:
+                lease.release()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -258,54 +261,46 @@ class RelayHead:
 
 # -- a rollout host's side --------------------------------------------------------------
 class HostSegment:
-    """The host's copy of the newest verified version, as every receiver on the host reads it."""
+    """The host's ring of verified versions, read as same-host receivers read the trainer's."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, epoch: int, layout: Layout, ordered: list[torch.Tensor], name: str) -> None:
+        self.epoch = epoch
         self.layout = layout
-        self._link: ShmReceiveLink | None = None
-        self._name: str | None = None
+        self._ordered = ordered
+        self._name = name
+        self._source: SharedMemorySource | None = None
+        self._segment: str | None = None
         self._lock = threading.Lock()
 
-    def follow(self, name: str | None) -> None:
-        """Read from segment ``name`` from now on (the current leader's)."""
+    def follow(self, segment: str | None) -> None:
+        """Read from the ring ``segment`` from now on (the current leader's)."""
         with self._lock:
-            if name == self._name and self._link is not None:
+            if segment == self._segment and self._source is not None:
                 return
-            if self._link is not None:
-                self._link.close()
-                self._link = None
-            self._name = name
-            if name is not None:
+            if self._source is not None:
+                self._source.close()
+                self._source = None
+            self._segment = segment
+            if segment is not None:
                 try:
-                    self._link = ShmReceiveLink(name, self.layout)
+                    reader = ShmReader(segment, self.layout)
                 except (OSError, ValueError, WeightSyncError) as exc:  # a new leader is creating it: retried
-                    log.debug("host segment %s not readable yet: %s", name, exc)
-                    self._name = None
+                    log.debug("host ring %s not readable yet: %s", segment, exc)
+                    self._segment = None
+                    return
+                self._source = SharedMemorySource(self.epoch, self.layout, self._ordered, reader, self._name)
 
-    def apply(self, held: int | None, ordered: list[torch.Tensor], attempts: int = 3) -> int | None:
+    def current(self) -> SharedMemorySource | None:
+        return self._source
+
+    def apply(self, held: int | None, reject: Reject) -> int | None:
+        with self._lock:  # follow() cannot close the ring under a copy
+            source = self._source
+            return None if source is None else source.apply(held, None, reject)  # verified by the leader
+
+    def pending_above(self, held: int | None) -> bool:
         with self._lock:
-            link = self._link
-            for _ in range(attempts):
-                if link is None:
-                    return None
-                published = link.published()
-                if published is None:
-                    time.sleep(_POLL_S)  # a leader is copying a version in (milliseconds)
-                    continue
-                version, seq = published
-                if held is not None and version <= held:
-                    return None
-                if link.try_apply(seq, ordered):
-                    return version
-            return None
-
-    def sequence(self) -> int:
-        """The followed segment's sequence counter (-1 when none is followed yet)."""
-        link = self._link
-        try:
-            return -1 if link is None else link.sequence()
-        except (AttributeError, ValueError):
-            return -1  # closed under us by follow(): the caller looks again
+            return self._source is not None and self._source.pending_above(held)
 
     def close(self) -> None:
         self.follow(None)
@@ -340,7 +335,7 @@ class RelayMember:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._on_published = on_published
         self._on_rejected = on_rejected
-        self._own: ShmSegment | None = None
+        self._own: SnapshotRing | None = None
         self._leader_hb: tuple[int, int, float] | None = None  # (rid, hb, seen at)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
@@ -389,8 +384,10 @@ class RelayMember:
                 leading = record is not None and int(str(record["rid"])) == self._rid
                 if leading and self._own is None:
                     assert record is not None
-                    remove_stale_segments()  # a SIGKILLed predecessor's segment, among others
-                    self._own = ShmSegment(str(record["shm"]), self.layout.total_bytes, create=True)
+                    remove_stale_segments()  # a SIGKILLed predecessor's ring, among others
+                    segment = ShmSegment(str(record["shm"]), self.layout.total_bytes, create=True, slots=2)
+                    self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
+                                             lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
                 self.segment.follow(None if record is None else str(record["shm"]))
                 if leading:
                     self.is_leader = True
@@ -409,6 +406,8 @@ class RelayMember:
         if self._own is not None:
             self.segment.follow(None)
             self._own.close()
+            if self._own.segment is not None:
+                self._own.segment.close()
             self._own = None
 
     def _still_leader(self, ctl: Control) -> bool:
@@ -510,9 +509,11 @@ class RelayMember:
         own = self._own
         if own is None or (self.published_version is not None and version <= self.published_version):
             return
-        own.begin_write()
-        own.data[: staging.numel()].copy_(staging)
-        own.end_write(version)
+        # Into a slot no host-mate holds; when both are held (a stalled reader, within its
+        # lease) the version is skipped here, and the next one is published instead.
+        if own.write(version, entry_views(self.layout, staging)) is None:
+            log.warning("relay: version %d not published on this host: every slot of its ring is held", version)
+            return
         self.published_version = version
         self._on_published(version)
 
@@ -618,49 +619,30 @@ def leader_record(ctl: Control, epoch: int, host: str) -> dict[str, object] | No
     return None if value is None else dict(value)
 
 
-class RelaySource(Source):
-    """A receiver's data plane on a relay host: the host segment, fed by whichever receiver leads."""
+class RelaySource:
+    """A receiver's data plane on a relay host (a ``ReceiveSource``): the host's ring, fed by its leader."""
 
-    def __init__(
-        self, epoch: int, layout: Layout, ordered: list[torch.Tensor], segment: HostSegment, member: RelayMember
-    ) -> None:
-        super().__init__(epoch, layout, ordered, None, None)
+    def __init__(self, epoch: int, segment: HostSegment, member: RelayMember) -> None:
+        self.epoch = epoch
         self.segment = segment
         self.member = member
 
-    @override
-    def apply(
-        self,
-        held: int | None,
-        latest: Callable[[], Latest | None],
-        wait: Callable[[], None],
-        timeout_s: float,
-        name: str,
-        sums: Callable[[int, int], list[int] | None] | None = None,
-        reject: Callable[[int, str], None] | None = None,
-    ) -> int | None:
-        return self.segment.apply(held, self._ordered)
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        return self.segment.apply(held, reject)
 
-    @property
-    @override
-    def watches_shared_memory(self) -> bool:
-        return True
+    def pending_above(self, held: int | None) -> bool:
+        return self.segment.pending_above(held)
 
-    @override
-    def wait_shared_change(self, until: float, give_up: Callable[[], bool], poll_s: float) -> None:
-        """Sleep until the host segment's counter moves (a version published), ``until`` or ``give_up()``."""
-        poll_s = max(poll_s, _SEGMENT_POLL_S)
-        seen = self.segment.sequence()
-        while time.monotonic() < until and not give_up():
-            time.sleep(poll_s)
-            if self.segment.sequence() != seen:
-                return
+    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
+        source = self.segment.current()
+        if source is None:
+            return False
+        source._poll_s = _SEGMENT_POLL_S  # many waiting host-mates: a lighter watch of the ring header
+        return source.wait_change(until, lambda: give_up() or self.segment.current() is not source)
 
-    @override
     def describe(self) -> str:
-        return "relay across hosts (host segment)"
+        return "relay across hosts (host ring)"
 
-    @override
     def close(self) -> None:
         self.member.close()
         self.segment.close()
@@ -668,14 +650,14 @@ class RelaySource(Source):
 
 def open_relay_source(
     control: Control, layout: Layout, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
-    rid: int, host: str, job: str, addr: str, timeout_s: float,
+    rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
 ) -> RelaySource:  # fmt: skip
     """The data plane of a receiver on a host other than the sender's, when the sender relays."""
-    segment = HostSegment(layout)
+    segment = HostSegment(epoch, layout, ordered, name)
     member = RelayMember(
         control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=str(record["backend"]),
         addr=addr, timeout_s=timeout_s, heartbeat_timeout_s=float(str(record["heartbeat_timeout_s"])),
         on_published=on_published, on_rejected=on_rejected,
     )  # fmt: skip
-    return RelaySource(epoch, layout, ordered, segment, member)
+    return RelaySource(epoch, segment, member)
