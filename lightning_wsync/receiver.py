@@ -401,6 +401,9 @@ class WeightReceiver:
 
     def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
         if record.get("relay") and record["host"] != self._host:
+            if self.config.apply == "swap":
+                log.warning("receiver %r: apply='swap' has no effect on a relay host (versions are copied from the "
+                            "host's shared memory); the sender's cross_host='star' keeps the network path", self.name)  # fmt: skip
             return open_relay_source(
                 self._ctl, layout, self._ordered_for(layout), record, epoch=epoch, rid=self.rid, host=self._host,
                 job=self._ctl.job, name=self.name, addr=local_address(self._store_address),
