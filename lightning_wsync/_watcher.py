@@ -31,6 +31,7 @@ from lightning_wsync.errors import (
     WeightSyncStoreError,
 )
 from lightning_wsync.transport.net import NetReceiveLink
+from lightning_wsync.transport.relay import open_relay_source
 
 log = logging.getLogger("lightning_wsync.receiver")
 
@@ -246,6 +247,15 @@ class ReceiverWatcher:
                  self._source.describe())  # fmt: skip
 
     def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
+        if record.get("relay") and record["host"] != self._host:
+            if self.config.apply == "swap":
+                log.warning("receiver %r: apply='swap' has no effect on a relay host (versions are copied from the "
+                            "host's shared memory); the sender's cross_host='star' keeps the network path", self.name)  # fmt: skip
+            return open_relay_source(
+                self._ctl, layout, self._ordered_for(layout), record, epoch=epoch, rid=self.rid, host=self._host,
+                job=self._ctl.job, name=self.name, addr=local_address(self._store_address),
+                timeout_s=self.config.timeout_s, on_published=self._on_staged, on_rejected=self._on_rejected,
+            )  # fmt: skip
         return open_source(
             epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name, swap=self.config.apply == "swap",
             net=lambda backend: NetReceiveLink(

@@ -17,6 +17,7 @@ import torch
 from omegaconf import MISSING
 
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
+CROSS_HOST = ("relay", "star")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -68,6 +69,10 @@ class SenderConfig:
             rest; CUDA weights are snapshotted to host memory), ``"shm"``, ``"gloo"``, or
             ``"nccl"`` (snapshot stays on the GPU; receivers on other GPUs get it over NCCL).
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
+        cross_host: with ``transport="auto"``, how receivers on other hosts get a version:
+            ``"relay"`` (one copy into each host, to an elected host leader, forwarded
+            host to host down a chain; the host's other receivers copy it from shared
+            memory) or ``"star"`` (the sender sends to every remote receiver itself).
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.
     """
@@ -80,6 +85,7 @@ class SenderConfig:
     timeout_s: float = 30.0
     transport: str = "auto"
     heartbeat_timeout_s: float = 10.0
+    cross_host: str = "relay"
     secret: str | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +99,11 @@ class SenderConfig:
         _positive(owner, "heartbeat_timeout_s", self.heartbeat_timeout_s, "e.g. heartbeat_timeout_s=10")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"{owner}: transport={self.transport!r} is unknown; choose one of {TRANSPORTS}")
+        if self.cross_host not in CROSS_HOST:
+            raise ValueError(
+                f"{owner}: cross_host={self.cross_host!r} is unknown; choose one of {CROSS_HOST} "
+                f"('star' sends to every remote receiver from the trainer)"
+            )
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -182,7 +193,7 @@ class CallbackConfig:
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
         job, dtype, include, exclude, bucket_mb, timeout_s, transport,
-            heartbeat_timeout_s: as in :class:`SenderConfig`. The shared secret is
+            heartbeat_timeout_s, cross_host: as in :class:`SenderConfig`. The shared secret is
             deliberately not a field (Hydra writes configs to its output folder): set
             ``$WSYNC_SECRET``.
     """
@@ -200,6 +211,7 @@ class CallbackConfig:
     timeout_s: float = 30.0
     transport: str = "auto"
     heartbeat_timeout_s: float = 10.0
+    cross_host: str = "relay"
     max_version_lag: int | None = None
 
     def __post_init__(self) -> None:
@@ -230,7 +242,7 @@ class CallbackConfig:
         return SenderConfig(
             job=self.job, dtype=self.dtype, include=list(self.include), exclude=list(self.exclude),
             bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, transport=self.transport,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s, cross_host=self.cross_host,
         )  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from lightning_wsync._membership import Member, Membership, decode_state
 from lightning_wsync.config import SenderConfig, resolve_config
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
 from lightning_wsync.transport.net import NetSendLink
+from lightning_wsync.transport.relay import RelayHead, leader_record
 from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync.transport.shm import ShmSegment, remove_stale_segments, segment_name
 
@@ -142,12 +143,14 @@ class WeightSender:
         timeout_s: float = 30.0,
         transport: str = "auto",
         heartbeat_timeout_s: float = 10.0,
+        cross_host: str = "relay",
         secret: str | None = None,
         config: SenderConfig | None = None,
     ) -> None:
         options: dict[str, object] = {
             "dtype": dtype, "include": include, "exclude": exclude, "bucket_mb": bucket_mb, "timeout_s": timeout_s,
-            "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s, "secret": secret,
+            "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s, "cross_host": cross_host,
+            "secret": secret,
         }  # fmt: skip
         cfg = resolve_config(SenderConfig, config, "WeightSender", job, options)
         self.config = cfg
@@ -188,6 +191,13 @@ class WeightSender:
         self._ring = SnapshotRing(self.layout, segment=segment, device=device, slots=2, lease_s=lease_s)
         self._backend = "nccl" if use_device else "gloo"
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s, epoch=self.epoch)
+        # Receivers on other hosts: one copy into each host, relayed host to host (transport/relay.py).
+        self._relay = (
+            RelayHead(self._ctl, self._ring, epoch=self.epoch, backend=self._backend, addr=self._addr,
+                      timeout_s=cfg.timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+            if cfg.transport == "auto" and cfg.cross_host == "relay" and not use_device
+            else None
+        )  # fmt: skip
 
         self._ctl.set_json(f"layout/{self.epoch}", self.layout.to_json())
         self._ctl.set_json(
@@ -200,6 +210,8 @@ class WeightSender:
                 "backend": self._backend,
                 "shm": segment.name if segment is not None else None,
                 "addr": self._addr,
+                "relay": self._relay is not None,
+                "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
             },
         )
         self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it
@@ -315,6 +327,19 @@ class WeightSender:
                 backend=self._backend, addr=self._addr, timeout_s=self.config.timeout_s,
             )  # fmt: skip
 
+    def _sync_relay(self) -> None:
+        """Keep the relay chain at the live host leaders (one per host other than this one)."""
+        if self._relay is None:
+            return
+        live = {m.rid: m for m in self._members.live()}
+        hosts = sorted({m.host for m in live.values() if m.host != self._host})
+        leaders: dict[int, str] = {}
+        for host in hosts:
+            record = leader_record(self._ctl, self.epoch, host)
+            if record is not None and int(str(record["rid"])) in live:
+                leaders[int(str(record["rid"]))] = host
+        self._relay.update_chain(leaders)
+
     def _collect(self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float) -> PushReport:
         pending = {m.rid: m for m in targets}
         delivered: list[str] = []
@@ -400,6 +425,8 @@ class WeightSender:
             self._wake.notify()
         self._thread.join(timeout=10)
         self._ring.close()
+        if self._relay is not None:
+            self._relay.close()
         for member in self._members.members():
             if member.link is not None:
                 member.link.close()
@@ -434,6 +461,7 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
             if now - last_refresh >= _MEMBERSHIP_REFRESH_S:
                 sender._members.refresh()
                 sender._sync_links()
+                sender._sync_relay()
                 last_refresh = now
         except (RuntimeError, WeightSyncStoreError) as exc:
             log.warning("sender background step failed (will retry): %s", str(exc).strip()[:300])

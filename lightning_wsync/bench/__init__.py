@@ -39,6 +39,7 @@ from types import FrameType
 import torch
 
 from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync.bench import _hostbench
 from lightning_wsync.bench._bounds import BoundBench
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
 from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
@@ -75,15 +76,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="push every INTERVAL ms for --duration-s instead of one push at a time")
     parser.add_argument("--duration-s", type=float, default=10.0, help="length of an --interval-ms run (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _hostbench.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the report; return the exit status."""
     try:
         _validate(args)
+        if args.hosts is not None:
+            _hostbench.validate(args)
     except ValueError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.hosts is not None:
+        return _hostbench.run(args)
     threads = torch.get_num_threads()
     restore_signals = _exit_on_sigterm()
     try:

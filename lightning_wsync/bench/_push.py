@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 from multiprocessing.connection import Connection
 
 import torch
@@ -104,6 +104,22 @@ def _receiver_main(
         report_failure(conn, f"receiver {name}")
 
 
+class Placement(NamedTuple):
+    """Where a receiver runs: a simulated host's network namespace and its host identity."""
+
+    name: str
+    netns: str
+    host_id: str
+
+
+def _receiver_on_host(conn: Connection, netns: str, host_id: str, *args: Any) -> None:
+    from lightning_wsync.bench._hosts import enter_netns
+
+    os.environ["WSYNC_HOST_ID"] = host_id
+    enter_netns(netns)  # before any socket: the receiver's store client and links live there
+    _receiver_main(conn, *args)
+
+
 class PushRun:
     """A real sender here and its receivers in spawned processes; pushes one version at a time.
 
@@ -126,10 +142,16 @@ class PushRun:
         bucket_mb: float = SenderConfig.bucket_mb,
         apply: str = "copy",
         timeout_s: float,
+        store_host: str = "127.0.0.1",
+        placement: Sequence[Placement] | None = None,
+        cross_host: str = SenderConfig.cross_host,
     ) -> None:
         self._model = model
         self._spec = spec
-        self._names = [f"r{i}" for i in range(n_receivers)]
+        self._placement = {p.name: p for p in placement or ()}
+        self._names = list(self._placement) if placement else [f"r{i}" for i in range(n_receivers)]
+        self._store_host = store_host
+        self._cross_host = cross_host
         self._transport = transport
         self._dtype = dtype
         self._wire_dtype = None if dtype is None else getattr(torch, dtype)
@@ -147,8 +169,9 @@ class PushRun:
     def __enter__(self) -> PushRun:
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         self._base = reset_peak()
-        self._sender = WeightSender(self._model, store="127.0.0.1:0", job=job, transport=self._transport,
-                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s)  # fmt: skip
+        self._sender = WeightSender(self._model, store=f"{self._store_host}:0", job=job, transport=self._transport,
+                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s,
+                                    cross_host=self._cross_host)  # fmt: skip
         self.phase = PushPhase(pushed_bytes=self._sender.layout.total_bytes, n_tensors=len(self._sender.layout.entries))
         try:
             self._children = Children().__enter__()
@@ -156,10 +179,19 @@ class PushRun:
             assert address is not None
             for n in self._names:
                 args = (address, job, n, self._spec, self._dtype, self._apply, self._timeout_s)
-                self._conns[n] = self._children.start(_receiver_main, args, name=f"wsync-bench-{n}")
+                where = self._placement.get(n)
+                if where is not None:
+                    self._conns[n] = self._children.start(
+                        _receiver_on_host, (where.netns, where.host_id, *args), name=f"wsync-bench-{n}"
+                    )
+                else:
+                    self._conns[n] = self._children.start(_receiver_main, args, name=f"wsync-bench-{n}")
+            # Many receivers importing torch at once on a few cores start slowly: bound the
+            # start-up by the receiver count, not by timeout_s alone.
+            startup_s = self._timeout_s * max(1.0, len(self._names) / 4)
             for n, conn in self._conns.items():
-                receive(conn, self._timeout_s, f"receiver {n} to start")
-            wait_registered(self._sender, self._names, self._timeout_s)
+                receive(conn, startup_s, f"receiver {n} to start")
+            wait_registered(self._sender, self._names, startup_s)
         except BaseException as exc:
             self.__exit__(type(exc), exc, None)
             raise

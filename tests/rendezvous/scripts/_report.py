@@ -25,6 +25,7 @@ ENV_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "WSYNC_HOST_ID",
 )
 
 

@@ -1,0 +1,213 @@
+"""``lightning-wsync bench --hosts H``: pushes across simulated hosts on shaped links.
+
+::
+
+    lightning-wsync bench --hosts 8 --receivers-per-host 2 --link 700mbit --size-mb 64
+
+The trainer (this process) runs on host 0; ``H`` rollout hosts each run ``R`` receiver
+processes. Every host's link is shaped both ways to ``--link`` with ``tc tbf`` (which
+delivers ~96% of the configured rate). The command re-runs itself as PID 1 of a fresh
+network, mount and PID namespace (``unshare``, root only; see ``_hosts``), so the hosts,
+links and processes it builds cannot outlive it.
+
+Per push it measures the latency (``push()`` until the last receiver applied it) and the
+trainer's egress (bytes its ``eth0`` sent, from the interface counters, in model copies),
+against the wire bound (model bytes at the link rate: no design that sends every byte
+into every host can beat it); ``per_hop_overhead_s`` is what is left of the latency after
+the trainer's own NIC time (egress at the link rate), divided by the hops a version
+travels (1 for the star). A reference run to one rollout host (same R, same links) gives
+the "latency to one host" the scale-out figures are judged against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+
+import torch
+
+from lightning_wsync.bench._hosts import (
+    SimHosts,
+    in_session,
+    isolated_argv,
+    missing_requirements,
+    prepare_session,
+)
+from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
+from lightning_wsync.bench._procs import BenchError
+from lightning_wsync.bench._push import Placement, PushRun
+from lightning_wsync.errors import WeightSyncError
+
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_TOPOLOGIES = ("relay", "star")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="rollout hosts simulated with network namespaces (root); enables the multi-host bench")  # fmt: skip
+    parser.add_argument("--receivers-per-host", type=int, default=2, help="receivers on each rollout host (default 2)")
+    parser.add_argument("--link", default="700mbit", help="link rate of every host, tc syntax (default 700mbit)")
+    parser.add_argument("--topology", choices=_TOPOLOGIES, action="append", default=None,
+                        help="data plane(s) to measure across hosts (default: all)")  # fmt: skip
+    parser.add_argument("--no-reference", action="store_true", help="skip the one-host reference run")
+
+
+def link_bits_per_s(rate: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"--link={rate!r} is not a tc rate like '700mbit' or '1gbit'")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.hosts < 1 or args.hosts > 64:
+        raise ValueError(f"--hosts={args.hosts!r} must be in 1..64 (one namespace per host on this machine)")
+    if args.receivers_per_host < 1:
+        raise ValueError(f"--receivers-per-host={args.receivers_per_host!r} must be >= 1")
+    link_bits_per_s(args.link)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point for ``bench --hosts``: re-run inside an isolated session, or measure there."""
+    if not in_session():
+        reason = missing_requirements()
+        if reason is not None:
+            print(f"lightning-wsync bench: --hosts: {reason}", file=sys.stderr)
+            return 2
+        return _run_isolated(args)
+    prepare_session()
+    try:
+        result = measure(args)
+    except (BenchError, WeightSyncError, OSError, RuntimeError) as exc:
+        print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+def _run_isolated(args: argparse.Namespace) -> int:
+    argv = [sys.executable, "-m", "lightning_wsync.cli", "bench", "--hosts", str(args.hosts),
+            "--receivers-per-host", str(args.receivers_per_host), "--link", args.link,
+            "--size-mb", str(args.size_mb), "--pushes", str(args.pushes), "--timeout-s", str(args.timeout_s),
+            "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed)]  # fmt: skip
+    for topology in args.topology or ():
+        argv += ["--topology", topology]
+    if args.dtype is not None:
+        argv += ["--dtype", args.dtype]
+    if args.no_reference:
+        argv.append("--no-reference")
+    if args.json:
+        argv.append("--json")
+    proc = subprocess.Popen(isolated_argv(argv), start_new_session=True)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:  # interrupted: unshare --kill-child ends the whole session
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def measure(args: argparse.Namespace) -> dict[str, object]:
+    torch.set_num_threads(1)
+    spec = spec_for_size(args.size_mb)
+    model = build_model(spec, seed=args.seed)
+    rate = link_bits_per_s(args.link)
+    topologies = args.topology or list(_TOPOLOGIES)
+    phases: dict[str, dict[str, object]] = {}
+    with SimHosts(args.hosts + 1) as hosts:
+        for i in range(hosts.n):
+            hosts.shape(i, args.link)
+        os.environ["WSYNC_HOST_ID"] = hosts.name(0)
+        hosts.enter(0)  # this thread is the trainer on host 0; the store is hosted at its address
+        if not args.no_reference and args.hosts > 1:
+            phases["one_host"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=topologies[0])
+        for topology in topologies:
+            phases[topology] = _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology=topology)
+    reference = phases.get("one_host")
+    for name, phase in phases.items():
+        if reference is not None and name != "one_host":
+            phase["latency_vs_one_host"] = _ratio(phase["latency_s"], reference["latency_s"])
+    return {
+        "config": {"hosts": args.hosts, "receivers_per_host": args.receivers_per_host, "link": args.link,
+                   "link_bits_per_s": rate, "size_mb": args.size_mb, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+                   "pushes": args.pushes, "cpus": os.cpu_count(), "torch": torch.__version__},
+        "phases": phases,
+        "ok": all(bool(p["ok"]) for p in phases.values()),
+    }
+
+
+def _ratio(a: object, b: object) -> float | None:
+    return a / b if isinstance(a, float) and isinstance(b, float) and b > 0 else None
+
+
+def _phase(
+    model: torch.nn.Module, spec: ModelSpec, hosts: SimHosts, args: argparse.Namespace, rate: float, *,
+    n_hosts: int, topology: str,
+) -> dict[str, object]:  # fmt: skip
+    placement = [
+        Placement(f"h{h}r{j}", hosts.netns_path(h), hosts.name(h))
+        for h in range(1, n_hosts + 1)
+        for j in range(args.receivers_per_host)
+    ]
+    run = PushRun(model, spec, n_receivers=len(placement), transport="auto", dtype=args.dtype,
+                  bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, store_host=hosts.address(0),
+                  placement=placement, cross_host=topology)  # fmt: skip
+    samples: list[dict[str, object]] = []
+    with run:
+        pushed = run.phase.pushed_bytes if run.phase is not None else 0
+        for version in range(1, args.pushes + 2):
+            tx0, _ = hosts.counters(0)
+            sample = run.push(version, warmup=version == 1)
+            tx1, _ = hosts.counters(0)
+            samples.append({"version": version, "warmup": version == 1, "latency_s": sample.latency_s,
+                            "egress_bytes": tx1 - tx0, "egress_models": (tx1 - tx0) / pushed,
+                            "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
+    timed = [s for s in samples if not s["warmup"]]
+    wire_bound_s = pushed * 8 / rate
+    hops = n_hosts if topology == "relay" else 1
+    latency = statistics.median(float(s["latency_s"]) for s in timed)  # type: ignore[arg-type]
+    egress = statistics.median(float(s["egress_models"]) for s in timed)  # type: ignore[arg-type]
+    nic_s = egress * wire_bound_s
+    return {
+        "topology": topology, "hosts": n_hosts, "receivers": len(placement), "pushed_bytes": pushed,
+        "latency_s": latency, "wire_bound_s": wire_bound_s, "latency_vs_wire_bound": latency / wire_bound_s,
+        "egress_models_per_push": egress, "hops": hops, "per_hop_overhead_s": (latency - max(nic_s, wire_bound_s)) / hops,
+        "samples": samples, "ok": all(bool(s["digest_ok"]) and not s["failed"] for s in samples),
+    }  # fmt: skip
+
+
+def format_table(result: dict[str, object]) -> str:
+    cfg = result["config"]
+    assert isinstance(cfg, dict)
+    title = (
+        f"lightning-wsync bench across hosts: {cfg['hosts']} rollout hosts x {cfg['receivers_per_host']} receivers, "
+        f"links {cfg['link']} (tc tbf), {cfg['size_mb']:g} MiB model, {cfg['pushes']} timed pushes (medians), "
+        f"{cfg['cpus']} CPUs"
+    )
+    header = (
+        f"{'phase':<10} {'hosts':>5} {'recv':>5} {'latency s':>10} {'wire bound s':>13} {'x bound':>8} "
+        f"{'x 1 host':>9} {'egress models':>14} {'hop overhead s':>15} {'bit-exact':>10}"
+    )
+    lines = [title, header]
+    phases = result["phases"]
+    assert isinstance(phases, dict)
+    for name, p in phases.items():
+        vs_one = p.get("latency_vs_one_host")
+        lines.append(
+            f"{name:<10} {p['hosts']:>5} {p['receivers']:>5} {p['latency_s']:>10.2f} {p['wire_bound_s']:>13.2f} "
+            f"{p['latency_vs_wire_bound']:>8.2f} {'-' if vs_one is None else f'{vs_one:.2f}':>9} "
+            f"{p['egress_models_per_push']:>14.2f} {p['per_hop_overhead_s']:>15.2f} {'yes' if p['ok'] else 'NO':>10}"
+        )
+    return "\n".join(lines)

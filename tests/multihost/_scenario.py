@@ -1,0 +1,98 @@
+"""Shared by the scenario scripts: session set-up, processes on hosts, the result line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_wsync.bench._hosts import SimHosts, prepare_session
+
+POLL_S = 0.05
+
+
+class Procs:
+    """Processes started on simulated hosts, each logging to its own file."""
+
+    def __init__(self, hosts: SimHosts, root: Path) -> None:
+        self.hosts = hosts
+        self.root = root
+        self.started: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(
+        self,
+        name: str,
+        host: int,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
+        proc = self.hosts.popen(
+            host,
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        self.started[name] = proc
+        return proc
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        path = self.root / f"{name}.log"
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
+
+    def describe(self) -> str:
+        return "\n".join(
+            f"--- {n} (rc={p.poll()}):\n{self.tail(n)}" for n, p in self.started.items()
+        )
+
+    def wait(self, name: str, timeout_s: float) -> int:
+        try:
+            return self.started[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{name} still running after {timeout_s} s\n{self.describe()}"
+            ) from None
+
+
+def wait_until(
+    what: str,
+    condition: Callable[[], Any],
+    timeout_s: float,
+    procs: Procs | None = None,
+) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s} s waiting for {what}\n{procs.describe() if procs else ''}"
+            )
+        time.sleep(POLL_S)
+
+
+def main(scenario: Callable[[list[str]], dict[str, Any]]) -> None:
+    """Run ``scenario(argv)`` as the session's PID 1 and print its ``RESULT`` line."""
+    try:
+        prepare_session()
+        result = scenario(sys.argv[1:])
+    except BaseException:  # noqa: BLE001 - reported to the test through the exit status
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # PID 1 exiting takes every process of the session with it

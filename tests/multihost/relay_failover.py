@@ -1,0 +1,143 @@
+"""Scenario: a host leader SIGKILLed mid-version while the trainer keeps pushing.
+
+The trainer (this process, host 0) pushes versions one after another to R receivers on
+each of H hosts, relayed host to host. While version ``--kill-at`` is on the wire into
+host 1 (its interface has received 40% of the bytes), host 1's leader is SIGKILLed.
+Every later version must reach every other receiver within ``timeout_s`` (push reports),
+a host-mate must take over host 1, and every version any receiver applied must be
+bit-exact (digests against the trainer's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _scenario import Procs, main, wait_until
+
+from lightning_wsync import WeightSender
+from lightning_wsync._control import Control
+from lightning_wsync.bench._hosts import SimHosts
+from lightning_wsync.bench._model import build_model, digest, mutate, spec_for_size
+from lightning_wsync.transport.relay import leader_record
+
+HERE = Path(__file__).resolve().parent
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.exists()
+        else []
+    )
+
+
+def scenario(argv: list[str]) -> dict[str, Any]:
+    out, n_hosts, per_host, size_mb, link = (
+        Path(argv[0]),
+        int(argv[1]),
+        int(argv[2]),
+        float(argv[3]),
+        argv[4],
+    )
+    kill_at, pushes, timeout_s = 3, 7, 10.0
+    events = out / "events.jsonl"
+    with SimHosts(n_hosts + 1) as hosts:
+        for i in range(hosts.n):
+            hosts.shape(i, link)
+        os.environ["WSYNC_HOST_ID"] = hosts.name(0)
+        hosts.enter(0)
+        model = build_model(spec_for_size(size_mb), seed=0)
+        with WeightSender(model, store=f"{hosts.address(0)}:0", job="failover", timeout_s=timeout_s,
+                          heartbeat_timeout_s=2.0) as sender:  # fmt: skip
+            procs = Procs(hosts, out)
+            names = [
+                f"h{h}r{j}" for h in range(1, n_hosts + 1) for j in range(per_host)
+            ]
+            for name in names:
+                argv_ = [sys.executable, str(HERE / "_relay_receiver.py"), "--store", str(sender.store_address),
+                         "--job", "failover", "--name", name, "--size-mb", str(size_mb), "--events", str(events)]  # fmt: skip
+                procs.start(name, int(name[1 : name.index("r")]), argv_)
+            wait_until(
+                "every receiver to register",
+                lambda: set(names) <= set(sender.receivers()),
+                180,
+                procs,
+            )
+            ctl = Control(sender.store, "failover")
+            expected: dict[int, str] = {}
+            reports: list[dict[str, Any]] = []
+            killed: dict[str, Any] = {}
+            for version in range(1, pushes + 1):
+                mutate(model, version)
+                expected[version] = digest(model, None)
+                if version == kill_at:
+                    record = leader_record(ctl, sender.epoch, hosts.name(1))
+                    assert record is not None, "host 1 has no leader"
+                    rx0 = hosts.counters(1)[1]
+                    started = time.monotonic()
+                    handle = sender.push(version)
+                    goal = rx0 + 0.4 * sender.layout.total_bytes
+                    wait_until(
+                        "40% of the version to reach host 1",
+                        lambda goal=goal: hosts.counters(1)[1] >= goal,
+                        30,
+                    )
+                    os.kill(int(str(record["pid"])), signal.SIGKILL)
+                    killed = {"rid": record["rid"], "pid": record["pid"], "after_s": time.monotonic() - started,
+                              "rx_bytes": hosts.counters(1)[1] - rx0}  # fmt: skip
+                else:
+                    handle = sender.push(version)
+                report = handle.wait(timeout_s)
+                reports.append({"version": version, "delivered": sorted(report.delivered), "failed": report.failed,
+                                "latency_s": report.latency_s})  # fmt: skip
+            after = leader_record(ctl, sender.epoch, hosts.name(1))
+            ready = {r["pid"]: r for r in read(events) if r["event"] == "ready"}
+            killed["name"] = (
+                ready[killed["pid"]]["name"] if killed["pid"] in ready else None
+            )
+            latest = pushes
+
+            def all_live_hold_latest() -> bool:
+                got = {
+                    r["name"]
+                    for r in read(events)
+                    if r["event"] == "applied" and r["version"] == latest
+                }
+                return got >= set(names) - {killed["name"]}
+
+            wait_until(
+                "every live receiver to apply the last version",
+                all_live_hold_latest,
+                timeout_s,
+                procs,
+            )
+        applied = [r for r in read(events) if r["event"] == "applied"]
+        return {
+            "names": names,
+            "reports": reports,
+            "killed": killed,
+            "leader_after": None
+            if after is None
+            else {"rid": after["rid"], "pid": after["pid"]},
+            "rids": {r["name"]: r["rid"] for r in ready.values()},
+            "applied": [
+                {
+                    "name": r["name"],
+                    "version": r["version"],
+                    "exact": r["digest"] == expected.get(r["version"]),
+                }
+                for r in applied
+            ],
+            "kill_at": kill_at,
+            "timeout_s": timeout_s,
+        }
+
+
+if __name__ == "__main__":
+    main(scenario)

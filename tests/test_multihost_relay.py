@@ -1,0 +1,83 @@
+"""One network copy per host, relayed host to host: simulated hosts on shaped links."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _netns import ROOT, run_scenario, skip_without_netns
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(420)
+def test_relay_sends_one_copy_per_push_and_delivers_bit_exact() -> None:
+    """4 hosts x 2 receivers, 64 MiB on 700 Mbit/s links, through ``lightning-wsync bench --hosts``."""
+    skip_without_netns()
+    argv = [sys.executable, "-m", "lightning_wsync.cli", "bench", "--hosts", "4", "--receivers-per-host", "2",
+            "--link", "700mbit", "--size-mb", "64", "--pushes", "2", "--topology", "relay", "--no-reference",
+            "--timeout-s", "150", "--json"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        pytest.fail("bench --hosts ran past 400 s")
+    assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
+    relay = json.loads(out)["phases"]["relay"]
+    assert relay["ok"] and relay["receivers"] == 8
+    for sample in relay["samples"]:
+        assert sample["digest_ok"] and not sample["failed"]
+    assert relay["egress_models_per_push"] <= 1.25, relay
+    assert relay["latency_vs_wire_bound"] <= 1.5, relay
+
+
+@pytest.mark.timeout(400)
+def test_leader_killed_mid_version_host_mate_takes_over(tmp_path: Path) -> None:
+    result = run_scenario(
+        "relay_failover.py", str(tmp_path), "3", "2", "16", "300mbit", timeout_s=380
+    )
+    killed, names, rids = result["killed"], result["names"], result["rids"]
+    print(
+        json.dumps(
+            {k: result[k] for k in ("killed", "leader_after", "reports")}, indent=1
+        )
+    )
+    assert killed["name"] is not None and killed["name"].startswith("h1")
+    # Killed while its version was on the wire into host 1.
+    assert 0 < killed["rx_bytes"] < 16 * 2**20
+    # Every later version reached every other receiver within timeout_s.
+    for report in result["reports"]:
+        if report["version"] > result["kill_at"]:
+            assert set(report["delivered"]) == set(names) - {killed["name"]}, report
+            assert (
+                report["latency_s"] is not None
+                and report["latency_s"] <= result["timeout_s"]
+            )
+    # Host 1's other receiver leads it now; no process was restarted.
+    (mate,) = [n for n in names if n.startswith("h1") and n != killed["name"]]
+    assert result["leader_after"]["rid"] == rids[mate]
+    applied = result["applied"]
+    assert applied and all(a["exact"] for a in applied), [
+        a for a in applied if not a["exact"]
+    ]
+    last = max(r["version"] for r in result["reports"])
+    assert {a["name"] for a in applied if a["version"] == last} == set(names) - {
+        killed["name"]
+    }
