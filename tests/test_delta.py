@@ -27,7 +27,8 @@ from lightning_wsync.transport.delta import (
     word_bytes_for,
 )
 
-_RECORD_BYTES = struct.calcsize("<IBQ")
+_RECORD = "<IBQQ"  # bucket, mode, changed words, long runs
+_RECORD_BYTES = struct.calcsize(_RECORD)
 
 
 def _layout(wire: torch.dtype | None, *, bucket_bytes: int = 4096) -> tuple[Layout, dict[str, torch.Tensor]]:
@@ -106,6 +107,18 @@ def test_structured_changes_first_last_and_consecutive_words() -> None:
     assert torch.equal(out, new)
 
 
+def test_long_runs_between_changes_round_trip() -> None:
+    layout, tensors = _layout(torch.bfloat16, bucket_bytes=1 << 20)
+    base = _snapshot(layout, tensors)
+    new = base.clone()
+    words = new.view(torch.int16)
+    for pos in (254, 255 + 254 + 1, 70000 % words.numel(), words.numel() - 1):  # runs of 254, 255, long
+        words[pos] ^= 2
+    out, modes = _round_trip(layout, base, new)
+    assert modes == [SPARSE]
+    assert torch.equal(out, new)
+
+
 def test_only_changed_words_travel_and_small_changes_compress() -> None:
     layout, tensors = _layout(torch.bfloat16, bucket_bytes=1 << 20)
     base = _snapshot(layout, tensors)
@@ -115,8 +128,8 @@ def test_only_changed_words_travel_and_small_changes_compress() -> None:
     enc = DeltaEncoder(layout)
     (record,) = enc.encode(base, new)
     assert record.changed == idx.numel()
-    # uncompressed: 4 bytes of run + 2 of XOR per change; constant runs and XORs compress
-    assert len(record.payload) < 0.2 * idx.numel() * 6
+    # uncompressed: 1 byte of run + 2 of XOR per change; constant runs and XORs compress
+    assert len(record.payload) < 0.3 * idx.numel() * 3
     out, _ = _round_trip(layout, base, new)
     assert torch.equal(out, new)
 
@@ -194,36 +207,36 @@ def test_malformed_records_raise_naming_the_problem() -> None:
     dec = DeltaDecoder(layout, header, held_version=1, held_digest=header.base_digest)
     out = base.clone()
     body = record.payload[_RECORD_BYTES:]
-    with pytest.raises(DeltaError, match="shorter than its 13-byte header"):
+    with pytest.raises(DeltaError, match="shorter than its 21-byte header"):
         dec.decode_bucket(b"\x00" * 5, out, out)
     with pytest.raises(DeltaError, match="names bucket 3, the layout has 1"):
-        dec.decode_bucket(struct.pack("<IBQ", 3, SPARSE, record.changed) + body, out, out)
+        dec.decode_bucket(struct.pack(_RECORD, 3, SPARSE, record.changed, 0) + body, out, out)
     with pytest.raises(DeltaError, match="unknown mode 9"):
-        dec.decode_bucket(struct.pack("<IBQ", 0, 9, record.changed) + body, out, out)
+        dec.decode_bucket(struct.pack(_RECORD, 0, 9, record.changed, 0) + body, out, out)
     with pytest.raises(DeltaError, match=r"claims \d+ changed words of \d+"):
-        dec.decode_bucket(struct.pack("<IBQ", 0, SPARSE, 10**9) + body, out, out)
+        dec.decode_bucket(struct.pack(_RECORD, 0, SPARSE, 10**9, 0) + body, out, out)
     with pytest.raises(DeltaError, match=r"holds \d+ bytes, expected \d+|does not decompress"):
-        dec.decode_bucket(struct.pack("<IBQ", 0, SPARSE, record.changed - 1) + body, out, out)
+        dec.decode_bucket(struct.pack(_RECORD, 0, SPARSE, record.changed - 1, 0) + body, out, out)
     with pytest.raises(DeltaError, match="does not decompress"):
         dec.decode_bucket(record.payload[: len(record.payload) // 2], out, out)
+    with pytest.raises(DeltaError, match=r"claims 99 long runs for 2 changes"):
+        dec.decode_bucket(struct.pack(_RECORD, 0, SPARSE, 2, 99) + body, out, out)
     with pytest.raises(DeltaError, match=r"literal record for bucket 0 has 4 bytes, the bucket \d+"):
-        dec.decode_bucket(struct.pack("<IBQ", 0, LITERAL, 1) + b"abcd", out, out)
+        dec.decode_bucket(struct.pack(_RECORD, 0, LITERAL, 1, 0) + b"abcd", out, out)
     with pytest.raises(DeltaError, match="unchanged record for bucket 0 carries 2 bytes"):
-        dec.decode_bucket(struct.pack("<IBQ", 0, UNCHANGED, 0) + b"ab", out, out)
+        dec.decode_bucket(struct.pack(_RECORD, 0, UNCHANGED, 0, 0) + b"ab", out, out)
 
 
 def test_runs_pointing_past_the_bucket_are_refused() -> None:
-    import numpy as np
     import zstandard
 
     layout, tensors = _layout(torch.bfloat16, bucket_bytes=1 << 20)
     base = _snapshot(layout, tensors)
     header = DeltaEncoder(layout).header(version=2, base_version=1, base_sums=_sums(layout, base))
     n_words = layout.total_bytes // 2
-    runs = np.array([n_words - 1, 5], dtype=np.uint32)  # the second change lands past the end
-    xor = np.array([1, 1], dtype=np.uint16)
-    planes = np.concatenate([runs.view(np.uint8).reshape(2, 4).T.ravel(), xor.view(np.uint8).reshape(2, 2).T.ravel()])
-    payload = struct.pack("<IBQ", 0, SPARSE, 2) + zstandard.ZstdCompressor().compress(planes.tobytes())
+    # runs: escaped (n_words - 1), then 5: the second change lands past the end
+    body = bytes([255, 5]) + bytes([1, 1, 0, 0]) + struct.pack("<I", n_words - 1)
+    payload = struct.pack(_RECORD, 0, SPARSE, 2, 1) + zstandard.ZstdCompressor().compress(body)
     dec = DeltaDecoder(layout, header, held_version=1, held_digest=header.base_digest)
     out = base.clone()
     with pytest.raises(DeltaError, match=f"points past its {n_words} words"):

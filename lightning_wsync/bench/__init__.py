@@ -5,6 +5,7 @@
     lightning-wsync bench --size-mb 1024 --receivers 4            # table
     lightning-wsync bench --size-mb 64 --transport gloo --json     # machine-readable
     lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
+    lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: one warm-up push, then ``--pushes`` timed ones, each timed
@@ -66,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--delta", action="store_true",
+                        help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
+                             "(changed share, delta bytes vs full push, encode/decode time); ignores --size-mb")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate for --delta (default 1e-6)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.delta:
+        return _run_delta(args)
     threads = torch.get_num_threads()
     restore_signals = _exit_on_sigterm()
     try:
@@ -86,6 +93,23 @@ def run(args: argparse.Namespace) -> int:
         restore_signals()
         torch.set_num_threads(threads)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0 if result["ok"] else 1
+
+
+def _run_delta(args: argparse.Namespace) -> int:
+    from lightning_wsync.bench._delta import codec_result, format_codec, measure_codec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples, model = measure_codec(lr=args.lr, dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                                       pushes=args.pushes, bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    result = codec_result(samples, model, lr=args.lr)
+    result["config"] = {"lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb, "pushes": args.pushes,
+                        "torch": torch.__version__, "cpus": os.cpu_count(), "threads_per_process": 1}  # fmt: skip
+    print(json.dumps(result, indent=2) if args.json else format_codec(result, lr=args.lr, dtype=args.dtype))
     return 0 if result["ok"] else 1
 
 
@@ -238,6 +262,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--bucket-mb={args.bucket_mb!r} must be > 0, e.g. --bucket-mb 32")
     if args.pushes < 1:
         raise ValueError(f"--pushes={args.pushes!r} must be >= 1 (5 or more for stable medians)")
+    if not args.lr > 0:
+        raise ValueError(f"--lr={args.lr!r} must be > 0, e.g. --lr 1e-6")
     if not args.timeout_s > 0:
         raise ValueError(f"--timeout-s={args.timeout_s!r} must be > 0, e.g. --timeout-s 120")
 
