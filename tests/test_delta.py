@@ -64,7 +64,7 @@ def _round_trip(layout: Layout, base: torch.Tensor, new: torch.Tensor, *, in_pla
     held = base.clone()
     out = held if in_place else torch.full_like(base, 0xAB)
     for r in records:
-        assert dec.decode_bucket(r.payload, held, out) == r.bucket
+        assert dec.decode_bucket(r.payload, held, out) == (r.bucket, r.mode, r.changed)
     return out, [r.mode for r in records]
 
 

@@ -40,6 +40,7 @@ from lightning_wsync.errors import WeightSyncError
 
 __all__ = [
     "BucketDelta",
+    "Decoded",
     "DeltaBaseMismatch",
     "DeltaDecoder",
     "DeltaEncoder",
@@ -140,6 +141,14 @@ class BucketDelta(NamedTuple):
     payload: bytes
 
 
+class Decoded(NamedTuple):
+    """What :meth:`DeltaDecoder.decode_bucket` rebuilt."""
+
+    bucket: int
+    mode: int
+    changed: int
+
+
 class DeltaEncoder:
     """Encodes buckets of ``new`` against ``base``; reuses its scratch buffers across calls.
 
@@ -231,8 +240,10 @@ class DeltaDecoder:
         self.header = header
         self._zstd = zstandard.ZstdDecompressor()
 
-    def decode_bucket(self, payload: bytes | bytearray | memoryview, base: torch.Tensor, out: torch.Tensor) -> int:
-        """Write the new bucket into ``out`` (may be ``base`` itself); returns the bucket index.
+    def decode_bucket(
+        self, payload: bytes | bytearray | memoryview, base: torch.Tensor, out: torch.Tensor
+    ) -> Decoded:
+        """Write the new bucket into ``out`` (may be ``base`` itself); returns which bucket and how.
 
         Raises:
             DeltaError: the record is malformed (bad index, mode, size or positions).
@@ -257,13 +268,13 @@ class DeltaDecoder:
             if len(body) != b - a:
                 raise DeltaError(f"literal record for bucket {index} has {len(body)} bytes, the bucket {b - a}")
             out[a:b].numpy()[:] = np.frombuffer(body, dtype=np.uint8)
-            return int(index)
+            return Decoded(int(index), mode, int(changed))
         if out.data_ptr() != base.data_ptr():
             out[a:b].copy_(base[a:b])
         if mode == UNCHANGED:
             if len(body) or changed:
                 raise DeltaError(f"unchanged record for bucket {index} carries {len(body)} bytes, {changed} changes")
-            return int(index)
+            return Decoded(int(index), mode, 0)
         if changed == 0:
             raise DeltaError(f"sparse record for bucket {index} lists no changes")
         if n_long > changed:
@@ -291,7 +302,7 @@ class DeltaDecoder:
         xor = _join(planes, np.empty(changed, dtype=_NP_WORDS[word]))
         words = out[a:b].numpy().view(_NP_WORDS[word])
         words[positions] ^= xor
-        return int(index)
+        return Decoded(int(index), mode, int(changed))
 
 
 def _split(values: np.ndarray, planes: np.ndarray) -> None:

@@ -1,0 +1,137 @@
+"""Deltas over a real two-rank gloo group: this process sends, a spawned process receives."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from datetime import timedelta
+from typing import Any
+
+import _delta_workers
+import pytest
+import torch
+import torch.distributed as dist
+from _delta_workers import sums, versions
+from conftest import Children
+
+from lightning_wsync._manifest import Layout
+from lightning_wsync.transport.delta import DeltaEncoder
+from lightning_wsync.transport.delta_link import (
+    AUTO_MAX_WIRE_SHARE,
+    AutoPolicy,
+    DeltaStats,
+    DeltaStream,
+    PeerGroup,
+    send_records,
+)
+from lightning_wsync.transport.net import make_group
+
+pytestmark = pytest.mark.timeout(90)
+CTX = mp.get_context("spawn")
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def _run(port: int, children: Children, helds: list[str], stream: DeltaStream, layout: Layout) -> list[Any]:
+    """Send ``stream`` once per entry of ``helds`` to a receiver process; return what it reported."""
+    here, there = CTX.Pipe()
+    p = CTX.Process(target=_delta_workers.receiver, args=(port, helds, there), daemon=True)
+    p.start()
+    children.track(p.pid or 0)
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    pg: PeerGroup = make_group("gloo", dist.PrefixStore("t/", store), 0, "127.0.0.1", 30)
+    got = []
+    for _ in helds:
+        send_records(pg, stream, len(layout.buckets), torch.device("cpu"))
+        assert here.poll(30), "the receiver process reported nothing within 30 s"
+        got.append(here.recv())
+    pg.send([torch.tensor([42], dtype=torch.int64)], 1, 0).wait()
+    assert here.poll(30)
+    got.append(here.recv())
+    p.join(10)
+    return got
+
+
+def _stream(layout: Layout, base: torch.Tensor, new: torch.Tensor) -> DeltaStream:
+    return DeltaStream(DeltaEncoder(layout), threading.Lock(), version=2, base_version=1, base=base, new=new,
+                       base_sums=sums(layout, base))  # fmt: skip
+
+
+def test_delta_over_gloo_rebuilds_bit_exact_in_place(port: int, children: Children) -> None:
+    layout, base, new = versions()
+    stream = _stream(layout, base, new)
+    got, marker = _run(port, children, ["base"], stream, layout)
+    assert got["error"] is None and got["is_new"]
+    assert got["sums"] == [_signed(s) for s in sums(layout, new)]
+    sent = stream.stats()
+    assert got["wire_bytes"] == sent.wire_bytes + 8 * len(layout.buckets)  # plus one size word per bucket
+    assert sent.wire_bytes < 0.2 * layout.total_bytes
+    assert got["changed_share"] == pytest.approx(500 / (layout.total_bytes // 2), rel=0.01)
+    assert marker == 42
+
+
+def test_wrong_base_is_refused_and_the_link_stays_in_step(port: int, children: Children) -> None:
+    layout, base, new = versions()
+    *got, marker = _run(port, children, ["old", "digest", "none", "base"], _stream(layout, base, new), layout)
+    for refused in got[:3]:
+        assert refused["sums"] is None and "needs base version 1" in refused["error"]
+        assert refused["is_base"]  # refused before any byte was written
+    assert got[3]["error"] is None and got[3]["is_new"]  # the same link, in step, takes the next delta
+    assert marker == 42
+
+
+def test_corrupted_record_fails_the_checksums(port: int, children: Children) -> None:
+    layout, base, new = versions()
+    stream = _stream(layout, base, new)
+    record = stream.record(1)
+    payload = bytearray(record.payload)
+    payload[-3] ^= 0x40
+    stream._records[1] = record._replace(payload=bytes(payload))
+    got, _ = _run(port, children, ["base"], stream, layout)
+    expected = [_signed(s) for s in sums(layout, new)]
+    if got["sums"] is None:
+        assert got["error"]  # a record check caught it
+    else:
+        assert got["sums"][1] != expected[1] and got["sums"][0] == expected[0]  # the checksum catches it
+    assert not got["is_new"]
+
+
+def test_one_encoding_serves_every_link() -> None:
+    layout, base, new = versions()
+    encoder = DeltaEncoder(layout)
+    calls = 0
+    encode = encoder.encode_bucket
+
+    def counting(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return encode(*args)
+
+    encoder.encode_bucket = counting  # type: ignore[method-assign]
+    stream = DeltaStream(encoder, threading.Lock(), version=2, base_version=1, base=base, new=new,
+                         base_sums=sums(layout, base))  # fmt: skip
+    readers = [threading.Thread(target=lambda: [stream.record(i) for i in range(len(layout.buckets))],
+                                name=f"test-reader-{n}") for n in range(3)]  # fmt: skip
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(30)
+    assert calls == len(layout.buckets)
+    assert stream.stats().changed_share == pytest.approx(500 / (layout.total_bytes // 2), rel=0.01)
+
+
+def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
+    with pytest.raises(ValueError, match=r"delta='sometimes' must be one of \['auto', 'off', 'always'\]"):
+        AutoPolicy("sometimes")
+    assert not AutoPolicy("off").want_delta()
+    always = AutoPolicy("always")
+    always.observe(DeltaStats(wire_bytes=100, full_bytes=100))
+    assert always.want_delta()
+    auto = AutoPolicy("auto")
+    assert auto.want_delta()
+    auto.observe(DeltaStats(wire_bytes=int(AUTO_MAX_WIRE_SHARE * 100), full_bytes=100))
+    assert auto.want_delta()
+    auto.observe(DeltaStats(wire_bytes=90, full_bytes=100))
+    assert [auto.want_delta() for _ in range(9)] == [False] * 8 + [True]
