@@ -67,7 +67,9 @@ from lightning_wsync.sender import PushReport, WeightSender
 
 log = logging.getLogger(__name__)
 
-_SENDER_OPTIONS = ("dtype", "include", "exclude", "bucket_mb", "timeout_s", "transport", "heartbeat_timeout_s")
+_SENDER_OPTIONS = (
+    "dtype", "include", "exclude", "bucket_mb", "timeout_s", "transport", "heartbeat_timeout_s", "delta",
+)  # fmt: skip
 _SUPPORTED = "single device, DDPStrategy (ddp, ddp_spawn, ...), FSDPStrategy, ModelParallelStrategy (FSDP2)"
 
 
@@ -80,7 +82,7 @@ class WeightSyncCallback(Callback):
             None sends the whole LightningModule.
         store: ``"host:port"`` or a ``torch.distributed.Store`` (default ``$WSYNC_STORE``).
         job: the job (run) name shared with the receivers (default ``$WSYNC_JOB``).
-        dtype, include, exclude, bucket_mb, timeout_s, transport, heartbeat_timeout_s:
+        dtype, include, exclude, bucket_mb, timeout_s, transport, heartbeat_timeout_s, delta:
             the :class:`~lightning_wsync.SenderConfig` fields. The shared secret comes from
             ``$WSYNC_SECRET``, or from ``sender=SenderConfig(secret=...)``.
         max_version_lag: None (default) never waits for receivers; K >= 0 bounds how
@@ -103,12 +105,14 @@ class WeightSyncCallback(Callback):
         timeout_s: float = 30.0,
         transport: str = "auto",
         heartbeat_timeout_s: float = 10.0,
+        delta: str = "auto",
         max_version_lag: int | None = None,
         sender: SenderConfig | None = None,
     ) -> None:
         options: dict[str, Any] = {
             "dtype": dtype, "include": list(include or []), "exclude": list(exclude or []), "bucket_mb": bucket_mb,
             "timeout_s": timeout_s, "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s,
+            "delta": delta,
         }  # fmt: skip
         if sender is not None:
             if not isinstance(sender, SenderConfig):

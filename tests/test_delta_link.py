@@ -15,6 +15,7 @@ from _delta_workers import sums, versions
 from conftest import Children
 
 from lightning_wsync._manifest import Layout
+from lightning_wsync.config import CallbackConfig, SenderConfig
 from lightning_wsync.transport.delta import DeltaEncoder
 from lightning_wsync.transport.delta_link import (
     AUTO_MAX_WIRE_SHARE,
@@ -123,8 +124,12 @@ def test_one_encoding_serves_every_link() -> None:
 
 
 def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
-    with pytest.raises(ValueError, match=r"delta='sometimes' must be one of \['auto', 'off', 'always'\]"):
-        AutoPolicy("sometimes")
+    with pytest.raises(ValueError, match=r"WeightSender: delta='sometimes' must be one of \['auto', 'off', 'always'\]"):
+        SenderConfig(delta="sometimes")
+    with pytest.raises(ValueError, match=r"WeightSender: delta='never' must be one of"):
+        CallbackConfig(every_n_steps=1, delta="never")
+    assert CallbackConfig(every_n_steps=1, delta="off").sender_config().delta == "off"
+    assert SenderConfig().delta == "auto"
     assert not AutoPolicy("off").want_delta()
     always = AutoPolicy("always")
     always.observe(DeltaStats(wire_bytes=100, full_bytes=100))

@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync.config import DELTA_MODES
 from lightning_wsync.transport.delta import (
     BucketDelta,
     DeltaDecoder,
@@ -32,7 +33,6 @@ from lightning_wsync.transport.delta import (
     base_digest,
 )
 
-DELTA_MODES = ("auto", "off", "always")
 # "auto" sends a delta while the last one measured at most this share of the full
 # version's bytes; above it, full versions for _AUTO_BACKOFF pushes, then it tries again.
 AUTO_MAX_WIRE_SHARE = 0.5
@@ -132,9 +132,7 @@ class AutoPolicy:
     """``delta="auto"``: keep sending deltas while they are clearly smaller than the full version."""
 
     def __init__(self, mode: str) -> None:
-        if mode not in DELTA_MODES:
-            raise ValueError(f"delta={mode!r} must be one of {list(DELTA_MODES)}; 'auto' sends a delta when it is "
-                             f"clearly smaller than the full version")  # fmt: skip
+        assert mode in DELTA_MODES, mode  # validated by SenderConfig
         self.mode = mode
         self._skip = 0
         self._lock = threading.Lock()
