@@ -22,7 +22,11 @@ from lightning_wsync.transport.delta_link import (
     AutoPolicy,
     DeltaStats,
     DeltaStream,
+    DeltaStreams,
+    Held,
     PeerGroup,
+    parse_ready_note,
+    ready_note,
     send_records,
 )
 from lightning_wsync.transport.net import make_group
@@ -121,6 +125,30 @@ def test_one_encoding_serves_every_link() -> None:
         t.join(30)
     assert calls == len(layout.buckets)
     assert stream.stats().changed_share == pytest.approx(500 / (layout.total_bytes // 2), rel=0.01)
+
+
+def test_ready_note_round_trips_and_an_old_receiver_holds_nothing() -> None:
+    held = Held(7, 2**64 - 5)
+    assert parse_ready_note(ready_note(held, 0.25)) == (held, 0.25)
+    assert parse_ready_note(ready_note(None, None)) == (None, None)
+    assert parse_ready_note("1") == (None, None)
+    assert parse_ready_note(None) == (None, None)
+
+
+def test_streams_are_shared_per_base_and_version_and_old_ones_dropped() -> None:
+    layout, base, new = versions()
+    streams = DeltaStreams(layout, keep=2)
+    s = sums(layout, base)
+    a = streams.get(version=2, base_version=1, base=base, new=new, base_sums=s)
+    assert streams.get(version=2, base_version=1, base=base, new=new, base_sums=s) is a
+    assert streams.get(version=2, base_version=0, base=base, new=new, base_sums=s) is not a
+    for i in range(len(layout.buckets)):
+        a.record(i)
+    got = streams.stats_for(2)
+    assert got is not None and got.wire_bytes == a.stats().wire_bytes
+    streams.get(version=3, base_version=2, base=new, new=base, base_sums=s)
+    streams.get(version=4, base_version=3, base=base, new=new, base_sums=s)
+    assert streams.stats_for(2) is None and streams.stats_for(4) is not None
 
 
 def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:

@@ -15,6 +15,7 @@ for a full version. After every version the receiver reports what it holds
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -72,6 +73,24 @@ def held_of(version: int, sums: list[int]) -> Held:
     return Held(version, base_digest(sums))
 
 
+def ready_note(held: Held | None, decode_s: float | None) -> str:
+    """What a receiver tells its link before each send: the version it holds, its last decode time."""
+    return json.dumps({"held": None if held is None else [held.version, held.digest], "decode_s": decode_s})
+
+
+def parse_ready_note(text: str | None) -> tuple[Held | None, float | None]:
+    """Inverse of :func:`ready_note`; anything else (an older receiver's ``"1"``) holds nothing."""
+    try:
+        raw = json.loads(text or "")
+        held = raw["held"]
+        decode_s = raw["decode_s"]
+        return (None if held is None else Held(int(held[0]), int(held[1]))), (
+            None if decode_s is None else float(decode_s)
+        )
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None, None
+
+
 @dataclass
 class DeltaStats:
     """What one version's delta cost: the push report's per-link metrics."""
@@ -126,6 +145,40 @@ class DeltaStream:
             wire_bytes=DeltaHeader.SIZE + sum(len(r.payload) for r in records),
             full_bytes=self.header.total_bytes, encode_s=self.encode_s,
         )  # fmt: skip
+
+
+class DeltaStreams:
+    """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
+
+    def __init__(self, layout: Layout, *, keep: int = 4) -> None:
+        self._encoder = DeltaEncoder(layout)
+        self._encoder_lock = threading.Lock()
+        self._streams: dict[tuple[int, int], DeltaStream] = {}
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def get(
+        self, *, version: int, base_version: int, base: torch.Tensor, new: torch.Tensor, base_sums: list[int]
+    ) -> DeltaStream:
+        key = (base_version, version)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = DeltaStream(
+                    self._encoder, self._encoder_lock, version=version, base_version=base_version, base=base,
+                    new=new, base_sums=base_sums,
+                )  # fmt: skip
+                for old in sorted(self._streams, key=lambda k: k[1])[: -self._keep]:
+                    del self._streams[old]
+            return stream
+
+    def stats_for(self, version: int) -> DeltaStats | None:
+        """The delta that carried ``version`` (to receivers that held the version before it, if several)."""
+        with self._lock:
+            streams = [s for (_, v), s in self._streams.items() if v == version]
+        if not streams:
+            return None
+        return max((s.stats() for s in streams), key=lambda st: st.wire_bytes)
 
 
 class AutoPolicy:
