@@ -126,8 +126,14 @@ class PushRun:
         bucket_mb: float = SenderConfig.bucket_mb,
         apply: str = "copy",
         timeout_s: float,
+        change: Callable[[nn.Module, int], None] = mutate,
+        sender_options: dict[str, Any] | None = None,
     ) -> None:
+        """``change(model, version)`` makes each version's weights before its push;
+        ``sender_options``: further WeightSender keyword arguments (e.g. ``delta``)."""
         self._model = model
+        self._change = change
+        self._sender_options = dict(sender_options or {})
         self._spec = spec
         self._names = [f"r{i}" for i in range(n_receivers)]
         self._transport = transport
@@ -148,7 +154,8 @@ class PushRun:
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         self._base = reset_peak()
         self._sender = WeightSender(self._model, store="127.0.0.1:0", job=job, transport=self._transport,
-                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s)  # fmt: skip
+                                    dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s,
+                                    **self._sender_options)  # fmt: skip
         self.phase = PushPhase(pushed_bytes=self._sender.layout.total_bytes, n_tensors=len(self._sender.layout.entries))
         try:
             self._children = Children().__enter__()
@@ -169,7 +176,7 @@ class PushRun:
         """Change the model, push ``version``, wait until every receiver applied and hashed it."""
         sender, phase, timeout_s = self._sender, self.phase, self._timeout_s
         assert sender is not None and phase is not None, "use PushRun as a context manager"
-        mutate(self._model, version)
+        self._change(self._model, version)
         expected = digest(self._model, self._wire_dtype)
         started = time.monotonic()
         handle = sender.push(version)
