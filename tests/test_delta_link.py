@@ -158,13 +158,14 @@ def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
         CallbackConfig(every_n_steps=1, delta="never")
     assert CallbackConfig(every_n_steps=1, delta="off").sender_config().delta == "off"
     assert SenderConfig().delta == "auto"
-    assert not AutoPolicy("off").want_delta()
+    assert not AutoPolicy("off").want_delta(1)
     always = AutoPolicy("always")
-    always.observe(DeltaStats(wire_bytes=100, full_bytes=100))
-    assert always.want_delta()
+    always.observe(1, DeltaStats(wire_bytes=100, full_bytes=100))
+    assert always.want_delta(2)
     auto = AutoPolicy("auto")
-    assert auto.want_delta()
-    auto.observe(DeltaStats(wire_bytes=int(AUTO_MAX_WIRE_SHARE * 100), full_bytes=100))
-    assert auto.want_delta()
-    auto.observe(DeltaStats(wire_bytes=90, full_bytes=100))
-    assert [auto.want_delta() for _ in range(9)] == [False] * 8 + [True]
+    assert auto.want_delta(1) and auto.want_delta(1)  # once per version, the same for every link
+    auto.observe(1, DeltaStats(wire_bytes=int(AUTO_MAX_WIRE_SHARE * 100), full_bytes=100))
+    assert auto.want_delta(2)
+    auto.observe(2, DeltaStats(wire_bytes=90, full_bytes=100))
+    auto.observe(2, DeltaStats(wire_bytes=90, full_bytes=100))  # a second link's report of the same version
+    assert [auto.want_delta(v) for v in range(3, 12) for _ in range(2)] == [False] * 16 + [True] * 2

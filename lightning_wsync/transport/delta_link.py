@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -182,32 +183,48 @@ class DeltaStreams:
 
 
 class AutoPolicy:
-    """``delta="auto"``: keep sending deltas while they are clearly smaller than the full version."""
+    """``delta="auto"``: keep sending deltas while they are clearly smaller than the full version.
+
+    Decided once per version, so every link sends a version the same way.
+    """
 
     def __init__(self, mode: str) -> None:
         assert mode in DELTA_MODES, mode  # validated by SenderConfig
         self.mode = mode
-        self._skip = 0
+        self._full_left = 0  # versions still to send full after a delta that did not pay
+        self._decided: dict[int, bool] = {}
+        self._observed: set[int] = set()
         self._lock = threading.Lock()
 
-    def want_delta(self) -> bool:
+    def want_delta(self, version: int) -> bool:
         if self.mode != "auto":
             return self.mode == "always"
         with self._lock:
-            if self._skip > 0:
-                self._skip -= 1
-                return False
-            return True
+            if version not in self._decided:
+                self._decided[version] = self._full_left == 0
+                self._full_left = max(0, self._full_left - 1)
+                for old in sorted(self._decided)[:-8]:
+                    del self._decided[old]
+            return self._decided[version]
 
-    def observe(self, stats: DeltaStats) -> None:
-        """Feed back one delta's size: too large, and the next pushes go out full."""
-        if self.mode == "auto" and stats.full_bytes and stats.wire_bytes > AUTO_MAX_WIRE_SHARE * stats.full_bytes:
-            with self._lock:
-                self._skip = _AUTO_BACKOFF
+    def observe(self, version: int, stats: DeltaStats) -> None:
+        """Feed back one version's delta size: too large, and the next pushes go out full."""
+        with self._lock:
+            if self.mode != "auto" or version in self._observed:
+                return
+            self._observed = {v for v in self._observed if v > version - 8} | {version}
+            if stats.full_bytes and stats.wire_bytes > AUTO_MAX_WIRE_SHARE * stats.full_bytes:
+                self._full_left = _AUTO_BACKOFF
 
 
-def send_records(pg: PeerGroup, stream: DeltaStream, n_buckets: int, device: torch.device) -> None:
-    """Every bucket's record: its size, then its bytes; the next bucket encodes while this one travels."""
+def send_records(
+    pg: PeerGroup, stream: DeltaStream, n_buckets: int, device: torch.device,
+    progress: Callable[[], None] | None = None,
+) -> None:
+    """Every bucket's record: its size, then its bytes; the next bucket encodes while this one travels.
+
+    ``progress`` is called after each bucket went out (the caller's leases stay valid).
+    """  # fmt: skip
     header = torch.frombuffer(bytearray(stream.header.pack()), dtype=torch.uint8)
     pg.send([header.to(device)], 1, 0).wait()
     pending: list[_Work] = []
@@ -219,8 +236,12 @@ def send_records(pg: PeerGroup, stream: DeltaStream, n_buckets: int, device: tor
         pending.append(pg.send([body.to(device)], 1, 0))
         while len(pending) > 4:  # bounded: at most two buckets in flight
             pending.pop(0).wait()
+            if progress is not None:
+                progress()
     for work in pending:
         work.wait()
+    if progress is not None:
+        progress()
 
 
 class Received(NamedTuple):
