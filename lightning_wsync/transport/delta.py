@@ -152,7 +152,9 @@ class Decoded(NamedTuple):
 class DeltaEncoder:
     """Encodes buckets of ``new`` against ``base``; reuses its scratch buffers across calls.
 
-    Not thread-safe: one encoder per thread. Scratch: about 1.5x the largest bucket.
+    Not thread-safe: one encoder per thread. Scratch: a byte per word of the largest
+    bucket (half the bucket in bf16), plus ~8 bytes per changed word of the largest
+    sparse bucket seen, grown on demand (at 5% of bf16 words changed, 0.2x the bucket).
     """
 
     def __init__(self, layout: Layout, *, word_bytes: int | None = None, level: int = 1) -> None:
@@ -164,17 +166,24 @@ class DeltaEncoder:
         largest = max((b - a for a, b in layout.buckets), default=0) // self.word_bytes
         if largest >= 2**31:
             raise ValueError(f"a bucket of {largest} words is too large for delta coding; lower bucket_mb")
-        most = int(_LITERAL_SHARE * largest) + 1  # changes coded sparsely, at most
-        self._mask = np.empty(largest, dtype=np.bool_)
-        self._runs = np.empty(most, dtype=np.int64)
-        self._tmp = np.empty(most, dtype=np.int64)
-        self._new = np.empty(most, dtype=self._np_word)
-        self._old = np.empty(most, dtype=self._np_word)
-        self._long = np.empty(most, dtype=np.bool_)
-        self._planes = np.empty(most * (1 + self.word_bytes + 4), dtype=np.uint8)
-        for scratch in (self._mask, self._runs, self._tmp, self._new, self._old, self._long, self._planes):
-            scratch.fill(0)  # fault the pages in now, not during the first push
+        self._mask = np.zeros(largest, dtype=np.bool_)
+        self._mask.fill(False)  # fault the pages in now, not during the first push
+        self._capacity = 0
+        self._grow(largest // 32)
         self._zstd = zstandard.ZstdCompressor(level=level)
+
+    def _grow(self, k: int) -> None:
+        """Scratch for ``k`` changed words (runs, two word arrays, byte planes)."""
+        if k <= self._capacity:
+            return
+        k = max(k, self._capacity + self._capacity // 4)
+        self._runs = np.zeros(k, dtype=np.int32)
+        self._new = np.zeros(k, dtype=self._np_word)
+        self._old = np.zeros(k, dtype=self._np_word)
+        self._planes = np.zeros(k * (1 + self.word_bytes), dtype=np.uint8)
+        for scratch in (self._runs, self._new, self._old, self._planes):
+            scratch.fill(0)
+        self._capacity = k
 
     def header(self, *, version: int, base_version: int, base_sums: Sequence[int]) -> DeltaHeader:
         """The header of a delta from ``base_version`` (whose bucket checksums are ``base_sums``)."""
@@ -197,22 +206,25 @@ class DeltaEncoder:
             return BucketDelta(index, UNCHANGED, 0, _RECORD.pack(index, UNCHANGED, 0, 0))
         if k > _LITERAL_SHARE * n_words:
             return self._literal(index, k, new)
+        self._grow(k)
         runs = self._runs[:k]  # unchanged words before each change
         runs[0] = positions[0]
-        np.subtract(positions[1:], positions[:-1], out=runs[1:])
+        np.subtract(positions[1:], positions[:-1], out=runs[1:], casting="unsafe")  # < 2**31: checked above
         runs[1:] -= 1
         new_bits, xor = self._new[:k], self._old[:k]
         np.take(new_words, positions, out=new_bits)
         np.take(old_words, positions, out=xor)
         np.bitwise_xor(xor, new_bits, out=xor)
-        np.greater_equal(runs, _ESCAPE, out=self._long[:k])
-        long_runs = runs[np.flatnonzero(self._long[:k])].astype("<u4")
+        is_long = self._mask[:k]  # the change mask is no longer needed
+        np.greater_equal(runs, _ESCAPE, out=is_long)
+        long_runs = runs[np.flatnonzero(is_long)].astype("<u4")
         w = self.word_bytes
-        raw = self._planes[: k * (1 + w) + 4 * long_runs.size]
-        np.minimum(runs, _ESCAPE, out=self._tmp[:k])
-        np.copyto(raw[:k], self._tmp[:k], casting="unsafe")
-        _split(xor, raw[k : k * (1 + w)].reshape(w, k))
-        raw[k * (1 + w) :] = long_runs.view(np.uint8)
+        raw = self._planes[: k * (1 + w)]
+        np.minimum(runs, _ESCAPE, out=runs)
+        np.copyto(raw[:k], runs, casting="unsafe")
+        _split(xor, raw[k:].reshape(w, k))
+        if long_runs.size:
+            raw = np.concatenate([raw, long_runs.view(np.uint8)])
         body = self._zstd.compress(raw.data)
         if len(body) >= b - a:
             return self._literal(index, k, new)

@@ -151,7 +151,7 @@ class DeltaStream:
 class DeltaStreams:
     """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
 
-    def __init__(self, layout: Layout, *, keep: int = 4) -> None:
+    def __init__(self, layout: Layout, *, keep: int = 2) -> None:
         self._encoder = DeltaEncoder(layout)
         self._encoder_lock = threading.Lock()
         self._streams: dict[tuple[int, int], DeltaStream] = {}
