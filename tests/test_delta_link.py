@@ -16,13 +16,13 @@ from conftest import Children
 
 from lightning_wsync._manifest import Layout
 from lightning_wsync.config import CallbackConfig, SenderConfig
-from lightning_wsync.transport.delta import DeltaEncoder
 from lightning_wsync.transport.delta_link import (
     AUTO_MAX_WIRE_SHARE,
     AutoPolicy,
     DeltaStats,
     DeltaStream,
     DeltaStreams,
+    EncoderPool,
     Held,
     PeerGroup,
     parse_ready_note,
@@ -59,8 +59,8 @@ def _run(port: int, children: Children, helds: list[str], stream: DeltaStream, l
     return got
 
 
-def _stream(layout: Layout, base: torch.Tensor, new: torch.Tensor) -> DeltaStream:
-    return DeltaStream(DeltaEncoder(layout), threading.Lock(), version=2, base_version=1, base=base, new=new,
+def _stream(layout: Layout, base: torch.Tensor, new: torch.Tensor, workers: int = 2) -> DeltaStream:
+    return DeltaStream(EncoderPool(layout, workers), version=2, base_version=1, base=base, new=new,
                        base_sums=sums(layout, base))  # fmt: skip
 
 
@@ -103,28 +103,31 @@ def test_corrupted_record_fails_the_checksums(port: int, children: Children) -> 
     assert not got["is_new"]
 
 
-def test_one_encoding_serves_every_link() -> None:
+@pytest.mark.parametrize("workers", [1, 3])
+def test_one_encoding_serves_every_link(workers: int) -> None:
     layout, base, new = versions()
-    encoder = DeltaEncoder(layout)
-    calls = 0
-    encode = encoder.encode_bucket
+    pool = EncoderPool(layout, workers)
+    calls: list[int] = []
+    encode = pool.encode
 
-    def counting(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return encode(*args)
+    def counting(index: int, *args: Any) -> Any:
+        calls.append(index)
+        return encode(index, *args)
 
-    encoder.encode_bucket = counting  # type: ignore[method-assign]
-    stream = DeltaStream(encoder, threading.Lock(), version=2, base_version=1, base=base, new=new,
-                         base_sums=sums(layout, base))  # fmt: skip
-    readers = [threading.Thread(target=lambda: [stream.record(i) for i in range(len(layout.buckets))],
+    pool.encode = counting  # type: ignore[method-assign]
+    stream = DeltaStream(pool, version=2, base_version=1, base=base, new=new, base_sums=sums(layout, base))
+    got: dict[int, list[Any]] = {}
+    readers = [threading.Thread(target=lambda n=n: got.__setitem__(n, [stream.record(i) for i in range(len(layout.buckets))]),
                                 name=f"test-reader-{n}") for n in range(3)]  # fmt: skip
     for t in readers:
         t.start()
     for t in readers:
         t.join(30)
-    assert calls == len(layout.buckets)
+    stream.join(10)
+    assert sorted(calls) == list(range(len(layout.buckets)))  # each bucket encoded once
+    assert got[0] == got[1] == got[2] and [r.bucket for r in got[0]] == list(range(len(layout.buckets)))
     assert stream.stats().changed_share == pytest.approx(500 / (layout.total_bytes // 2), rel=0.01)
+    assert stream.stats().encode_s > 0
 
 
 def test_ready_note_round_trips_and_an_old_receiver_holds_nothing() -> None:

@@ -16,6 +16,7 @@ for a full version. After every version the receiver reports what it holds
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from lightning_wsync.transport.delta import (
     DeltaHeader,
     base_digest,
 )
+
+log = logging.getLogger(__name__)
 
 # "auto" sends a delta while the last one measured at most this share of the full
 # version's bytes; above it, full versions for _AUTO_BACKOFF pushes, then it tries again.
@@ -103,43 +106,124 @@ class DeltaStats:
     decode_s: float = 0.0
 
 
+class EncoderPool:
+    """A few :class:`DeltaEncoder` (each with its own scratch), so buckets encode in parallel."""
+
+    def __init__(self, layout: Layout, workers: int) -> None:
+        self.layout = layout
+        self._free = [DeltaEncoder(layout) for _ in range(max(1, workers))]
+        self.workers = len(self._free)
+        self._cond = threading.Condition()
+
+    def encode(self, index: int, base: torch.Tensor, new: torch.Tensor) -> BucketDelta:
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._free))
+            encoder = self._free.pop()
+        try:
+            return encoder.encode_bucket(index, base, new)
+        finally:
+            with self._cond:
+                self._free.append(encoder)
+                self._cond.notify()
+
+    def header(self, *, version: int, base_version: int, base_sums: list[int]) -> DeltaHeader:
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._free))
+            return self._free[0].header(version=version, base_version=base_version, base_sums=base_sums)
+
+
 class DeltaStream:
     """Version ``version`` encoded against ``base_version``, once, for every link that needs it.
 
-    Records appear in bucket order as :meth:`record` asks for them; a second link
-    reading bucket ``i`` waits only for bucket ``i``. ``base`` and ``new`` must not be
-    overwritten while the stream lives (the sender's ring pins both).
+    Buckets are encoded in order, by the link that asks for them and by helper threads
+    (one per extra encoder of the pool), so bucket ``i + 1`` encodes while bucket ``i``
+    travels; a second link reading bucket ``i`` waits only for bucket ``i``. ``base`` and
+    ``new`` must not be overwritten while the stream is being encoded (the sender's ring
+    pins both while a link sends).
     """
 
     def __init__(
-        self, encoder: DeltaEncoder, encoder_lock: threading.Lock, *, version: int, base_version: int,
-        base: torch.Tensor, new: torch.Tensor, base_sums: list[int],
+        self, pool: EncoderPool, *, version: int, base_version: int, base: torch.Tensor, new: torch.Tensor,
+        base_sums: list[int],
     ) -> None:  # fmt: skip
-        self.header = encoder.header(version=version, base_version=base_version, base_sums=base_sums)
-        self._encoder = encoder
-        self._encoder_lock = encoder_lock  # one encoder's scratch buffers, shared by every stream
+        self.header = pool.header(version=version, base_version=base_version, base_sums=base_sums)
+        self._pool = pool
+        self._n = len(pool.layout.buckets)
         self._base, self._new = base, new
-        self._records: list[BucketDelta] = []
-        self._lock = threading.Lock()
-        self.encode_s = 0.0
+        self._records: dict[int, BucketDelta] = {}
+        self._claimed = 0
+        self._cond = threading.Condition()
+        self._helpers: list[threading.Thread] = []
+        self._error: BaseException | None = None
+        self._started: float | None = None
+        self._finished: float | None = None
 
     @property
-    def base_held(self) -> Held:
-        return Held(self.header.base_version, self.header.base_digest)
+    def encode_s(self) -> float:
+        """Wall time from the first bucket's encoding to the last's (all encoders together)."""
+        if self._started is None:
+            return 0.0
+        return (self._finished or time.perf_counter()) - self._started
+
+    def _encode_next(self) -> bool:
+        """Claim and encode the next unclaimed bucket; False when none is left."""
+        with self._cond:
+            if self._claimed >= self._n:
+                return False
+            index = self._claimed
+            self._claimed += 1
+            if self._started is None:
+                self._started = time.perf_counter()
+        try:
+            record = self._pool.encode(index, self._base, self._new)
+        except BaseException as exc:
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._records[index] = record
+            if len(self._records) == self._n:
+                self._finished = time.perf_counter()
+            self._cond.notify_all()
+        return True
+
+    def _help(self) -> None:
+        try:
+            while self._encode_next():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - kept in _error; the reader raises it
+            log.debug("delta encoding helper of version %d failed: %s", self.header.version, exc)
 
     def record(self, index: int) -> BucketDelta:
-        with self._lock:
-            while len(self._records) <= index:
-                start = time.perf_counter()
-                with self._encoder_lock:
-                    self._records.append(self._encoder.encode_bucket(len(self._records), self._base, self._new))
-                self.encode_s += time.perf_counter() - start
-            return self._records[index]
+        with self._cond:
+            if not self._helpers and self._pool.workers > 1 and self._claimed == 0:
+                name = f"wsync-delta-encode-{self.header.version}"
+                self._helpers = [
+                    threading.Thread(target=self._help, name=f"{name}-{i}", daemon=True)
+                    for i in range(self._pool.workers - 1)
+                ]
+                for helper in self._helpers:
+                    helper.start()
+        while True:
+            with self._cond:
+                if self._error is not None:
+                    raise RuntimeError(f"delta encoding failed: {self._error}") from self._error
+                if index in self._records:
+                    return self._records[index]
+                if self._claimed > index:  # another thread is encoding it
+                    self._cond.wait(0.1)
+                    continue
+            self._encode_next()
+
+    def join(self, timeout_s: float) -> None:
+        for helper in self._helpers:
+            helper.join(timeout_s)
 
     def stats(self) -> DeltaStats:
         """Totals over the buckets encoded so far (all of them once a link has sent the stream)."""
-        with self._lock:
-            records = list(self._records)
+        with self._cond:
+            records = list(self._records.values())
         words = self.header.total_bytes // self.header.word_bytes
         return DeltaStats(
             changed_share=sum(r.changed for r in records) / max(1, words),
@@ -151,9 +235,8 @@ class DeltaStream:
 class DeltaStreams:
     """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
 
-    def __init__(self, layout: Layout, *, keep: int = 2) -> None:
-        self._encoder = DeltaEncoder(layout)
-        self._encoder_lock = threading.Lock()
+    def __init__(self, layout: Layout, *, keep: int = 2, workers: int = 2) -> None:
+        self._pool = EncoderPool(layout, workers)
         self._streams: dict[tuple[int, int], DeltaStream] = {}
         self._lock = threading.Lock()
         self._keep = keep
@@ -166,9 +249,8 @@ class DeltaStreams:
             stream = self._streams.get(key)
             if stream is None:
                 stream = self._streams[key] = DeltaStream(
-                    self._encoder, self._encoder_lock, version=version, base_version=base_version, base=base,
-                    new=new, base_sums=base_sums,
-                )  # fmt: skip
+                    self._pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
+                )
                 for old in sorted(self._streams, key=lambda k: k[1])[: -self._keep]:
                     del self._streams[old]
             return stream
@@ -180,6 +262,13 @@ class DeltaStreams:
         if not streams:
             return None
         return max((s.stats() for s in streams), key=lambda st: st.wire_bytes)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait for helper threads still encoding (bounded)."""
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.join(timeout_s)
 
 
 class AutoPolicy:
