@@ -1,11 +1,9 @@
-"""Where a receiver's versions come from for one sender epoch, and how they are applied.
+"""Where a receiver's versions come from for one sender epoch: one interface, two data planes.
 
-From a sender on this host the module is written straight from the shared snapshot
-(one copy), as soon as the segment's header shows a newer complete version (the store's
-announcement follows); torn copies are detected by the snapshot's sequence counter and redone,
-after two tries through a private staging buffer so the module is written once from
-bytes known to be whole. From a sender elsewhere a network link has already staged and
-verified the version; applying it is one copy under the link's lock.
+:class:`SharedMemorySource` reads a ring on this host: ``update()`` pins the newest
+complete slot and copies it straight into the module (one copy; the pin keeps the
+bytes intact). :class:`NetworkSource` takes what a network link has already staged and
+verified. :func:`open_source` picks one from the sender's record.
 """
 
 from __future__ import annotations
@@ -14,150 +12,150 @@ import ctypes
 import sys
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from lightning_wsync._manifest import Layout, _dtype_name, bind_views, copy_out
 from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
-from lightning_wsync.transport.shm import ShmReceiveLink
+from lightning_wsync.transport.shm import ShmReader, SlotRef
 
-Latest = tuple[int, int, int]  # (version, epoch, gen) as last read from the store
+SumsLookup = Callable[[int], "list[int] | None"]  # version -> its published bucket checksums
+Reject = Callable[[int, str], None]  # (version, reason)
 
-_DIRECT_ATTEMPTS = 2
+# A pin fails only when a push lands between reading the header and pinning; a copy is
+# torn only when this receiver stalled past the sender's pin lease. Either way the next
+# try takes the newest version; this many in a row means something is badly wrong.
+_SHARED_ATTEMPTS = 8
 
 
-class Source:
-    """The data plane of one sender epoch, as the receiver uses it."""
+class ReceiveSource(Protocol):
+    """The data plane of one sender epoch, as ``WeightReceiver`` uses it."""
 
-    def __init__(
-        self, epoch: int, layout: Layout, ordered: list[torch.Tensor],
-        shm: ShmReceiveLink | None, net: NetReceiveLink | None, *, swap: bool = False,
-    ) -> None:  # fmt: skip
+    epoch: int
+
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        """Write one complete version above ``held`` into the module; return it (None: nothing newer)."""
+        ...
+
+    def pending_above(self, held: int | None) -> bool:
+        """A complete version above ``held`` can be applied now."""
+        ...
+
+    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
+        """Block until the source may have something new, ``until`` or ``give_up()``.
+
+        Returns False when the source cannot tell (the caller then waits on the watcher).
+        """
+        ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class SharedMemorySource:
+    """A sender's ring on this host, applied slot by pinned slot."""
+
+    def __init__(self, epoch: int, layout: Layout, ordered: list[torch.Tensor], reader: ShmReader, name: str) -> None:
         self.epoch = epoch
         self.layout = layout
-        self.shm = shm
-        self.net = net
         self._ordered = ordered
-        self._swap = swap and net is not None
-        self._viewed: torch.Tensor | None = None  # swap: the staged buffer the module points at
-        self._staging: torch.Tensor | None = None
-        self._rejected: int | None = None  # a shared version that failed its checksums
+        self._reader = reader
+        self._name = name
+        self._rejected: int | None = None  # a version that failed its checksums
+        self._poll_s = 0.001
 
-    @classmethod
-    def open(
-        cls,
-        epoch: int,
-        layout: Layout,
-        record: dict[str, object],
-        ordered: list[torch.Tensor],
-        *,
-        host: str,
-        name: str,
-        net: Callable[[str], NetReceiveLink],
-        swap: bool = False,
-    ) -> Source:
-        """Pick the data plane the sender's record allows from this host."""
-        transport = str(record["transport"])
-        same_host = record["host"] == host and record["shm"] is not None
-        if transport == "shm" and not same_host:
-            raise WeightSyncError(
-                f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
-                f"{record['host']!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
-            )
-        if transport in ("auto", "shm") and same_host:
-            return cls(epoch, layout, ordered, ShmReceiveLink(str(record["shm"]), layout), None)
-        backend = str(record["backend"])
-        if swap:
-            _check_swappable(layout, ordered, name, backend)
-        return cls(epoch, layout, ordered, None, net(backend), swap=swap)
-
-    def describe(self) -> str:
-        return "shared memory" if self.shm is not None else "network"
-
-    def apply(
-        self,
-        held: int | None,
-        latest: Callable[[], Latest | None],
-        wait: Callable[[], None],
-        timeout_s: float,
-        name: str,
-        sums: Callable[[int, int], list[int] | None] | None = None,
-        reject: Callable[[int, str], None] | None = None,
-    ) -> int | None:
-        """Write the newest complete version above ``held`` into the module; return it.
-
-        With ``sums`` (shared memory only), a version is applied only once its published
-        bucket checksums are known and match; a mismatch is passed to ``reject``.
-        """
-        if self.net is not None:
-            return self._apply_staged(self.net, held)
-        if sums is not None:
-            newest = latest()
-            if not self._verified(held, newest, sums, reject):
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        torn = False
+        for _ in range(_SHARED_ATTEMPTS):
+            ref = self._reader.newest()
+            if ref is None or (held is not None and ref.version <= held and not torn) or ref.version == self._rejected:
+                if torn:
+                    break
                 return None
-            # Exactly the verified bytes, once: if a push overwrote them meanwhile, the
-            # newer version is verified on a later update().
-            assert self.shm is not None and newest is not None
-            return newest[0] if self.shm.try_apply(newest[2], self._ordered) else None
-        return self._apply_shared(held, latest, wait, timeout_s, name)
+            expected = None
+            if sums is not None:
+                expected = sums(ref.version)
+                if expected is None:
+                    if torn:
+                        break
+                    return None  # its checksums are not published yet; a later update() applies it
+            if not self._reader.pin(ref):
+                continue
+            if expected is not None and not self._verified(ref, expected, reject):
+                self._reader.unpin(ref)
+                if torn:
+                    break
+                return None
+            self._reader.copy_to(ref, self._ordered)
+            if self._reader.unpin(ref):
+                return ref.version
+            torn = True  # overwritten under us after a stall past the lease: copy the newest again
+        if torn:
+            raise WeightSyncIntegrityError(
+                f"WeightReceiver {self._name!r}: the shared snapshot was overwritten under {_SHARED_ATTEMPTS} "
+                f"copies in a row (this process stalled past the sender's pin lease each time); the module "
+                f"may hold a torn copy. Check what stops this process, or push less often"
+            )
+        return None
 
-    def _verified(
-        self,
-        held: int | None,
-        newest: Latest | None,
-        sums: Callable[[int, int], list[int] | None],
-        reject: Callable[[int, str], None] | None,
-    ) -> bool:
-        assert self.shm is not None
-        if newest is None or (held is not None and newest[0] <= held) or newest[0] == self._rejected:
-            return False
-        version, _, gen = newest
-        expected = sums(version, gen)
-        if expected is None:
-            return False  # not published yet; a later update() applies it
-        bad = self.shm.matches(gen, expected)
+    def _verified(self, ref: SlotRef, expected: list[int], reject: Reject) -> bool:
+        bad = self._reader.mismatch(ref, expected)
         if bad is None:
             return True
-        if self.shm.sequence() == gen:  # not merely overwritten by the next push: corrupt
-            self._rejected = version
-            a, b = self.layout.buckets[bad]
-            if reject is not None:
-                reject(version, f"checksum mismatch in shared memory, first bad bytes [{a}, {b})")
+        self._rejected = ref.version
+        a, b = self.layout.buckets[bad]
+        reject(ref.version, f"checksum mismatch in shared memory, first bad bytes [{a}, {b})")
         return False
 
-    def _apply_staged(self, link: NetReceiveLink, held: int | None) -> int | None:
-        if self._swap:
-            return link.take_staged(held, self._viewed, self._bind)
-        with link.lock:
-            staged = link.staged_version
-            if staged is None or link.staging is None or (held is not None and staged <= held):
-                return None
-            copy_out(link.layout, link.staging, self._ordered)
-            return staged
+    def pending_above(self, held: int | None) -> bool:
+        ref = self._reader.newest()
+        return ref is not None and (held is None or ref.version > held) and ref.version != self._rejected
 
-    def _newest(self, announced: Latest | None) -> Latest | None:
-        """The store's newest version, or the segment's own if that is newer (not yet announced)."""
-        assert self.shm is not None
-        local = self.shm.published()
-        if local is None or (announced is not None and announced[0] >= local[0]):
-            return announced
-        return local[0], self.epoch, local[1]
-
-    def wait_shared_change(self, until: float, give_up: Callable[[], bool], poll_s: float) -> None:
-        """Sleep until the segment's sequence counter moves, ``until``, or ``give_up()``.
-
-        One memory read per ``poll_s`` (at 1 ms, ~3% of a core while waiting).
-        """
-        assert self.shm is not None
+    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
+        """Read the ring's header every millisecond (~3% of a core while waiting)."""
         try:
-            seen = self.shm.sequence()
+            seen = self._reader.change_marker()
             while time.monotonic() < until and not give_up():
-                time.sleep(poll_s)
-                if self.shm.sequence() != seen:
-                    return
+                time.sleep(self._poll_s)
+                if self._reader.change_marker() != seen:
+                    break
         except (AttributeError, ValueError):
-            return  # closed under us (a new sender epoch): the caller looks again
+            pass  # closed under us (a new sender epoch): the caller looks again
+        return True
+
+    def describe(self) -> str:
+        return "shared memory"
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class NetworkSource:
+    """Versions a network link has staged and verified; applied by copy or by swapping buffers."""
+
+    def __init__(
+        self, epoch: int, layout: Layout, ordered: list[torch.Tensor], link: NetReceiveLink, *, swap: bool
+    ) -> None:
+        self.epoch = epoch
+        self.layout = layout
+        self.link = link
+        self._ordered = ordered
+        self._swap = swap
+        self._viewed: torch.Tensor | None = None  # swap: the staged buffer the module points at
+
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        if self._swap:
+            return self.link.take_staged(held, self._viewed, self._bind)
+        return self.link.take(lambda staging: copy_out(self.layout, staging, self._ordered), held)
+
+    def pending_above(self, held: int | None) -> bool:
+        return self.link.pending_above(held)
+
+    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
+        return False  # the link's on_staged callback wakes the receiver's waiters
 
     def _bind(self, buffer: torch.Tensor) -> None:
         first = self._viewed is None
@@ -166,44 +164,38 @@ class Source:
         if first and buffer.device.type == "cpu":
             _return_freed_pages()  # the module's own storage just went; the link allocates its successor
 
-    def _apply_shared(
-        self, held: int | None, latest: Callable[[], Latest | None], wait: Callable[[], None], timeout_s: float, name: str
-    ) -> int | None:
-        assert self.shm is not None
-        deadline = time.monotonic() + timeout_s
-        attempt = 0
-        while True:
-            newest = self._newest(latest())
-            if newest is None or (held is not None and newest[0] <= held):
-                return None
-            version, epoch, gen = newest
-            if epoch != self.epoch:
-                return None  # a new sender took over; the watcher is switching sources
-            if attempt < _DIRECT_ATTEMPTS:
-                if self.shm.try_apply(gen, self._ordered):
-                    return version
-            else:
-                # Pushes keep landing while we copy: stage privately so the module is
-                # written once, from bytes known to be whole.
-                if self._staging is None:
-                    self._staging = torch.empty(self.layout.total_bytes, dtype=torch.uint8)
-                if self.shm.stage(gen, self._staging):
-                    copy_out(self.layout, self._staging, self._ordered)
-                    return version
-            attempt += 1
-            if time.monotonic() > deadline:
-                raise WeightSyncIntegrityError(
-                    f"WeightReceiver {name!r}: the shared snapshot changed under every copy for "
-                    f"timeout_s={timeout_s}; the module may hold a torn copy. The trainer pushes faster "
-                    f"than this receiver copies: push less often, or raise timeout_s"
-                )
-            wait()
+    def describe(self) -> str:
+        return "network"
 
     def close(self) -> None:
-        if self.net is not None:
-            self.net.close()
-        if self.shm is not None:
-            self.shm.close()
+        self.link.close()
+
+
+def open_source(
+    epoch: int,
+    layout: Layout,
+    record: dict[str, object],
+    ordered: list[torch.Tensor],
+    *,
+    host: str,
+    name: str,
+    net: Callable[[str], NetReceiveLink],
+    swap: bool = False,
+) -> ReceiveSource:
+    """The data plane the sender's record allows from this host."""
+    transport = str(record["transport"])
+    same_host = record["host"] == host and record["shm"] is not None
+    if transport == "shm" and not same_host:
+        raise WeightSyncError(
+            f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
+            f"{record['host']!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
+        )
+    if transport in ("auto", "shm") and same_host:
+        return SharedMemorySource(epoch, layout, ordered, ShmReader(str(record["shm"]), layout), name)
+    backend = str(record["backend"])
+    if swap:
+        _check_swappable(layout, ordered, name, backend)
+    return NetworkSource(epoch, layout, ordered, net(backend), swap=swap)
 
 
 def _check_swappable(layout: Layout, ordered: list[torch.Tensor], name: str, backend: str) -> None:

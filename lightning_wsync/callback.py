@@ -30,6 +30,11 @@ for the report of the last push, then closes the sender (receivers see the close
 
 - ``wsync/version``, ``wsync/stall_s`` (snapshot, plus gather under FSDP), ``wsync/bytes``;
   ``wsync/lag_wait_s`` when ``max_version_lag`` is set;
+- ``wsync/dropped``: pushes so far not published because receivers were still reading
+  both snapshot slots (pushes faster than their copies; the next push carries newer
+  weights; the final push waits up to ``timeout_s`` for a slot instead), and
+  ``wsync/superseded``: network sends overwritten after a receiver stalled past the pin
+  lease (both cumulative);
 - from the newest push report completed since the previous push: ``wsync/report_version``,
   ``wsync/delivery_s`` (push to last delivery), ``wsync/delivered`` and ``wsync/failed``
   (receiver counts), and ``wsync/version_lag``: how many pushes, up to the one just before
@@ -221,7 +226,7 @@ class WeightSyncCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._maybe_push(trainer, None)
+        self._maybe_push(trainer, None, final=True)
         self._close(trainer, flush=True)
 
     @override
@@ -242,7 +247,9 @@ class WeightSyncCallback(Callback):
         self._last_pushed = None if version is None else int(version)
 
     # -- pushing --------------------------------------------------------------------
-    def _maybe_push(self, trainer: pl.Trainer, gathered: dict[str, torch.Tensor] | None) -> None:
+    def _maybe_push(
+        self, trainer: pl.Trainer, gathered: dict[str, torch.Tensor] | None, *, final: bool = False
+    ) -> None:
         """Push ``global_step`` if it is above every version seen; the same decision on every rank."""
         step = trainer.global_step
         if self._floor is not None and step <= self._floor:
@@ -259,14 +266,22 @@ class WeightSyncCallback(Callback):
         if full is not None:
             for name, tensor in self._mirror.items():
                 tensor.copy_(full[name])
-        handle = self._sender.push(step)
+        # The final weights must not be dropped for want of a free slot; the run is over,
+        # so a bounded wait for a reader to finish its copy costs training nothing.
+        handle = self._sender.push(step, wait_for_slot_s=self.config.timeout_s if final else 0.0)
         metrics = {
             "wsync/version": float(step),
             "wsync/stall_s": time.perf_counter() - started,
             "wsync/bytes": float(self._sender.layout.total_bytes),
+            "wsync/dropped": float(self._sender.dropped_pushes),
+            "wsync/superseded": float(self._sender.superseded_sends),
         }
         assert self._reports is not None
         metrics.update(self._report_metrics(self._reports.take()))
+        if handle.dropped:
+            log.debug("WeightSyncCallback: version %d dropped (receivers still copying both slots)", step)
+            _log_metrics(trainer, metrics)
+            return
         self._pushes += 1
         self._reports.add(self._pushes, handle)
         lag = self.config.max_version_lag

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,14 +53,20 @@ from lightning_wsync.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_wsync.transport.net import NetReceiveLink
-from lightning_wsync._source import Source
+from lightning_wsync._source import ReceiveSource, open_source
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
 _SLOW_POLL_S = 0.05
-_SHM_WAIT_POLL_S = 0.001
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
+
+
+class Published(NamedTuple):
+    """A version as announced on the store."""
+
+    version: int
+    epoch: int
 
 
 class WeightReceiver:
@@ -105,11 +112,11 @@ class WeightReceiver:
 
         self.version: int | None = None
         self.rejected = 0  # versions refused on verification (checksum or signature)
-        self._source: Source | None = None
-        self._latest: tuple[int, int, int] | None = None  # (version, epoch, gen) seen on the store
+        self._source: ReceiveSource | None = None
+        self._latest: Published | None = None  # the newest version announced on the store
         self._error: WeightSyncError | None = None
         self._last_refusal = ""
-        self._sums: tuple[int, int, list[int]] | None = None  # (version, gen, checksums) with verify
+        self._sums: tuple[int, list[int]] | None = None  # (version, checksums) with verify
         self._store_lost_since: float | None = None
         self._rejected_version = -2
         self._refused_epochs: set[int] = set()
@@ -136,8 +143,10 @@ class WeightReceiver:
     def update(self) -> int | None:
         """Apply the newest complete version if it is newer than the one held.
 
-        Never waits on the network: it copies from shared memory or from a version
-        already staged. Returns the version applied, or None.
+        Never waits on the network or on the sender: it copies a pinned shared-memory
+        slot or a version already staged. Returns the version applied, or None. After it
+        returns or raises, the module holds one complete version and :attr:`version` names
+        it (None only after a :class:`WeightSyncIntegrityError`).
         """
         self._raise_if_unusable()
         with self._apply_lock:
@@ -146,9 +155,8 @@ class WeightReceiver:
                 return None
             try:
                 applied = source.apply(
-                    self.version, lambda: self._latest, self._wait_for_news, self.config.timeout_s, self.name,
-                    sums=self._published_sums if self.config.verify else None, reject=self._on_rejected,
-                )  # fmt: skip
+                    self.version, self._published_sums if self.config.verify else None, self._on_rejected
+                )
             except WeightSyncIntegrityError:
                 self.version = None  # the module may hold a torn copy now; say so
                 raise
@@ -187,7 +195,7 @@ class WeightReceiver:
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                latest = None if self._latest is None else self._latest[0]
+                latest = self.latest_published
                 raise WeightSyncTimeoutError(
                     f"WeightReceiver {self.name!r}: no version >= {min_version!r} within timeout_s={timeout_s} "
                     f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
@@ -198,7 +206,7 @@ class WeightReceiver:
     @property
     def latest_published(self) -> int | None:
         """Newest version the sender has published (as last seen on the store)."""
-        return None if self._latest is None else self._latest[0]
+        return None if self._latest is None else self._latest.version
 
     @property
     def sender_closed(self) -> bool:
@@ -219,24 +227,16 @@ class WeightReceiver:
         the segment rather than waiting for the watcher's signal of the store's announcement.
         """
         source = self._source
-        if source is None or source.shm is None or self.config.verify:
-            with self._cond:
-                self._cond.wait(timeout=max(0.0, until - time.monotonic()))
-            return
-        source.wait_shared_change(
-            until, lambda: self._source is not source or bool(self._error or self._sender_closed), _SHM_WAIT_POLL_S
-        )
-
-    def _wait_for_news(self) -> None:
-        with self._cond:  # the watcher thread notifies when `latest` moves on
-            self._cond.wait(timeout=_POLL_S)
+        if source is not None and not self.config.verify:
+            give_up = lambda: self._source is not source or bool(self._error or self._sender_closed)  # noqa: E731
+            if source.wait_change(until, give_up):
+                return
+        with self._cond:  # the watcher (or a link's on_staged) notifies when something moves on
+            self._cond.wait(timeout=max(0.0, until - time.monotonic()))
 
     def _newer_pending(self) -> bool:
         source = self._source
-        if source is not None and source.net is not None:
-            staged = source.net.staged_version
-            return staged is not None and (self.version is None or staged > self.version)
-        return self._latest is not None and (self.version is None or self._latest[0] > self.version)
+        return source is not None and source.pending_above(self.version)
 
     def _raise_if_unusable(self) -> None:
         if self._closed:
@@ -302,24 +302,24 @@ class WeightReceiver:
         # `latest` is never deleted once written: after the first sighting, a plain get.
         latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.store.get("latest"))
         if latest is not None:
-            record = (int(latest["version"]), int(latest["epoch"]), int(latest["gen"]))
-            if record != self._latest and (self._latest is None or record[0] > self._latest[0]):
+            record = Published(int(latest["version"]), int(latest["epoch"]))
+            if record != self._latest and (self._latest is None or record.version > self._latest.version):
                 with self._cond:
                     self._latest = record
                     self._cond.notify_all()
 
-    def _published_sums(self, version: int, gen: int) -> list[int] | None:
+    def _published_sums(self, version: int) -> list[int] | None:
         held = self._sums
-        return held[2] if held is not None and held[:2] == (version, gen) else None
+        return held[1] if held is not None and held[0] == version else None
 
     def _follow_sums(self, ctl: Control) -> None:
         """With ``verify``, fetch the checksums of the newest shared version for update()."""
         latest = self._latest
-        if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest[0]):
+        if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest.version):
             return
-        record = ctl.get_json(f"v/{latest[0]}/sums")
-        if record is not None and int(record["gen"]) == latest[2]:
-            self._sums = (latest[0], latest[2], [int(s) for s in record["sums"]])
+        record = ctl.get_json(f"v/{latest.version}/sums")
+        if record is not None and int(record["version"]) == latest.version:
+            self._sums = (latest.version, [int(s) for s in record["sums"]])
             with self._cond:
                 self._cond.notify_all()
 
@@ -398,8 +398,8 @@ class WeightReceiver:
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip
 
-    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> Source:
-        return Source.open(
+    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
+        return open_source(
             epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name, swap=self.config.apply == "swap",
             net=lambda backend: NetReceiveLink(
                 self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,

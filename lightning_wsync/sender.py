@@ -41,10 +41,10 @@ from lightning_wsync._control import (
 )
 from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state, state_key
-from lightning_wsync._snapshot import Snapshot
 from lightning_wsync.config import SenderConfig, resolve_config
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
 from lightning_wsync.transport.net import NetSendLink
+from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync.transport.shm import ShmSegment, remove_stale_segments, segment_name
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ _MEMBERSHIP_REFRESH_S = 0.05
 _COLLECT_POLL_MIN_S = 0.0005
 _COLLECT_POLL_MAX_S = 0.005
 _KEEP_VERSION_RECORDS = 4
+_PIN_LEASE_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class PushReport:
         stall_s: how long ``push()`` blocked the caller.
         latency_s: from ``push()`` to the last delivery seen (None if none).
         bytes: bytes in the snapshot.
+        dropped: the push found every snapshot slot being read (pushes faster than
+            receivers copy) and was not published; the next push carries newer weights.
     """
 
     version: int
@@ -76,13 +79,17 @@ class PushReport:
     stall_s: float = 0.0
     latency_s: float | None = None
     bytes: int = 0
+    dropped: bool = False
 
 
 class PushHandle:
     """Returned by :meth:`WeightSender.push`; ``wait()`` reports who got the version."""
 
-    def __init__(self, sender: WeightSender, version: int, started: float, stall_s: float) -> None:
+    def __init__(
+        self, sender: WeightSender, version: int, started: float, stall_s: float, *, dropped: bool = False
+    ) -> None:
         self.version = version
+        self.dropped = dropped
         self.stall_s = stall_s
         self._sender = sender
         self._started = started
@@ -98,6 +105,11 @@ class PushHandle:
         """Wait up to ``timeout_s`` (default: the sender's) for every receiver that was
         live at publication to hold this version; never longer."""
         if self._report is not None:
+            return self._report
+        if self.dropped:
+            self._report = PushReport(
+                self.version, (), stall_s=self.stall_s, bytes=self._sender.layout.total_bytes, dropped=True
+            )
             return self._report
         timeout_s = self._sender.config.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -168,9 +180,11 @@ class WeightSender:
         segment = None
         if not use_device and cfg.transport in ("auto", "shm"):
             remove_stale_segments()
-            segment = ShmSegment(segment_name(job_name, self.epoch), self.layout.total_bytes, create=True)
+            segment = ShmSegment(segment_name(job_name, self.epoch), self.layout.total_bytes, create=True, slots=2)
         device = next(iter(self._tensors.values())).device if use_device else torch.device("cpu")
-        self._snapshot = Snapshot(self.layout, segment=segment, device=device)
+        # A reader that makes no progress for this long no longer holds its slot.
+        lease_s = min(cfg.timeout_s, cfg.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        self._ring = SnapshotRing(self.layout, segment=segment, device=device, slots=2, lease_s=lease_s)
         self._backend = "nccl" if use_device else "gloo"
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
 
@@ -190,6 +204,7 @@ class WeightSender:
         self._ctl.set_text("sender/current", str(self.epoch))
 
         self._closed = False
+        self._closed_superseded = 0
         self._last_handle: PushHandle | None = None
         self._pending: list[PushHandle] = []
         self._published_versions: list[int] = []
@@ -214,10 +229,13 @@ class WeightSender:
     def store(self) -> dist.Store:
         return self._store.store
 
-    def push(self, version: int) -> PushHandle:
+    def push(self, version: int, *, wait_for_slot_s: float = 0.0) -> PushHandle:
         """Snapshot the weights as ``version`` and deliver them in the background.
 
-        Blocks only for the copy into the snapshot buffer.
+        Blocks only for the copy into a free snapshot slot. When receivers are still
+        reading both slots (pushes faster than their copies), the push is dropped at once
+        (``handle.dropped``, counted in :attr:`dropped_pushes`) unless ``wait_for_slot_s``
+        allows a bounded wait for one (use it for a run's final push).
 
         Raises:
             ValueError: ``version`` is not an int above the last published version.
@@ -234,10 +252,13 @@ class WeightSender:
                 f"(push a higher number, or use a new job name)"
             )
         started = time.perf_counter()
-        self._snapshot.write(version, self._ordered)
+        written = self._ring.write(version, self._ordered, wait_s=wait_for_slot_s)
         stall = time.perf_counter() - started
         self.latest_version = version
-        handle = PushHandle(self, version, started, stall)
+        handle = PushHandle(self, version, started, stall, dropped=written is None)
+        if written is None:
+            log.debug("version %d dropped: every snapshot slot is being read", version)
+            return handle
         handle._targets = self._members.live()  # in-memory view; push() never touches the store
         with self._wake:
             self._pending.append(handle)
@@ -252,12 +273,12 @@ class WeightSender:
             pending, self._pending = self._pending, []
         if not pending:
             return
-        newest = self._snapshot.newest()
+        newest = self._ring.newest()
         assert newest is not None
-        version, gen = newest
+        version = newest.version
         ctl = self._ctl
-        ctl.set_json(f"v/{version}", {"version": version, "epoch": self.epoch, "gen": gen})
-        ctl.set_json("latest", {"version": version, "epoch": self.epoch, "gen": gen})
+        ctl.set_json(f"v/{version}", {"version": version, "epoch": self.epoch})
+        ctl.set_json("latest", {"version": version, "epoch": self.epoch})
         self._members.refresh()  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:  # receivers live at push time, plus any found since
@@ -268,11 +289,16 @@ class WeightSender:
             old = self._published_versions.pop(0)
             ctl.delete(f"v/{old}")
             ctl.delete(f"v/{old}/sums")
-        if self._snapshot.segment is not None and any(m.verify for m in live):
+        if self._ring.segment is not None and any(m.verify for m in live):
             # After the version is out, so receivers that do not verify are not delayed.
-            sums = self._snapshot.checksums(gen)
-            if sums is not None:  # None: already overwritten by the next push
-                ctl.set_json(f"v/{version}/sums", {"gen": gen, "sums": sums})
+            lease = self._ring.acquire(newest)
+            if lease is not None:  # None: already overwritten by the next push
+                try:
+                    sums = self._ring.checksums(lease)
+                finally:
+                    lease.release()
+                if sums is not None:
+                    ctl.set_json(f"v/{version}/sums", {"version": version, "sums": sums})
 
     def _sync_links(self) -> None:
         for member in self._members.live():
@@ -281,8 +307,9 @@ class WeightSender:
                 continue
             if member.link is not None:
                 member.link.close(timeout_s=0)
+                self._closed_superseded += member.link.superseded
             member.link = NetSendLink(
-                self._ctl, self._snapshot, epoch=self.epoch, rid=member.rid, gen=gen,
+                self._ctl, self._ring, epoch=self.epoch, rid=member.rid, gen=gen,
                 backend=self._backend, addr=self._addr, timeout_s=self.config.timeout_s,
             )  # fmt: skip
 
@@ -328,6 +355,16 @@ class WeightSender:
             bytes=self.layout.total_bytes,
         )
 
+    @property
+    def dropped_pushes(self) -> int:
+        """Pushes not published because every snapshot slot was being read."""
+        return self._ring.dropped
+
+    @property
+    def superseded_sends(self) -> int:
+        """Network sends overwritten mid-send (a receiver stalled past the pin lease), over all links."""
+        return sum(m.link.superseded for m in self._members.members() if m.link is not None) + self._closed_superseded
+
     def receivers(self) -> list[str]:
         """Names of the receivers currently considered live."""
         return [m.label for m in self._members.live()]
@@ -354,12 +391,12 @@ class WeightSender:
         with self._wake:
             self._wake.notify()
         self._thread.join(timeout=10)
-        self._snapshot.close()
+        self._ring.close()
         for member in self._members.members():
             if member.link is not None:
                 member.link.close()
-        if self._snapshot.segment is not None:
-            self._snapshot.segment.close()
+        if self._ring.segment is not None:
+            self._ring.segment.close()
         log.info("WeightSender job=%r epoch=%d closed", self._ctl.job, self.epoch)
 
     def __enter__(self) -> WeightSender:

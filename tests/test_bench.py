@@ -19,7 +19,7 @@ from lightning_wsync.cli import main
 
 MEDIANS = ("stall_s", "core_stall_s", "latency_s", "report_latency_s", "memcpy_s", "memcpy_2t_s", "gather_s",
            "shm_s", "shm_write_s", "tcp_s")  # fmt: skip
-RATIOS = ("stall_to_memcpy", "latency_to_shm_bound", "gloo_throughput_to_tcp", "sender_memory_to_model",
+RATIOS = ("stall_to_memcpy", "latency_to_shm_bound", "gloo_throughput_to_tcp", "sender_memory_to_pushed",
           "receiver_memory_to_model")  # fmt: skip
 
 
@@ -142,6 +142,8 @@ def test_digest_sees_wire_rounding_but_not_equal_copies():
         (["--pushes", "0"], r"--pushes=0 must be >= 1"),
         (["--timeout-s", "0"], r"--timeout-s=0.0 must be > 0"),
         (["--bucket-mb", "0"], r"--bucket-mb=0.0 must be > 0"),
+        (["--interval-ms", "-1"], r"--interval-ms=-1.0 must be >= 0"),
+        (["--duration-s", "0"], r"--duration-s=0.0 must be > 0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):
@@ -164,3 +166,20 @@ def test_compare_torchrl_without_torchrl_says_how_to_install(monkeypatch):
     result = _torchrl.compare_torchrl(build_model(spec, seed=0), spec, n_receivers=1, pushes=1, timeout_s=5)
     assert result == {"skipped": _torchrl.NOT_INSTALLED}
     assert "pip install lightning-wsync[torchrl]" in _torchrl.NOT_INSTALLED
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_bench_interval_reports_applied_fraction_and_age_per_receiver(capsys, transport):
+    code = main(["bench", "--size-mb", "1", "--receivers", "2", "--interval-ms", "2", "--duration-s", "1",
+                 "--transport", transport, "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["ok"] is True and result["interval_ms"] == 2 and result["pushes"] >= 1
+    assert result["published"] + result["dropped"] == result["pushes"]
+    assert set(result["receivers"]) == {"r0", "r1"}
+    for r in result["receivers"].values():
+        assert r["bit_exact"] is True  # the final version, on every receiver
+        assert 0 < r["applied"] <= result["published"] and 0 < r["applied_fraction"] <= 1
+        assert r["age_median_s"] is not None and 0 <= r["age_median_s"] <= r["age_p95_s"]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from lightning_wsync._manifest import build_layout, copy_out, copy_tensors, entry_views
-from lightning_wsync.transport.shm import ShmReceiveLink, ShmSegment
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -32,22 +29,3 @@ def test_fused_copies_cast_and_round_trip_every_dtype_and_stride():
         want = v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
         assert torch.equal(dst[k], want), k
     copy_tensors([], [])  # nothing selected: nothing to do
-
-
-def test_segment_header_shows_only_completed_writes():
-    layout = build_layout({"x": torch.zeros(16)}, None, 1 << 20)
-    name = f"wsync-{os.getpid()}-0-test-header"
-    writer = ShmSegment(name, layout.total_bytes, create=True)
-    reader = ShmReceiveLink(name, layout)
-    try:
-        assert reader.published() is None  # nothing written yet
-        writer.begin_write()
-        assert reader.published() is None  # odd: being written
-        gen = writer.end_write(7)
-        assert reader.published() == (7, gen)
-        writer.begin_write()
-        assert reader.published() is None
-        assert writer.end_write(8) == gen + 2 and reader.published() == (8, gen + 2)
-    finally:
-        reader.close()
-        writer.close()

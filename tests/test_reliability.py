@@ -109,7 +109,9 @@ def test_shared_memory_verify_rejects_corrupted_bytes(port):
             while not sender.store.check(["wsync/shm-verify/v/2/sums"]):  # bounded poll: sums published
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
-            sender._snapshot.buffer[100] ^= 0x10  # a bit flips in shared memory after the snapshot
+            newest = sender._ring.newest()
+            assert newest is not None and newest.version == 2
+            sender._ring.buffers[newest.slot][100] ^= 0x10  # a bit flips in shared memory after the snapshot
             while receiver.rejected == 0:
                 assert time.monotonic() < deadline, "the corrupted version was never checked"
                 assert receiver.update() is None

@@ -5,6 +5,7 @@
     lightning-wsync bench --size-mb 1024 --receivers 4            # table
     lightning-wsync bench --size-mb 64 --transport gloo --json     # machine-readable
     lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
+    lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
@@ -18,6 +19,10 @@ shared machine's changing load reaches pushes and bounds alike, or, when memory 
 short to hold both sets of buffers, half the rounds before the pushes and half after.
 Every process runs one torch thread. Exit status: 0 when every push was applied
 bit-exact by every receiver, 1 otherwise or on failure, 2 on bad arguments.
+
+With ``--interval-ms`` the run is different (see ``_interval``): pushes at a fixed
+pace whether or not receivers keep up, reporting per receiver the fraction of versions
+applied and the age of the version held.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 
 from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync.bench._bounds import BoundBench
+from lightning_wsync.bench._interval import format_interval, run_interval_phase
 from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
 from lightning_wsync.bench._procs import BenchError, Children
 from lightning_wsync.bench._push import PushPhase, PushRun, run_push_phase
@@ -66,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=_COMPARE, action="append", default=[], help="also run another library")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights")
+    parser.add_argument("--interval-ms", type=float, default=None,
+                        help="push every INTERVAL ms for --duration-s instead of one push at a time")
+    parser.add_argument("--duration-s", type=float, default=10.0, help="length of an --interval-ms run (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--delta", action="store_true",
                         help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
@@ -85,14 +94,22 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     restore_signals = _exit_on_sigterm()
     try:
-        result = measure(args)
+        if args.interval_ms is not None:
+            result = run_interval_phase(
+                spec_for_size(args.size_mb), n_receivers=args.receivers, transport=args.transport, dtype=args.dtype,
+                bucket_mb=args.bucket_mb, apply=args.apply, interval_ms=args.interval_ms,
+                duration_s=args.duration_s, timeout_s=args.timeout_s, seed=args.seed,
+            )  # fmt: skip
+        else:
+            result = measure(args)
     except (BenchError, WeightSyncError, OSError) as exc:
         print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         restore_signals()
         torch.set_num_threads(threads)
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    table = format_interval(result) if args.interval_ms is not None else format_table(result)
+    print(json.dumps(result, indent=2) if args.json else table)
     return 0 if result["ok"] else 1
 
 
@@ -264,6 +281,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--pushes={args.pushes!r} must be >= 1 (5 or more for stable medians)")
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr!r} must be > 0, e.g. --lr 1e-6")
+    if args.interval_ms is not None and not args.interval_ms >= 0:
+        raise ValueError(f"--interval-ms={args.interval_ms!r} must be >= 0 (0: back to back), e.g. --interval-ms 20")
+    if not args.duration_s > 0:
+        raise ValueError(f"--duration-s={args.duration_s!r} must be > 0, e.g. --duration-s 10")
     if not args.timeout_s > 0:
         raise ValueError(f"--timeout-s={args.timeout_s!r} must be > 0, e.g. --timeout-s 120")
 

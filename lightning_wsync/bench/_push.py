@@ -166,7 +166,7 @@ class PushRun:
                 self._conns[n] = self._children.start(_receiver_main, args, name=f"wsync-bench-{n}")
             for n, conn in self._conns.items():
                 receive(conn, self._timeout_s, f"receiver {n} to start")
-            _wait_registered(self._sender, self._names, self._timeout_s)
+            wait_registered(self._sender, self._names, self._timeout_s)
         except BaseException as exc:
             self.__exit__(type(exc), exc, None)
             raise
@@ -252,7 +252,7 @@ def run_push_phase(
     return run.phase
 
 
-def _wait_registered(sender: WeightSender, names: list[str], timeout_s: float) -> None:
+def wait_registered(sender: WeightSender, names: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not set(names) <= set(sender.receivers()):
         if time.monotonic() > deadline:

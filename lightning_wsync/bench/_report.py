@@ -19,7 +19,7 @@ _TARGETS: tuple[tuple[str, str, float, bool], ...] = (
     ("latency_to_fp32", "push latency / the same push without the cast", _LATENCY_SLACK, False),  # x bytes ratio
     ("stall_to_memcpy", "trainer stall / one memcpy", 1.2, False),
     ("stall_to_gather", "trainer stall / the cast gathered into one buffer", 1.2, False),
-    ("sender_memory_to_model", "sender peak extra memory / model", 1.0, False),
+    ("sender_memory_to_pushed", "sender peak extra memory / pushed bytes (two snapshot slots)", 2.0, False),
     ("receiver_memory_to_model", "receiver peak extra memory / model (worst)", 1.0, False),
     ("gloo_throughput_to_tcp", "gloo throughput / loopback TCP", 0.8, True),
 )
@@ -79,9 +79,9 @@ def summarize(
         "bytes_to_fp32": None if reference is None else _ratio(float(nbytes), float(reference.pushed_bytes)),
         "latency_to_tcp_bound": _ratio(medians["latency_s"], medians["tcp_s"]),
         "gloo_throughput_to_tcp": _ratio(medians["tcp_s"], medians["latency_s"]),
-        "sender_memory_to_model": None
+        "sender_memory_to_pushed": None
         if phase.sender_memory is None
-        else _ratio(float(phase.sender_memory.peak_rss), float(model_bytes)),
+        else _ratio(float(phase.sender_memory.peak_rss), float(nbytes)),
         "receiver_memory_to_model": None
         if worst_receiver is None
         else _ratio(float(worst_receiver), float(model_bytes)),
@@ -105,7 +105,9 @@ def summarize(
             bytes_ratio = ratios["bytes_to_fp32"]
             assert bytes_ratio is not None
             limit *= bytes_ratio
-        allowance = MEMORY_ALLOWANCE_BYTES / model_bytes if key.endswith("memory_to_model") else 0.0
+        allowance = 0.0
+        if key.endswith("memory_to_model") or key.endswith("memory_to_pushed"):
+            allowance = MEMORY_ALLOWANCE_BYTES / (model_bytes if key.endswith("model") else nbytes)
         targets.append({"name": key, "what": what, "value": value, "limit": limit, "allowance": allowance,
                         "met": value >= limit if higher else value <= limit + allowance})  # fmt: skip
     problems: list[str] = []
@@ -167,7 +169,7 @@ def format_table(result: dict[str, object]) -> str:
             lines.append(f"{label:<48} {value:>9.4f} {moved / value / 1e9 if value > 0 else 0:>8.2f}")
     lines += ["", f"{'ratio':<40} {'value':>9} {'target':>16}", f"{'-' * 40} {'-' * 9} {'-' * 16}"]
     targets = {str(_d(t)["name"]): _d(t) for t in _l(result["targets"])}
-    shown = ["stall_to_memcpy", "stall_to_gather", "latency_to_shm_bound", "sender_memory_to_model",
+    shown = ["stall_to_memcpy", "stall_to_gather", "latency_to_shm_bound", "sender_memory_to_pushed",
              "receiver_memory_to_model"]  # fmt: skip
     if cfg["dtype"]:
         shown[3:3] = ["latency_to_shm_cast_bound", "bytes_to_fp32", "latency_to_fp32", "stall_to_fp32"]
@@ -181,7 +183,7 @@ def format_table(result: dict[str, object]) -> str:
         mark = ""
         if target is not None:
             op = ">=" if key == "gloo_throughput_to_tcp" else "<="
-            extra = "+32M" if key.endswith("memory_to_model") else ""
+            extra = "+32M" if "memory_to" in key else ""
             mark = f"{op}{_f(target['limit']):.3g}{extra} {'ok' if target['met'] else 'MISS'}"
         lines.append(f"{key:<40} {value:>9.3f} {mark:>16}")
     lines += ["", f"memory growth (MiB; model {model_mib}): peak resident / private (anon) / shared mapped"]

@@ -6,11 +6,12 @@ one per receiver so a receiver that dies or stalls fails only its own group. Aft
 failure the receiver takes a new generation and both sides build a fresh group under
 a new prefix, so nothing of the broken group can satisfy a wait of the new one.
 
-A version travels as: announcement key on the store, header ``[version, gen, bytes,
-buckets]``, each bucket, trailer ``[gen after send, checksum of each bucket]``. The
-receiver stages the bytes privately and accepts them only when the trailer's generation
-equals the header's (the sender's snapshot was not overwritten mid-send) and, on CPU,
-every bucket's xxh3 checksum matches.
+A version travels as: announcement key on the store, header ``[version, slot sequence,
+bytes, buckets]``, each bucket, trailer ``[slot sequence after send (-1: overwritten),
+checksum of each bucket, HMAC]``. The sender holds a lease on the ring slot for the
+whole send, so a send is overwritten only when it stalls past the lease. The receiver
+stages the bytes privately and accepts them only when the trailer's sequence equals the
+header's and, on CPU, every bucket's xxh3 checksum matches.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hmac
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol, cast
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Layout, checksum
-from lightning_wsync._snapshot import Snapshot
+from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,9 @@ def _signed(u: int) -> int:
 _MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
 
 
-def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, gen: int, sums: list[int]) -> list[int]:
+def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int]) -> list[int]:
     """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
-    message = f"{epoch}/{rid}/{version}/{gen}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
+    message = f"{epoch}/{rid}/{version}/{seq}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
     return list(struct.unpack(f"<{_MAC_WORDS}q", ctl.mac_bytes(message)))
 
 
@@ -94,7 +96,7 @@ class NetSendLink:
     def __init__(
         self,
         control: Control,
-        snapshot: Snapshot,
+        ring: SnapshotRing,
         *,
         epoch: int,
         rid: int,
@@ -107,8 +109,9 @@ class NetSendLink:
         self.gen = gen
         self.error: str | None = None
         self.sent_version: int | None = None
+        self.superseded = 0  # sends whose slot was overwritten under them (a stall past the lease)
         self._control = control
-        self._snapshot = snapshot
+        self._ring = ring
         self._epoch = epoch
         self._backend = backend
         self._addr = addr
@@ -116,10 +119,6 @@ class NetSendLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}g{gen}", daemon=True)
         self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _run(self) -> None:
         ctl = self._control.clone()
@@ -129,10 +128,24 @@ class NetSendLink:
             pg = make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr, self._timeout_s)
             n = 0
             while not self._stop.is_set():
-                item = self._snapshot.wait_newer(self.sent_version, 0.2)
-                if item is None:
-                    continue
-                self._send(pg, ctl, prefix + f"ann/{n}", *item)
+                # The receiver says when its staging buffer is free: a send it cannot keep
+                # until update() takes it would only be overwritten by the next.
+                ready = prefix + f"ready/{n}"
+                while not ctl.has(ready):
+                    if self._stop.wait(_POLL_S):
+                        return
+                ctl.delete(ready)
+                # The newest version, held until it is all out: a push meanwhile goes to the
+                # other slot, so a link always finishes what it started.
+                lease = None
+                while lease is None and not self._stop.is_set():
+                    lease = self._ring.acquire_newer(self.sent_version, 0.2)
+                if lease is None:
+                    return
+                try:
+                    self._send(pg, ctl, prefix + f"ann/{n}", lease)
+                finally:
+                    lease.release()
                 n += 1
         except Exception as exc:  # noqa: BLE001 - any failure ends this link only
             if not self._stop.is_set():
@@ -145,21 +158,25 @@ class NetSendLink:
         finally:
             _shutdown(pg)
 
-    def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, version: int, gen: int) -> None:
-        snap, layout = self._snapshot, self._snapshot.layout
-        device = snap.buffer.device
+    def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
+        layout = self._ring.layout
+        buffer, (_, seq, version) = lease.buffer, lease.ref
+        device = buffer.device
         ctl.set_text(ann_key, str(version))
-        header = torch.tensor([version, gen, layout.total_bytes, len(layout.buckets)], dtype=torch.int64)
+        header = torch.tensor([version, seq, layout.total_bytes, len(layout.buckets)], dtype=torch.int64)
         pg.send([header.to(device)], 1, 0).wait()
-        works = [pg.send([snap.buffer[a:b]], 1, 0) for a, b in layout.buckets]
+        works = [pg.send([buffer[a:b]], 1, 0) for a, b in layout.buckets]
         # Hash while gloo streams the buckets (computed once per version for all links).
-        sums = snap.checksums(gen) if not snap.buffer.is_cuda else [0] * len(layout.buckets)
+        sums = self._ring.checksums(lease) if not buffer.is_cuda else [0] * len(layout.buckets)
         for work in works:
             work.wait()
-        intact = sums is not None and snap.sequence == gen
+            lease.touch()
+        intact = sums is not None and lease.intact()
+        if not intact:
+            self.superseded += 1
         words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
-        mac = trailer_mac(ctl, self._epoch, self.rid, version, gen, words)
-        trailer = torch.tensor([gen if intact else -1] + words + mac, dtype=torch.int64)
+        mac = trailer_mac(ctl, self._epoch, self.rid, version, seq, words)
+        trailer = torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)
         pg.send([trailer.to(device)], 1, 0).wait()
         self.sent_version = version
         log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
@@ -200,6 +217,8 @@ class NetReceiveLink:
         self._timeout_s = timeout_s
         self._on_staged = on_staged
         self._on_rejected = on_rejected
+        self._taken = threading.Event()  # update() took the staged version
+        self._hold_s = 0.0  # how long a staged version waits for update() before the next receive
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
@@ -221,7 +240,22 @@ class NetReceiveLink:
                 return None
             bind(buffer)
             self.staging, self.staged_version = spare, None
+            self._taken.set()
             return staged
+
+    def take(self, apply: Callable[[torch.Tensor], None], held: int | None) -> int | None:
+        """Copy mode: ``apply`` the staged buffer if its version is above ``held``; return that version."""
+        with self.lock:
+            staged, buffer = self.staged_version, self.staging
+            if staged is None or buffer is None or (held is not None and staged <= held):
+                return None
+            apply(buffer)
+            self._taken.set()
+            return staged
+
+    def pending_above(self, held: int | None) -> bool:
+        staged = self.staged_version
+        return staged is not None and (held is None or staged > held)
 
     def _run(self) -> None:
         ctl = self._control.clone()
@@ -243,6 +277,11 @@ class NetReceiveLink:
         nb = len(self.layout.buckets)
         n = 0
         while not self._stop.is_set():
+            if self.staged_version is not None:
+                # Keep the staged version for update() for up to one receive time: under
+                # pushes faster than a send, each version received is then applied.
+                self._taken.wait(self._hold_s)
+            ctl.set_text(prefix + f"ready/{n}", "1")
             ann = prefix + f"ann/{n}"
             while not ctl.has(ann):
                 if self._stop.wait(_POLL_S):
@@ -250,7 +289,7 @@ class NetReceiveLink:
             ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
             header = torch.empty(4, dtype=torch.int64, device=device)
             pg.recv([header], 0, 0).wait()
-            version, gen, total, buckets = (int(x) for x in header.cpu())
+            version, seq, total, buckets = (int(x) for x in header.cpu())
             if total != self.layout.total_bytes or buckets != nb:
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
             with self.lock:  # waits for an update() that is copying the previous version out
@@ -258,6 +297,7 @@ class NetReceiveLink:
                 staging = self.staging
             if staging is None:  # handed to the module by take_staged(); no update() touches it now
                 staging = self.staging = self._new_staging()
+            started = time.monotonic()
             works = [pg.recv([staging[a:b]], 0, 0) for a, b in self.layout.buckets]
             sums: list[int] = []
             for (a, b), work in zip(self.layout.buckets, works):
@@ -268,13 +308,13 @@ class NetReceiveLink:
             pg.recv([trailer], 0, 0).wait()
             n += 1
             values = trailer.cpu().tolist()
-            if values[0] != gen:
+            if values[0] != seq:
                 log.debug("version %d was overwritten during its send; waiting for the next", version)
                 continue
             sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
             if not hmac.compare_digest(
                 struct.pack(f"<{_MAC_WORDS}q", *mac),
-                struct.pack(f"<{_MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, gen, sent_sums)),
+                struct.pack(f"<{_MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, seq, sent_sums)),
             ):
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue
@@ -288,6 +328,8 @@ class NetReceiveLink:
                     continue
             with self.lock:
                 self.staged_version = version
+                self._taken.clear()
+            self._hold_s = time.monotonic() - started
             self._on_staged(version)
 
     def close(self, timeout_s: float = 5.0) -> None:

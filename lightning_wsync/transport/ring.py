@@ -1,0 +1,194 @@
+"""The sender's snapshot ring: a version is never overwritten while anyone reads it.
+
+A push writes into a slot no reader holds (preferring the oldest version) and never
+waits for readers: when every slot is held, the push is *dropped* — counted, reported,
+and the next push carries newer weights — unless the caller allows a bounded wait (the
+final push of a run). Readers are same-host receivers (pins in shared memory, see
+:mod:`~lightning_wsync.transport.shm`) and this process's network links (leases here).
+A pin or lease that makes no progress for ``lease_s`` no longer protects its slot: a
+stalled reader cannot hold versions back from everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
+from lightning_wsync.transport.shm import PinBoard, ShmSegment, SlotRef
+
+log = logging.getLogger(__name__)
+
+_WAIT_POLL_S = 0.001
+
+
+def bucket_checksums(buffer: torch.Tensor, layout: Layout) -> list[int]:
+    """xxh3-64 of every bucket of a CPU buffer."""
+    return [checksum(buffer, a, b) for a, b in layout.buckets]
+
+
+@dataclass
+class Lease:
+    """An in-process reader's hold on one slot (a network link sending it, a checksum pass)."""
+
+    ring: SnapshotRing
+    ref: SlotRef
+    progress_ns: int = field(default_factory=time.monotonic_ns)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.ring.buffers[self.ref.slot]
+
+    def touch(self) -> None:
+        """Progress was made (a bucket went out): the lease stays valid for another ``lease_s``."""
+        self.progress_ns = time.monotonic_ns()
+
+    def intact(self) -> bool:
+        return self.ring.seq(self.ref.slot) == self.ref.seq
+
+    def release(self) -> None:
+        self.ring._release(self)
+
+
+class SnapshotRing:
+    """``slots`` preallocated flat buffers; in shared memory when ``segment`` is given."""
+
+    def __init__(
+        self, layout: Layout, *, segment: ShmSegment | None, device: torch.device, slots: int = 2, lease_s: float
+    ) -> None:
+        self.layout = layout
+        self.segment = segment
+        self.lease_s = lease_s
+        if segment is not None:
+            self.buffers = list(segment.data)
+        else:
+            self.buffers = [torch.empty(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self._views = [entry_views(layout, b) for b in self.buffers]
+        self._board = PinBoard(segment) if segment is not None else None
+        self._seqs = [0] * len(self.buffers)  # private rings: the slot words live here
+        self._versions = [-1] * len(self.buffers)
+        self._cond = threading.Condition()
+        self._leases: list[Lease] = []
+        self._published: SlotRef | None = None
+        self._sums: dict[SlotRef, list[int]] = {}
+        self.dropped = 0  # pushes that found every slot held
+        self.closed = False
+
+    # -- slot words -------------------------------------------------------------------
+    def seq(self, slot: int) -> int:
+        return self.segment.seq(slot) if self.segment is not None else self._seqs[slot]
+
+    def _version(self, slot: int) -> int:
+        return self.segment.version(slot) if self.segment is not None else self._versions[slot]
+
+    # -- writer -----------------------------------------------------------------------
+    def write(self, version: int, tensors: list[torch.Tensor], *, wait_s: float = 0.0) -> SlotRef | None:
+        """Snapshot ``tensors`` as ``version`` into a free slot; None when every slot is held.
+
+        ``wait_s`` bounds a wait for a slot to come free (0: drop at once).
+        """
+        deadline = time.monotonic() + wait_s
+        while (claimed := self._claim()) is None:
+            if time.monotonic() >= deadline or self.closed:
+                self.dropped += 1
+                return None
+            time.sleep(_WAIT_POLL_S)
+        slot, before = claimed
+        copy_tensors(self._views[slot], tensors)
+        if self.buffers[slot].is_cuda or any(t.is_cuda for t in tensors):
+            # Wait for these copies only: a device-wide sync would also wait for NCCL
+            # sends in flight, a stalled receiver's included.
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            event.synchronize()
+        with self._cond:
+            if self.segment is not None:
+                seq = self.segment.end_write(slot, version)
+            else:
+                self._versions[slot] = version
+                seq = self._seqs[slot] = before + 2
+            self._published = SlotRef(slot, seq, version)
+            self._cond.notify_all()
+        return self._published
+
+    def _claim(self) -> tuple[int, int] | None:
+        """A slot nobody holds, now marked as being written, and its sequence before."""
+        with self._cond:
+            now = time.monotonic_ns()
+            lease_ns = self.lease_s * 1e9
+            order = sorted(range(len(self.buffers)), key=lambda s: (self.seq(s) != 0, self._version(s)))
+            for slot in order:
+                seq = self.seq(slot)
+                self._sums = {r: v for r, v in self._sums.items() if r.slot != slot or r.seq == seq}
+                if any(le.ref.slot == slot and le.ref.seq == seq and now - le.progress_ns <= lease_ns for le in self._leases):
+                    continue
+                if self.segment is None:
+                    self._seqs[slot] = seq + 1
+                    return slot, seq
+                before = self.segment.begin_write(slot)
+                assert self._board is not None
+                if self._board.pinned(slot, before, self.lease_s):
+                    self.segment.abort_write(slot, before)
+                    continue
+                return slot, before
+        return None
+
+    # -- in-process readers ---------------------------------------------------------------
+    def newest(self) -> SlotRef | None:
+        return self._published
+
+    def acquire_newer(self, after_version: int | None, timeout_s: float) -> Lease | None:
+        """Wait up to ``timeout_s`` for a version above ``after_version``; lease its slot."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self.closed
+                or (self._published is not None and (after_version is None or self._published.version > after_version)),
+                timeout=timeout_s,
+            )
+            ref = self._published
+            if self.closed or ref is None or (after_version is not None and ref.version <= after_version):
+                return None
+            return self._lease(ref)
+
+    def acquire(self, ref: SlotRef) -> Lease | None:
+        """Lease ``ref``'s slot if it still holds that version."""
+        with self._cond:
+            return self._lease(ref) if self.seq(ref.slot) == ref.seq else None
+
+    def _lease(self, ref: SlotRef) -> Lease:
+        lease = Lease(self, ref)
+        self._leases.append(lease)
+        return lease
+
+    def _release(self, lease: Lease) -> None:
+        with self._cond:
+            if lease in self._leases:
+                self._leases.remove(lease)
+
+    def checksums(self, lease: Lease) -> list[int] | None:
+        """Per-bucket checksums of the leased version, computed once; None if it was overwritten."""
+        ref = lease.ref
+        with self._cond:
+            cached = self._sums.get(ref)
+        if cached is not None:
+            return cached
+        if lease.buffer.is_cuda:
+            return None
+        sums = bucket_checksums(lease.buffer, self.layout)
+        if not lease.intact():
+            return None
+        with self._cond:
+            if self.seq(ref.slot) == ref.seq:
+                self._sums[ref] = sums
+        return sums
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        if self._board is not None:
+            self._board.close()
