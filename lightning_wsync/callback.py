@@ -39,7 +39,10 @@ for the report of the last push, then closes the sender (receivers see the close
   ``wsync/delivery_s`` (push to last delivery), ``wsync/delivered`` and ``wsync/failed``
   (receiver counts), and ``wsync/version_lag``: how many pushes, up to the one just before
   this push, the slowest receiver of that report is not known to hold (0: all of them
-  confirmed). It counts pushes, not steps.
+  confirmed). It counts pushes, not steps. When network receivers got that version as a
+  delta: ``wsync/delta_bytes`` (on the wire, per receiver; compare ``wsync/bytes``),
+  ``wsync/delta_receivers``, ``wsync/delta_changed_share``, ``wsync/delta_encode_s`` and,
+  when reported in time, ``wsync/delta_decode_s`` (slowest receiver).
 """
 
 from __future__ import annotations
@@ -326,6 +329,13 @@ class WeightSyncCallback(Callback):
         }
         if report.latency_s is not None:
             metrics["wsync/delivery_s"] = report.latency_s
+        if report.delta_bytes is not None:
+            metrics["wsync/delta_bytes"] = float(report.delta_bytes)
+            metrics["wsync/delta_receivers"] = float(len(report.delta_receivers))
+        for key in ("delta_changed_share", "delta_encode_s", "delta_decode_s"):
+            value = getattr(report, key)
+            if value is not None:
+                metrics[f"wsync/{key}"] = float(value)
         names = [*report.delivered, *report.failed]
         if names:
             metrics["wsync/version_lag"] = float(self._pushes - min(self._held.get(n, 0) for n in names))

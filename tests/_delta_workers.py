@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,3 +47,22 @@ def receiver(port: int, helds: list[str], conn: Connection) -> None:
     marker = torch.empty(1, dtype=torch.int64)
     pg.recv([marker], 0, 0).wait()
     conn.send(int(marker[0]))
+
+
+def delta_sender(port: int, job: str, spec: tuple[str, int], results: Any) -> None:
+    """Join the store, push versions 1 and 2 over gloo (2 as a delta), report their digests, idle until killed."""
+    import threading
+
+    from _workers import build, digest, sparse_change
+
+    from lightning_wsync import WeightSender
+
+    torch.set_num_threads(1)
+    model = build(spec)
+    sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, transport="gloo", bucket_mb=2, timeout_s=10,
+                          delta="always")  # fmt: skip
+    for version in (1, 2):
+        sparse_change(model, version)
+        report = sender.push(version).wait(timeout_s=60)
+        results.put(("pushed", "sender", version, digest(model), report.delta_receivers))
+    threading.Event().wait()

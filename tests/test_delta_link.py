@@ -172,3 +172,20 @@ def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
     auto.observe(2, DeltaStats(wire_bytes=90, full_bytes=100))
     auto.observe(2, DeltaStats(wire_bytes=90, full_bytes=100))  # a second link's report of the same version
     assert [auto.want_delta(v) for v in range(3, 12) for _ in range(2)] == [False] * 16 + [True] * 2
+
+
+def test_ring_finds_a_complete_version_by_number() -> None:
+    from lightning_wsync._manifest import build_layout
+    from lightning_wsync.transport.ring import SnapshotRing
+
+    layout = build_layout({"w": torch.zeros(100)}, None, 1 << 20)
+    ring = SnapshotRing(layout, segment=None, device=torch.device("cpu"), slots=2, lease_s=5.0)
+    assert ring.find(1) is None
+    first = ring.write(1, [torch.zeros(100)])
+    second = ring.write(2, [torch.ones(100)])
+    assert first is not None and second is not None
+    assert ring.find(1) == first and ring.find(2) == second
+    assert torch.equal(ring.buffers[first.slot].view(torch.float32)[:100], torch.zeros(100))
+    ring.write(3, [torch.full((100,), 3.0)])  # into the oldest slot: version 1 is gone
+    assert ring.find(1) is None and ring.find(2) == second and ring.find(3) is not None
+    ring.close()

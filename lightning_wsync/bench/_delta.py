@@ -3,6 +3,7 @@
 ::
 
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6 --pushes 5
+    lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6 --transport gloo --receivers 1
 
 The model has GPT-2's dimensions (124M parameters) and initialisation; each version
 is one AdamW step (causal LM loss on random tokens, see ``_steps``), snapshotted into
@@ -11,6 +12,12 @@ decoded into a copy of the previous one as a receiver would, and checked bit for
 and against the sender's per-bucket checksums. Reported per version and as medians:
 the share of changed words, delta bytes against the full push, encode and decode
 seconds (one thread, as every bench process).
+
+With ``--transport gloo`` the same versions are also pushed for real, alternating, by
+two senders on the same link: one with ``delta="off"`` and one with ``delta`` as given
+(``--delta-mode``, default ``auto``), each to its own receiver processes, and the push
+latencies (``push()`` until every receiver applied it) are compared. Run it inside a
+network namespace whose loopback is shaped (``tc ... tbf``) to measure a slow link.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 
 from lightning_wsync._manifest import build_layout, checksum, copy_into, select_tensors
 from lightning_wsync.bench._model import ModelSpec
+from lightning_wsync.bench._push import PushRun, PushSample
 from lightning_wsync.bench._steps import GPT2_SPEC, Trainer
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaEncoder, DeltaHeader
 
@@ -159,4 +167,86 @@ def format_codec(result: dict[str, object], *, lr: float, dtype: str | None) -> 
     problems = result["problems"]
     assert isinstance(problems, list)
     lines += [f"PROBLEM: {p}" for p in problems]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LinkPair:
+    """One version pushed by both senders: full versions only, and deltas."""
+
+    version: int
+    full: PushSample
+    delta: PushSample
+
+
+def _keep(model: torch.nn.Module, version: int) -> None:
+    """The trainer made this version already (an optimizer step)."""
+
+
+def measure_links(
+    *, spec: ModelSpec = GPT2_SPEC, lr: float, dtype: str | None, pushes: int, bucket_mb: float, n_receivers: int,
+    timeout_s: float, seed: int, mode: str,
+) -> list[LinkPair]:
+    """Push ``pushes`` AdamW versions (after one warm-up) with and without deltas, alternating."""
+    trainer = Trainer(spec, lr=lr, seed=seed)
+    common = {"n_receivers": n_receivers, "transport": "gloo", "dtype": dtype, "bucket_mb": bucket_mb,
+              "apply": "copy", "timeout_s": timeout_s, "change": _keep}  # fmt: skip
+    full = PushRun(trainer.model, spec, sender_options={"delta": "off"}, **common)  # type: ignore[arg-type]
+    delta = PushRun(trainer.model, spec, sender_options={"delta": mode}, **common)  # type: ignore[arg-type]
+    pairs: list[LinkPair] = []
+    with full, delta:
+        full.push(1, warmup=True)
+        delta.push(1, warmup=True)  # receivers hold nothing yet: a full version
+        for version in range(2, pushes + 2):
+            trainer.step()
+            got = {}
+            for run in (full, delta) if version % 2 else (delta, full):
+                got[id(run)] = run.push(version)
+            pairs.append(LinkPair(version, got[id(full)], got[id(delta)]))
+    return pairs
+
+
+def links_result(pairs: list[LinkPair]) -> dict[str, object]:
+    """Medians of the paired pushes and the issue's latency target (at least 5x lower)."""
+    full = statistics.median(p.full.latency_s for p in pairs)
+    delta = statistics.median(p.delta.latency_s for p in pairs)
+    rows = [{"version": p.version, "full_latency_s": p.full.latency_s, "delta_latency_s": p.delta.latency_s,
+             "delta_receivers": list(p.delta.delta_receivers), "delta_bytes": p.delta.delta_bytes,
+             "delta_changed_share": p.delta.delta_changed_share, "delta_encode_s": p.delta.delta_encode_s,
+             "delta_decode_s": p.delta.delta_decode_s, "bit_exact": p.full.digest_ok and p.delta.digest_ok}
+            for p in pairs]  # fmt: skip
+    return {
+        "pushes": rows,
+        "medians": {"full_latency_s": full, "delta_latency_s": delta, "speedup": full / delta},
+        "ok": all(r["bit_exact"] for r in rows),
+    }
+
+
+def format_links(result: dict[str, object]) -> str:
+    rows = result["pushes"]
+    med = result["medians"]
+    assert isinstance(rows, list) and isinstance(med, dict)
+    lines = [
+        "",
+        "push latency on the same link, same versions (push() until every receiver applied it):",
+        "",
+        "| version | full push s | delta push s | sent as | delta MiB | changed | encode s | decode s | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        as_delta = bool(r["delta_receivers"])
+        mib = "-" if r["delta_bytes"] is None else f"{r['delta_bytes'] / 2**20:.2f}"
+        changed = "-" if r["delta_changed_share"] is None else f"{r['delta_changed_share']:.2%}"
+        enc = "-" if r["delta_encode_s"] is None else f"{r['delta_encode_s']:.3f}"
+        dec = "-" if r["delta_decode_s"] is None else f"{r['delta_decode_s']:.3f}"
+        lines.append(
+            f"| {r['version']} | {r['full_latency_s']:.3f} | {r['delta_latency_s']:.3f} | "
+            f"{'delta' if as_delta else 'full'} | {mib} | {changed} | {enc} | {dec} | "
+            f"{'yes' if r['bit_exact'] else 'NO'} |"
+        )
+    lines.append("")
+    lines.append(
+        f"medians: full push {med['full_latency_s']:.3f} s, delta push {med['delta_latency_s']:.3f} s: "
+        f"{med['speedup']:.2f}x lower latency"
+    )
     return "\n".join(lines)

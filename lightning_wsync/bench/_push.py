@@ -45,6 +45,11 @@ class PushSample:
     failed: dict[str, str]
     applied: dict[str, int]  # receiver -> version it applied in answer to this push
     digest_ok: bool
+    delta_receivers: tuple[str, ...] = ()  # the report's delta figures (network path)
+    delta_bytes: int | None = None
+    delta_changed_share: float | None = None
+    delta_encode_s: float | None = None
+    delta_decode_s: float | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -58,6 +63,11 @@ class PushSample:
             "failed": dict(self.failed),
             "applied": dict(self.applied),
             "digest_ok": self.digest_ok,
+            "delta_receivers": sorted(self.delta_receivers),
+            "delta_bytes": self.delta_bytes,
+            "delta_changed_share": self.delta_changed_share,
+            "delta_encode_s": self.delta_encode_s,
+            "delta_decode_s": self.delta_decode_s,
         }
 
 
@@ -199,6 +209,9 @@ class PushRun:
             version=version, warmup=warmup, stall_s=stall, core_stall_s=handle.stall_s,
             latency_s=max(applied_at.values()) - started, report_latency_s=report.latency_s,
             delivered=report.delivered, failed=dict(report.failed), applied=applied, digest_ok=digest_ok,
+            delta_receivers=report.delta_receivers, delta_bytes=report.delta_bytes,
+            delta_changed_share=report.delta_changed_share, delta_encode_s=report.delta_encode_s,
+            delta_decode_s=report.delta_decode_s,
         )  # fmt: skip
         phase.samples.append(sample)
         log.debug("push %d: %s", version, sample)

@@ -154,6 +154,15 @@ class SnapshotRing:
                 return None
             return self._lease(ref)
 
+    def find(self, version: int) -> SlotRef | None:
+        """The slot holding ``version`` complete (a delta's base), if the ring still has it."""
+        with self._cond:
+            for slot in range(len(self.buffers)):
+                seq = self.seq(slot)
+                if seq and seq % 2 == 0 and self._version(slot) == version:
+                    return SlotRef(slot, seq, version)
+        return None
+
     def acquire(self, ref: SlotRef) -> Lease | None:
         """Lease ``ref``'s slot if it still holds that version."""
         with self._cond:
