@@ -200,12 +200,12 @@ class DeltaEncoder:
         n_words = new_words.size
         mask = self._mask[:n_words]
         np.not_equal(new_words, old_words, out=mask)
-        positions = np.flatnonzero(mask)
-        k = int(positions.size)
+        k = int(np.count_nonzero(mask))  # cheap; positions only when the bucket goes out sparse
         if k == 0:
             return BucketDelta(index, UNCHANGED, 0, _RECORD.pack(index, UNCHANGED, 0, 0))
         if k > _LITERAL_SHARE * n_words:
             return self._literal(index, k, new)
+        positions = np.flatnonzero(mask)
         self._grow(k)
         runs = self._runs[:k]  # unchanged words before each change
         runs[0] = positions[0]

@@ -216,6 +216,10 @@ class DeltaStream:
                     continue
             self._encode_next()
 
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
     def join(self, timeout_s: float) -> None:
         for helper in self._helpers:
             helper.join(timeout_s)
@@ -247,7 +251,7 @@ class DeltaStreams:
         key = (base_version, version)
         with self._lock:
             stream = self._streams.get(key)
-            if stream is None:
+            if stream is None or stream.failed:  # a failed encoding is not served again
                 stream = self._streams[key] = DeltaStream(
                     self._pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
                 )
