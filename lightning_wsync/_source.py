@@ -19,7 +19,7 @@ import torch
 from lightning_wsync._manifest import Layout, _dtype_name, bind_views, copy_out
 from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
-from lightning_wsync.transport.shm import ShmReader, SlotRef
+from lightning_wsync.transport.shm import ShmReader, SlotRef, remove_stale_segments
 
 SumsLookup = Callable[[int], "list[int] | None"]  # version -> its published bucket checksums
 Reject = Callable[[int, str], None]  # (version, reason)
@@ -131,6 +131,7 @@ class SharedMemorySource:
 
     def close(self) -> None:
         self._reader.close()
+        remove_stale_segments()  # a sender SIGKILLed before this epoch ended leaves its ring behind
 
 
 class NetworkSource:
