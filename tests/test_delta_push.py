@@ -71,7 +71,7 @@ def test_deltas_after_one_full_version_late_join_restart_and_stall(children, por
         assert collect(inbox, "version", {"copy"}, timeout_s=120)["copy"][2:4] == (4, digest(model))
         collect(inbox, "version", names - {"copy"}, timeout_s=60)
         report = _push(sender, model, 5, names, inbox)
-        assert sorted(report.delta_receivers) == ["copy", "late", "swap"]
+        assert sorted(report.delta_receivers) == ["copy", "late", "swap"], report
 
         os.kill(procs["swap"].pid, signal.SIGSTOP)  # misses versions 6 and 7: its base leaves the ring
         try:

@@ -193,9 +193,12 @@ class NetSendLink:
         ref = self._ring.find(held.version)
         base = self._ring.acquire(ref) if ref is not None else None
         if base is None:
+            log.debug("version %d to rid=%d in full: base %d no longer in the ring (%s)", version, self.rid,
+                      held.version, self._ring.describe())  # fmt: skip
             return None
         base_sums = self._ring.checksums(base)
         if base_sums is None or base_digest(base_sums) != held.digest:  # same number, other bytes (a restart)
+            log.debug("version %d to rid=%d in full: the receiver's %d is other bytes", version, self.rid, held.version)
             base.release()
             return None
         stream = self._deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,
@@ -203,10 +206,19 @@ class NetSendLink:
         return stream, base
 
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
+        delta = self._delta_base(lease)
+        try:
+            self._send_version(pg, ctl, ann_key, lease, delta)
+        finally:
+            if delta is not None:  # whatever failed: a leaked lease would pin the base slot for lease_s
+                delta[1].release()
+
+    def _send_version(
+        self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None
+    ) -> None:
         layout = self._ring.layout
         buffer, (_, seq, version) = lease.buffer, lease.ref
         device = buffer.device
-        delta = self._delta_base(lease)
         ctl.set_text(ann_key, str(version))
         header = torch.tensor([version, seq, layout.total_bytes, len(layout.buckets), int(delta is not None)],
                               dtype=torch.int64)  # fmt: skip
