@@ -42,7 +42,10 @@ or relaunched trainer of the job, whose versions continue above the last one.
   ``wsync/delivery_s`` (push to last delivery), ``wsync/delivered`` and ``wsync/failed``
   (receiver counts), and ``wsync/version_lag``: how many pushes, up to the one just before
   this push, the slowest receiver of that report is not known to hold (0: all of them
-  confirmed). It counts pushes, not steps.
+  confirmed). It counts pushes, not steps. When network receivers got that version as a
+  delta: ``wsync/delta_bytes`` (on the wire, per receiver; compare ``wsync/bytes``),
+  ``wsync/delta_receivers``, ``wsync/delta_changed_share``, ``wsync/delta_encode_s`` and,
+  when reported in time, ``wsync/delta_decode_s`` (slowest receiver).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ log = logging.getLogger(__name__)
 
 _SENDER_OPTIONS = (
     "dtype", "include", "exclude", "bucket_mb", "timeout_s", "transport", "heartbeat_timeout_s", "cross_host",
+    "delta",
 )  # fmt: skip
 _SUPPORTED = "single device, DDPStrategy (ddp, ddp_spawn, ...), FSDPStrategy, ModelParallelStrategy (FSDP2)"
 
@@ -90,7 +94,7 @@ class WeightSyncCallback(Callback):
             None sends the whole LightningModule.
         store: ``"host:port"`` or a ``torch.distributed.Store`` (default ``$WSYNC_STORE``).
         job: the job (run) name shared with the receivers (default ``$WSYNC_JOB``).
-        dtype, include, exclude, bucket_mb, timeout_s, transport, heartbeat_timeout_s, cross_host:
+        dtype, include, exclude, bucket_mb, timeout_s, transport, heartbeat_timeout_s, cross_host, delta:
             the :class:`~lightning_wsync.SenderConfig` fields. The shared secret comes from
             ``$WSYNC_SECRET``, or from ``sender=SenderConfig(secret=...)``.
         max_version_lag: None (default) never waits for receivers; K >= 0 bounds how
@@ -114,6 +118,7 @@ class WeightSyncCallback(Callback):
         transport: str = "auto",
         heartbeat_timeout_s: float = 10.0,
         cross_host: str = "relay",
+        delta: str = "auto",
         max_version_lag: int | None = None,
         sender: SenderConfig | None = None,
     ) -> None:
@@ -121,6 +126,7 @@ class WeightSyncCallback(Callback):
             "dtype": dtype, "include": list(include or []), "exclude": list(exclude or []), "bucket_mb": bucket_mb,
             "timeout_s": timeout_s, "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s,
             "cross_host": cross_host,
+            "delta": delta,
         }  # fmt: skip
         if sender is not None:
             if not isinstance(sender, SenderConfig):
@@ -347,6 +353,13 @@ class WeightSyncCallback(Callback):
         }
         if report.latency_s is not None:
             metrics["wsync/delivery_s"] = report.latency_s
+        if report.delta_bytes is not None:
+            metrics["wsync/delta_bytes"] = float(report.delta_bytes)
+            metrics["wsync/delta_receivers"] = float(len(report.delta_receivers))
+        for key in ("delta_changed_share", "delta_encode_s", "delta_decode_s"):
+            value = getattr(report, key)
+            if value is not None:
+                metrics[f"wsync/{key}"] = float(value)
         names = [*report.delivered, *report.failed]
         if names:
             metrics["wsync/version_lag"] = float(self._pushes - min(self._held.get(n, 0) for n in names))

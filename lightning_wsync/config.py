@@ -19,6 +19,7 @@ from omegaconf import MISSING
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 CROSS_HOST = ("relay", "star")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+DELTA_MODES = ("auto", "off", "always")
 
 
 def _positive(owner: str, name: str, value: float, fix: str) -> None:
@@ -30,6 +31,14 @@ def _patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(p, str) for p in value):  # type: ignore[attr-defined]
         raise TypeError(f"{owner}: {name}={value!r} must be a list of glob patterns, e.g. ['*lora_*']")
     return tuple(value)  # type: ignore[arg-type]
+
+
+def _delta_mode(owner: str, value: object) -> None:
+    if value not in DELTA_MODES:
+        raise ValueError(
+            f"{owner}: delta={value!r} must be one of {list(DELTA_MODES)}; 'auto' sends only the changed "
+            f"elements when that is clearly smaller than the full version, 'off' always sends full versions"
+        )
 
 
 _C = TypeVar("_C", "SenderConfig", "ReceiverConfig")
@@ -75,6 +84,11 @@ class SenderConfig:
             memory) or ``"star"`` (the sender sends to every remote receiver itself).
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.
+        delta: network path only. ``"auto"`` sends a receiver that holds the previous
+            version only the changed elements (lossless, verified against the full
+            version's checksums) while that is clearly smaller than the full version;
+            ``"off"`` always sends full versions; ``"always"`` sends a delta whenever the
+            receiver holds the base (for tests). Receivers without the base get a full version.
     """
 
     job: str | None = None
@@ -87,9 +101,11 @@ class SenderConfig:
     heartbeat_timeout_s: float = 10.0
     cross_host: str = "relay"
     secret: str | None = None
+    delta: str = "auto"
 
     def __post_init__(self) -> None:
         owner = "WeightSender"
+        _delta_mode(owner, self.delta)
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in WIRE_DTYPES:
             raise ValueError(f"{owner}: dtype={self.dtype!r} is not supported; choose one of {WIRE_DTYPES} or None")
         _patterns(owner, "include", self.include)
@@ -193,7 +209,7 @@ class CallbackConfig:
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
         job, dtype, include, exclude, bucket_mb, timeout_s, transport,
-            heartbeat_timeout_s, cross_host: as in :class:`SenderConfig`. The shared secret is
+            heartbeat_timeout_s, cross_host, delta: as in :class:`SenderConfig`. The shared secret is
             deliberately not a field (Hydra writes configs to its output folder): set
             ``$WSYNC_SECRET``.
     """
@@ -212,6 +228,7 @@ class CallbackConfig:
     transport: str = "auto"
     heartbeat_timeout_s: float = 10.0
     cross_host: str = "relay"
+    delta: str = "auto"
     max_version_lag: int | None = None
 
     def __post_init__(self) -> None:
@@ -242,7 +259,7 @@ class CallbackConfig:
         return SenderConfig(
             job=self.job, dtype=self.dtype, include=list(self.include), exclude=list(self.exclude),
             bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, transport=self.transport,
-            heartbeat_timeout_s=self.heartbeat_timeout_s, cross_host=self.cross_host,
+            heartbeat_timeout_s=self.heartbeat_timeout_s, cross_host=self.cross_host, delta=self.delta,
         )  # fmt: skip
 
 

@@ -44,6 +44,7 @@ from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state
 from lightning_wsync.config import SenderConfig, resolve_config
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
+from lightning_wsync.transport.delta_link import AutoPolicy, DeltaStreams
 from lightning_wsync.transport.net import NetSendLink
 from lightning_wsync.transport.relay import RelayHead, leader_record
 from lightning_wsync.transport.ring import SnapshotRing
@@ -73,6 +74,14 @@ class PushReport:
         bytes: bytes in the snapshot.
         dropped: the push found every snapshot slot being read (pushes faster than
             receivers copy) and was not published; the next push carries newer weights.
+        delta_receivers: network receivers that got this version as a delta (only the
+            elements changed since the version they held); the others got it in full.
+        delta_bytes: bytes of that delta on the wire (compare with ``bytes``); None when
+            no receiver got a delta.
+        delta_changed_share: share of the wire dtype's elements that changed.
+        delta_encode_s: the sender's time encoding the delta (once for all receivers).
+        delta_decode_s: the slowest delta receiver's time rebuilding the version, when
+            it reported it before this report was made (else None).
     """
 
     version: int
@@ -82,6 +91,11 @@ class PushReport:
     latency_s: float | None = None
     bytes: int = 0
     dropped: bool = False
+    delta_receivers: tuple[str, ...] = ()
+    delta_bytes: int | None = None
+    delta_changed_share: float | None = None
+    delta_encode_s: float | None = None
+    delta_decode_s: float | None = None
 
 
 class PushHandle:
@@ -145,12 +159,13 @@ class WeightSender:
         heartbeat_timeout_s: float = 10.0,
         cross_host: str = "relay",
         secret: str | None = None,
+        delta: str = "auto",
         config: SenderConfig | None = None,
     ) -> None:
         options: dict[str, object] = {
             "dtype": dtype, "include": include, "exclude": exclude, "bucket_mb": bucket_mb, "timeout_s": timeout_s,
             "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s, "cross_host": cross_host,
-            "secret": secret,
+            "secret": secret, "delta": delta,
         }  # fmt: skip
         cfg = resolve_config(SenderConfig, config, "WeightSender", job, options)
         self.config = cfg
@@ -190,6 +205,9 @@ class WeightSender:
         lease_s = min(cfg.timeout_s, cfg.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
         self._ring = SnapshotRing(self.layout, segment=segment, device=device, slots=2, lease_s=lease_s)
         self._backend = "nccl" if use_device else "gloo"
+        # Deltas between ring slots, for network receivers (made with the first link).
+        self._deltas: DeltaStreams | None = None
+        self._delta_policy = AutoPolicy(cfg.delta)
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s, epoch=self.epoch)
         # Receivers on other hosts: one copy into each host, relayed host to host (transport/relay.py).
         self._relay = (
@@ -322,9 +340,12 @@ class WeightSender:
             if member.link is not None:
                 member.link.close(timeout_s=0)
                 self._closed_superseded += member.link.superseded
+            if self._deltas is None and self.config.delta != "off" and self._backend == "gloo":
+                self._deltas = DeltaStreams(self.layout)
             member.link = NetSendLink(
                 self._ctl, self._ring, epoch=self.epoch, rid=member.rid, gen=gen,
                 backend=self._backend, addr=self._addr, timeout_s=self.config.timeout_s,
+                deltas=self._deltas, policy=self._delta_policy,
             )  # fmt: skip
 
     def _sync_relay(self) -> None:
@@ -373,6 +394,10 @@ class WeightSender:
             # Poll often at first (small pushes), then at 1% of the time spent so far: the
             # report's latency stays within ~1% while a long push costs the store few requests.
             time.sleep(min(_COLLECT_POLL_MAX_S, max(_COLLECT_POLL_MIN_S, (time.perf_counter() - handle._started) / 100)))
+        by_delta = [(m.label, m.link.delta_versions[handle.version]) for m in targets
+                    if m.link is not None and handle.version in m.link.delta_versions]  # fmt: skip
+        stats = self._deltas.stats_for(handle.version) if self._deltas is not None and by_delta else None
+        decode_times = [t for _, t in by_delta if t is not None]
         return PushReport(
             version=handle.version,
             delivered=tuple(delivered),
@@ -380,6 +405,11 @@ class WeightSender:
             stall_s=handle.stall_s,
             latency_s=None if last_delivery is None else last_delivery - handle._started,
             bytes=self.layout.total_bytes,
+            delta_receivers=tuple(label for label, _ in by_delta),
+            delta_bytes=None if stats is None else stats.wire_bytes,
+            delta_changed_share=None if stats is None else stats.changed_share,
+            delta_encode_s=None if stats is None else stats.encode_s,
+            delta_decode_s=max(decode_times) if decode_times else None,
         )
 
     @property
@@ -430,6 +460,8 @@ class WeightSender:
         for member in self._members.members():
             if member.link is not None:
                 member.link.close()
+        if self._deltas is not None:
+            self._deltas.close()
         if self._ring.segment is not None:
             self._ring.segment.close()
         log.info("WeightSender job=%r epoch=%d closed", self._ctl.job, self.epoch)

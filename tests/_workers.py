@@ -158,10 +158,10 @@ def corrupting_receiver_main(
             class Work:
                 def wait(self) -> bool:
                     ok = bool(work.wait())
-                    if tensor.dtype == torch.int64 and tensor.numel() == 4:  # header
+                    if tensor.dtype == torch.int64 and tensor.numel() == 5:  # header
                         outer.version = int(tensor[0])
                         outer.armed = outer.version == bad_version
-                    elif tensor.dtype == torch.uint8 and outer.armed:
+                    elif tensor.dtype == torch.uint8 and tensor.numel() > 64 and outer.armed:  # bucket or delta record
                         tensor.view(-1)[tensor.numel() // 2] ^= 0x40
                         outer.armed = False
                     return ok
@@ -176,6 +176,15 @@ def corrupting_receiver_main(
 
     net.make_group = lambda *a, **k: Corrupting(real_make_group(*a, **k))  # type: ignore[assignment]
     receiver_main(store, job, name, spec, results, options)
+
+
+def sparse_change(module: nn.Module, version: int, every: int = 97) -> None:
+    """Change one element in ``every`` of each floating tensor (a different set per version)."""
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            if t.is_floating_point():
+                flat = t.view(-1)
+                flat[version % every :: every] += 0.01 * version
 
 
 def sender_main(port: int, job: str, spec: tuple[str, int], results: Any) -> None:

@@ -6,6 +6,7 @@
     lightning-wsync bench --size-mb 64 --transport gloo --json     # machine-readable
     lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
     lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
+    lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: one warm-up push, then ``--pushes`` timed ones, each timed
@@ -46,7 +47,7 @@ from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
 from lightning_wsync.bench._procs import BenchError, Children
 from lightning_wsync.bench._push import PushPhase, PushRun, run_push_phase
 from lightning_wsync.bench._report import format_table, summarize
-from lightning_wsync.config import APPLY_MODES, SenderConfig
+from lightning_wsync.config import APPLY_MODES, DELTA_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
 
 __all__ = ["add_arguments", "run"]
@@ -77,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=10.0, help="length of an --interval-ms run (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _hostbench.add_arguments(parser)
+    parser.add_argument("--delta", action="store_true",
+                        help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
+                             "(changed share, delta bytes vs full push, encode/decode time); ignores --size-mb")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate for --delta (default 1e-6)")
+    parser.add_argument("--delta-mode", choices=DELTA_MODES, default="auto",
+                        help="with --delta --transport gloo: the delta sender's delta= (the other sends full versions)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.hosts is not None:
         return _hostbench.run(args)
+    if args.delta:
+        return _run_delta(args)
     threads = torch.get_num_threads()
     restore_signals = _exit_on_sigterm()
     try:
@@ -109,6 +118,50 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     table = format_interval(result) if args.interval_ms is not None else format_table(result)
     print(json.dumps(result, indent=2) if args.json else table)
+    return 0 if result["ok"] else 1
+
+
+def _run_delta(args: argparse.Namespace) -> int:
+    from lightning_wsync.bench._delta import (
+        codec_result,
+        format_codec,
+        format_links,
+        links_result,
+        measure_codec,
+        measure_links,
+    )
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples, model = measure_codec(lr=args.lr, dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                                       pushes=args.pushes, bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
+        links = None
+        if args.transport == "gloo":
+            restore_signals = _exit_on_sigterm()
+            try:
+                pairs = measure_links(lr=args.lr, dtype=args.dtype, pushes=args.pushes, bucket_mb=args.bucket_mb,
+                                      n_receivers=args.receivers, timeout_s=args.timeout_s, seed=args.seed,
+                                      mode=args.delta_mode)  # fmt: skip
+            except (BenchError, WeightSyncError, OSError) as exc:
+                print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            finally:
+                restore_signals()
+            links = links_result(pairs)
+    finally:
+        torch.set_num_threads(threads)
+    result = codec_result(samples, model, lr=args.lr)
+    result["config"] = {"lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb, "pushes": args.pushes,
+                        "transport": args.transport, "receivers": args.receivers, "delta_mode": args.delta_mode,
+                        "torch": torch.__version__, "cpus": os.cpu_count(), "threads_per_process": 1}  # fmt: skip
+    if links is not None:
+        result["links"] = links
+        result["ok"] = bool(result["ok"]) and bool(links["ok"])
+    text = format_codec(result, lr=args.lr, dtype=args.dtype)
+    if links is not None:
+        text += "\n" + format_links(links)
+    print(json.dumps(result, indent=2) if args.json else text)
     return 0 if result["ok"] else 1
 
 
@@ -261,6 +314,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--bucket-mb={args.bucket_mb!r} must be > 0, e.g. --bucket-mb 32")
     if args.pushes < 1:
         raise ValueError(f"--pushes={args.pushes!r} must be >= 1 (5 or more for stable medians)")
+    if not args.lr > 0:
+        raise ValueError(f"--lr={args.lr!r} must be > 0, e.g. --lr 1e-6")
     if args.interval_ms is not None and not args.interval_ms >= 0:
         raise ValueError(f"--interval-ms={args.interval_ms!r} must be >= 0 (0: back to back), e.g. --interval-ms 20")
     if not args.duration_s > 0:

@@ -45,6 +45,11 @@ class PushSample:
     failed: dict[str, str]
     applied: dict[str, int]  # receiver -> version it applied in answer to this push
     digest_ok: bool
+    delta_receivers: tuple[str, ...] = ()  # the report's delta figures (network path)
+    delta_bytes: int | None = None
+    delta_changed_share: float | None = None
+    delta_encode_s: float | None = None
+    delta_decode_s: float | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -58,6 +63,11 @@ class PushSample:
             "failed": dict(self.failed),
             "applied": dict(self.applied),
             "digest_ok": self.digest_ok,
+            "delta_receivers": sorted(self.delta_receivers),
+            "delta_bytes": self.delta_bytes,
+            "delta_changed_share": self.delta_changed_share,
+            "delta_encode_s": self.delta_encode_s,
+            "delta_decode_s": self.delta_decode_s,
         }
 
 
@@ -145,8 +155,14 @@ class PushRun:
         store_host: str = "127.0.0.1",
         placement: Sequence[Placement] | None = None,
         cross_host: str = SenderConfig.cross_host,
+        change: Callable[[nn.Module, int], None] = mutate,
+        sender_options: dict[str, Any] | None = None,
     ) -> None:
+        """``change(model, version)`` makes each version's weights before its push;
+        ``sender_options``: further WeightSender keyword arguments (e.g. ``delta``)."""
         self._model = model
+        self._change = change
+        self._sender_options = dict(sender_options or {})
         self._spec = spec
         self._placement = {p.name: p for p in placement or ()}
         self._names = list(self._placement) if placement else [f"r{i}" for i in range(n_receivers)]
@@ -171,7 +187,7 @@ class PushRun:
         self._base = reset_peak()
         self._sender = WeightSender(self._model, store=f"{self._store_host}:0", job=job, transport=self._transport,
                                     dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s,
-                                    cross_host=self._cross_host)  # fmt: skip
+                                    cross_host=self._cross_host, **self._sender_options)  # fmt: skip
         self.phase = PushPhase(pushed_bytes=self._sender.layout.total_bytes, n_tensors=len(self._sender.layout.entries))
         try:
             self._children = Children().__enter__()
@@ -201,7 +217,7 @@ class PushRun:
         """Change the model, push ``version``, wait until every receiver applied and hashed it."""
         sender, phase, timeout_s = self._sender, self.phase, self._timeout_s
         assert sender is not None and phase is not None, "use PushRun as a context manager"
-        mutate(self._model, version)
+        self._change(self._model, version)
         expected = digest(self._model, self._wire_dtype)
         started = time.monotonic()
         handle = sender.push(version)
@@ -224,6 +240,9 @@ class PushRun:
             version=version, warmup=warmup, stall_s=stall, core_stall_s=handle.stall_s,
             latency_s=max(applied_at.values()) - started, report_latency_s=report.latency_s,
             delivered=report.delivered, failed=dict(report.failed), applied=applied, digest_ok=digest_ok,
+            delta_receivers=report.delta_receivers, delta_bytes=report.delta_bytes,
+            delta_changed_share=report.delta_changed_share, delta_encode_s=report.delta_encode_s,
+            delta_decode_s=report.delta_decode_s,
         )  # fmt: skip
         phase.samples.append(sample)
         log.debug("push %d: %s", version, sample)

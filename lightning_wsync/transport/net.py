@@ -30,6 +30,18 @@ import torch.distributed as dist
 
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync.transport.delta import base_digest
+from lightning_wsync.transport.delta_link import (
+    AutoPolicy,
+    DeltaStream,
+    DeltaStreams,
+    Held,
+    held_of,
+    parse_ready_note,
+    ready_note,
+    recv_records,
+    send_records,
+)
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 log = logging.getLogger(__name__)
@@ -104,14 +116,20 @@ class NetSendLink:
         backend: str,
         addr: str,
         timeout_s: float,
+        deltas: DeltaStreams | None = None,
+        policy: AutoPolicy | None = None,
     ) -> None:
         self.rid = rid
         self.gen = gen
         self.error: str | None = None
         self.sent_version: int | None = None
         self.superseded = 0  # sends whose slot was overwritten under them (a stall past the lease)
+        self.delta_versions: dict[int, float | None] = {}  # version sent as a delta -> receiver's decode_s
         self._control = control
         self._ring = ring
+        self._deltas = deltas
+        self._policy = policy or AutoPolicy("off")
+        self._held: Held | None = None  # what the receiver said it holds before this send
         self._epoch = epoch
         self._backend = backend
         self._addr = addr
@@ -134,6 +152,9 @@ class NetSendLink:
                 while not ctl.has(ready):
                     if self._stop.wait(_POLL_S):
                         return
+                self._held, decode_s = parse_ready_note(ctl.get_text(ready))
+                if self.sent_version in self.delta_versions:
+                    self.delta_versions[self.sent_version] = decode_s
                 ctl.delete(ready)
                 # The newest version, held until it is all out: a push meanwhile goes to the
                 # other slot, so a link always finishes what it started.
@@ -158,20 +179,84 @@ class NetSendLink:
         finally:
             _shutdown(pg)
 
+    def _delta_base(self, lease: Lease) -> tuple[DeltaStream, Lease] | None:
+        """The delta of ``lease``'s version against what the receiver holds, and a lease on that base.
+
+        None (a full version goes out) when deltas are off or not worth it now, the
+        receiver holds nothing, or the ring no longer holds the exact bytes it holds.
+        """
+        held, version = self._held, lease.ref.version
+        if self._deltas is None or held is None or held.version >= version or lease.buffer.is_cuda:
+            return None
+        if not self._policy.want_delta(version):
+            return None
+        ref = self._ring.find(held.version)
+        base = self._ring.acquire(ref) if ref is not None else None
+        if base is None:
+            log.debug("version %d to rid=%d in full: base %d no longer in the ring (%s)", version, self.rid,
+                      held.version, self._ring.describe())  # fmt: skip
+            return None
+        base_sums = self._ring.checksums(base)
+        if base_sums is None or base_digest(base_sums) != held.digest:  # same number, other bytes (a restart)
+            log.debug("version %d to rid=%d in full: the receiver's %d is other bytes", version, self.rid, held.version)
+            base.release()
+            return None
+        stream = self._deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,
+                                  base_sums=base_sums)  # fmt: skip
+        return stream, base
+
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
+        delta = self._delta_base(lease)
+        try:
+            self._send_version(pg, ctl, ann_key, lease, delta)
+        finally:
+            if delta is not None:  # whatever failed: a leaked lease would pin the base slot for lease_s
+                delta[1].release()
+
+    def _send_version(
+        self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None
+    ) -> None:
         layout = self._ring.layout
         buffer, (_, seq, version) = lease.buffer, lease.ref
         device = buffer.device
         ctl.set_text(ann_key, str(version))
-        header = torch.tensor([version, seq, layout.total_bytes, len(layout.buckets)], dtype=torch.int64)
+        header = torch.tensor([version, seq, layout.total_bytes, len(layout.buckets), int(delta is not None)],
+                              dtype=torch.int64)  # fmt: skip
         pg.send([header.to(device)], 1, 0).wait()
-        works = [pg.send([buffer[a:b]], 1, 0) for a, b in layout.buckets]
-        # Hash while gloo streams the buckets (computed once per version for all links).
-        sums = self._ring.checksums(lease) if not buffer.is_cuda else [0] * len(layout.buckets)
-        for work in works:
-            work.wait()
-            lease.touch()
-        intact = sums is not None and lease.intact()
+        base_intact = True
+        if delta is None:
+            works = [pg.send([buffer[a:b]], 1, 0) for a, b in layout.buckets]
+            # Hash while gloo streams the buckets (computed once per version for all links).
+            sums = self._ring.checksums(lease) if not buffer.is_cuda else [0] * len(layout.buckets)
+            for work in works:
+                work.wait()
+                lease.touch()
+        else:
+            stream, base = delta
+            try:
+
+                def progress() -> None:
+                    lease.touch()
+                    base.touch()
+
+                # The full version's checksums (for the trailer) while the delta is encoded and sent.
+                hashed: list[list[int] | None] = []
+                hasher = threading.Thread(target=lambda: hashed.append(self._ring.checksums(lease)),
+                                          name=f"wsync-hash-r{self.rid}", daemon=True)  # fmt: skip
+                hasher.start()
+                try:
+                    send_records(pg, stream, len(layout.buckets), device, progress=progress)
+                finally:
+                    hasher.join()
+                base_intact = base.intact()
+            finally:
+                base.release()
+            sums = hashed[0] if hashed else None
+            self._policy.observe(version, stream.stats())
+            self.delta_versions[version] = None
+            while len(self.delta_versions) > 8:
+                del self.delta_versions[min(self.delta_versions)]
+        intact = sums is not None and lease.intact() and base_intact
         if not intact:
             self.superseded += 1
         words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
@@ -219,6 +304,12 @@ class NetReceiveLink:
         self._on_rejected = on_rejected
         self._taken = threading.Event()  # update() took the staged version
         self._hold_s = 0.0  # how long a staged version waits for update() before the next receive
+        # The newest version this side holds intact (a delta's base) and the buffer holding
+        # it: the staging buffer, or in swap mode the one handed to the module.
+        self._held: Held | None = None
+        self._held_buffer: torch.Tensor | None = None
+        self._decode_s: float | None = None
+        self.deltas_applied = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
@@ -281,15 +372,16 @@ class NetReceiveLink:
                 # Keep the staged version for update() for up to one receive time: under
                 # pushes faster than a send, each version received is then applied.
                 self._taken.wait(self._hold_s)
-            ctl.set_text(prefix + f"ready/{n}", "1")
+            held = self._held if self._held_buffer is not None and self.device.type != "cuda" else None
+            ctl.set_text(prefix + f"ready/{n}", ready_note(held, self._decode_s))
             ann = prefix + f"ann/{n}"
             while not ctl.has(ann):
                 if self._stop.wait(_POLL_S):
                     return
             ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
-            header = torch.empty(4, dtype=torch.int64, device=device)
+            header = torch.empty(5, dtype=torch.int64, device=device)
             pg.recv([header], 0, 0).wait()
-            version, seq, total, buckets = (int(x) for x in header.cpu())
+            version, seq, total, buckets, is_delta = (int(x) for x in header.cpu())
             if total != self.layout.total_bytes or buckets != nb:
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
             with self.lock:  # waits for an update() that is copying the previous version out
@@ -298,12 +390,22 @@ class NetReceiveLink:
             if staging is None:  # handed to the module by take_staged(); no update() touches it now
                 staging = self.staging = self._new_staging()
             started = time.monotonic()
-            works = [pg.recv([staging[a:b]], 0, 0) for a, b in self.layout.buckets]
+            base, base_held = self._held_buffer, self._held
+            if staging is base:  # rewritten in place from here on: no longer a base
+                self._held = self._held_buffer = None
             sums: list[int] = []
-            for (a, b), work in zip(self.layout.buckets, works):
-                work.wait()
-                if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
-                    sums.append(_signed(checksum(staging, a, b)))
+            if is_delta:
+                got = recv_records(pg, self.layout, held=base_held, base=base, out=staging)
+                self._decode_s = got.stats.decode_s
+                delta_error = got.error
+                sums = got.sums or []
+            else:
+                delta_error = None
+                works = [pg.recv([staging[a:b]], 0, 0) for a, b in self.layout.buckets]
+                for (a, b), work in zip(self.layout.buckets, works):
+                    work.wait()
+                    if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
+                        sums.append(_signed(checksum(staging, a, b)))
             trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
@@ -318,6 +420,9 @@ class NetReceiveLink:
             ):
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue
+            if delta_error is not None:
+                self._on_rejected(version, f"delta not applied ({delta_error}); the next version comes in full")
+                continue
             if not staging.is_cuda:
                 bad = [i for i, (x, y) in enumerate(zip(sums, sent_sums)) if x != y]
                 if bad:
@@ -329,6 +434,9 @@ class NetReceiveLink:
             with self.lock:
                 self.staged_version = version
                 self._taken.clear()
+            if not staging.is_cuda:
+                self._held, self._held_buffer = held_of(version, [s & (2**64 - 1) for s in sent_sums]), staging
+            self.deltas_applied += bool(is_delta)
             self._hold_s = time.monotonic() - started
             self._on_staged(version)
 

@@ -154,6 +154,24 @@ class SnapshotRing:
                 return None
             return self._lease(ref)
 
+    def describe(self) -> str:
+        """Slots as (sequence, version, leased), for logs."""
+        with self._cond:
+            return ", ".join(
+                f"slot {s}: seq {self.seq(s)} version {self._version(s)} leases "
+                f"{sum(le.ref.slot == s for le in self._leases)}"
+                for s in range(len(self.buffers))
+            )
+
+    def find(self, version: int) -> SlotRef | None:
+        """The slot holding ``version`` complete (a delta's base), if the ring still has it."""
+        with self._cond:
+            for slot in range(len(self.buffers)):
+                seq = self.seq(slot)
+                if seq and seq % 2 == 0 and self._version(slot) == version:
+                    return SlotRef(slot, seq, version)
+        return None
+
     def acquire(self, ref: SlotRef) -> Lease | None:
         """Lease ``ref``'s slot if it still holds that version."""
         with self._cond:

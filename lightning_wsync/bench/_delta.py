@@ -1,0 +1,252 @@
+"""``lightning-wsync bench --delta``: how small and how fast deltas are between real versions.
+
+::
+
+    lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6 --pushes 5
+    lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6 --transport gloo --receivers 1
+
+The model has GPT-2's dimensions (124M parameters) and initialisation; each version
+is one AdamW step (causal LM loss on random tokens, see ``_steps``), snapshotted into
+the wire layout like a push. Every version is delta-encoded against the previous one,
+decoded into a copy of the previous one as a receiver would, and checked bit for bit
+and against the sender's per-bucket checksums. Reported per version and as medians:
+the share of changed words, delta bytes against the full push, encode and decode
+seconds (one thread, as every bench process).
+
+With ``--transport gloo`` the same versions are also pushed for real, alternating, by
+two senders on the same link: one with ``delta="off"`` and one with ``delta`` as given
+(``--delta-mode``, default ``auto``), each to its own receiver processes, and the push
+latencies (``push()`` until every receiver applied it) are compared. Run it inside a
+network namespace whose loopback is shaped (``tc ... tbf``) to measure a slow link.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lightning_wsync._manifest import build_layout, checksum, copy_into, select_tensors
+from lightning_wsync.bench._model import ModelSpec
+from lightning_wsync.bench._push import PushRun, PushSample
+from lightning_wsync.bench._steps import GPT2_SPEC, Trainer
+from lightning_wsync.transport.delta import DeltaDecoder, DeltaEncoder, DeltaHeader
+
+WIRE_SHARE_TARGET = 0.10  # issue 13: at lr 1e-6 in bf16, a delta push moves at most 10% of the full push
+
+
+@dataclass(frozen=True)
+class DeltaSample:
+    """One version's delta against the previous version."""
+
+    version: int
+    loss: float
+    changed_share: float  # words that differ / words in the buffer
+    delta_bytes: int  # header + every bucket's record: what goes on the wire
+    full_bytes: int
+    encode_s: float
+    decode_s: float
+    verify_s: float  # the receiver's per-bucket checksums of the rebuilt version
+    bit_exact: bool
+
+    @property
+    def wire_share(self) -> float:
+        return self.delta_bytes / self.full_bytes
+
+
+def measure_codec(
+    *, spec: ModelSpec = GPT2_SPEC, lr: float, dtype: torch.dtype | None, pushes: int, bucket_bytes: int, seed: int
+) -> tuple[list[DeltaSample], dict[str, object]]:
+    """Train ``pushes`` steps; encode, decode and verify each version's delta; return samples and model facts."""
+    trainer = Trainer(spec, lr=lr, seed=seed)
+    tensors = select_tensors(trainer.model)
+    layout = build_layout(tensors, dtype, bucket_bytes)
+    ring = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)]  # the sender's two buffers
+    held = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # the receiver's copy of the previous version
+    copy_into(layout, ring[0], tensors.values())
+    held.copy_(ring[0])
+    base_sums = [checksum(ring[0], a, b) for a, b in layout.buckets]
+    encoder = DeltaEncoder(layout)
+    samples: list[DeltaSample] = []
+    for version in range(1, pushes + 1):
+        loss = trainer.step()
+        base, new = ring[(version - 1) % 2], ring[version % 2]
+        copy_into(layout, new, tensors.values())
+        sums = [checksum(new, a, b) for a, b in layout.buckets]  # the sender hashes every version anyway
+        start = time.perf_counter()
+        header = encoder.header(version=version, base_version=version - 1, base_sums=base_sums)
+        records = encoder.encode(base, new)
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        decoder = DeltaDecoder(layout, DeltaHeader.unpack(header.pack()), held_version=version - 1,
+                               held_digest=header.base_digest)  # fmt: skip
+        for record in records:
+            decoder.decode_bucket(record.payload, held, held)
+        decode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        verified = [checksum(held, a, b) for a, b in layout.buckets] == sums
+        verify_s = time.perf_counter() - start
+        samples.append(
+            DeltaSample(
+                version=version, loss=loss,
+                changed_share=sum(r.changed for r in records) / (layout.total_bytes // encoder.word_bytes),
+                delta_bytes=DeltaHeader.SIZE + sum(len(r.payload) for r in records), full_bytes=layout.total_bytes,
+                encode_s=encode_s, decode_s=decode_s, verify_s=verify_s,
+                bit_exact=verified and torch.equal(held, new),
+            )
+        )  # fmt: skip
+        base_sums = sums
+    model: dict[str, object] = {"parameters": sum(t.numel() for t in tensors.values()), "tensors": len(tensors),
+             "full_bytes": layout.total_bytes, "buckets": len(layout.buckets), "word_bytes": encoder.word_bytes,
+             "d_model": spec.d_model, "vocab": spec.vocab, "layers": spec.n_layers}  # fmt: skip
+    return samples, model
+
+
+def codec_result(samples: list[DeltaSample], model: dict[str, object], *, lr: float) -> dict[str, object]:
+    """JSON-able medians and the issue's target (at lr 1e-6 only) from ``samples``."""
+    full = float(samples[0].full_bytes)
+    medians = {
+        "changed_share": statistics.median(s.changed_share for s in samples),
+        "wire_share": statistics.median(s.wire_share for s in samples),
+        "encode_s": statistics.median(s.encode_s for s in samples),
+        "decode_s": statistics.median(s.decode_s for s in samples),
+        "verify_s": statistics.median(s.verify_s for s in samples),
+    }
+    medians["encode_gb_s"] = full / medians["encode_s"] / 1e9
+    medians["decode_gb_s"] = full / medians["decode_s"] / 1e9
+    problems = [f"version {s.version} was not rebuilt bit-exact" for s in samples if not s.bit_exact]
+    targets = []
+    if lr <= 1e-6:
+        met = medians["wire_share"] <= WIRE_SHARE_TARGET
+        targets.append({"what": "delta bytes / full push (lr <= 1e-6)", "value": medians["wire_share"],
+                        "limit": WIRE_SHARE_TARGET, "met": met})  # fmt: skip
+    return {
+        "model": model,
+        "versions": [{**asdict(s), "wire_share": s.wire_share} for s in samples],
+        "medians": medians,
+        "targets": targets,
+        "ok": not problems,
+        "problems": problems,
+    }
+
+
+def format_codec(result: dict[str, object], *, lr: float, dtype: str | None) -> str:
+    """The human-readable table of :func:`codec_result`."""
+    model = result["model"]
+    assert isinstance(model, dict)
+    versions = result["versions"]
+    assert isinstance(versions, list)
+    lines = [
+        (f"delta codec: {model['parameters'] / 1e6:.1f}M parameters ({model['tensors']} tensors), "
+        f"AdamW lr {lr:g}, wire dtype {dtype or 'float32'}, full push {model['full_bytes'] / 2**20:.1f} MiB "
+        f"in {model['buckets']} buckets"),
+        "",
+        "| version | loss | changed | delta MiB | delta / full | encode s | decode s | verify s | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in versions:
+        lines.append(
+            f"| {v['version']} | {v['loss']:.3f} | {v['changed_share']:.2%} | {v['delta_bytes'] / 2**20:.2f} | "
+            f"{v['wire_share']:.2%} | {v['encode_s']:.3f} | {v['decode_s']:.3f} | {v['verify_s']:.3f} | "
+            f"{'yes' if v['bit_exact'] else 'NO'} |"
+        )
+    med = result["medians"]
+    assert isinstance(med, dict)
+    lines += [
+        "",
+        (f"medians: changed {med['changed_share']:.2%}, delta / full {med['wire_share']:.2%}, "
+        f"encode {med['encode_s']:.3f} s ({med['encode_gb_s']:.2f} GB/s of full version), "
+        f"decode {med['decode_s']:.3f} s ({med['decode_gb_s']:.2f} GB/s), verify {med['verify_s']:.3f} s"),
+    ]
+    targets = result["targets"]
+    assert isinstance(targets, list)
+    for t in targets:
+        lines.append(f"target: {t['what']} = {t['value']:.2%} (limit {t['limit']:.0%}): {'met' if t['met'] else 'MISSED'}")
+    problems = result["problems"]
+    assert isinstance(problems, list)
+    lines += [f"PROBLEM: {p}" for p in problems]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LinkPair:
+    """One version pushed by both senders: full versions only, and deltas."""
+
+    version: int
+    full: PushSample
+    delta: PushSample
+
+
+def _keep(model: torch.nn.Module, version: int) -> None:
+    """The trainer made this version already (an optimizer step)."""
+
+
+def measure_links(
+    *, spec: ModelSpec = GPT2_SPEC, lr: float, dtype: str | None, pushes: int, bucket_mb: float, n_receivers: int,
+    timeout_s: float, seed: int, mode: str,
+) -> list[LinkPair]:
+    """Push ``pushes`` AdamW versions (after one warm-up) with and without deltas, alternating."""
+    trainer = Trainer(spec, lr=lr, seed=seed)
+    common = {"n_receivers": n_receivers, "transport": "gloo", "dtype": dtype, "bucket_mb": bucket_mb,
+              "apply": "copy", "timeout_s": timeout_s, "change": _keep}  # fmt: skip
+    full = PushRun(trainer.model, spec, sender_options={"delta": "off"}, **common)  # type: ignore[arg-type]
+    delta = PushRun(trainer.model, spec, sender_options={"delta": mode}, **common)  # type: ignore[arg-type]
+    pairs: list[LinkPair] = []
+    with full, delta:
+        full.push(1, warmup=True)
+        delta.push(1, warmup=True)  # receivers hold nothing yet: a full version
+        for version in range(2, pushes + 2):
+            trainer.step()
+            got = {}
+            for run in (full, delta) if version % 2 else (delta, full):
+                got[id(run)] = run.push(version)
+            pairs.append(LinkPair(version, got[id(full)], got[id(delta)]))
+    return pairs
+
+
+def links_result(pairs: list[LinkPair]) -> dict[str, object]:
+    """Medians of the paired pushes and the issue's latency target (at least 5x lower)."""
+    full = statistics.median(p.full.latency_s for p in pairs)
+    delta = statistics.median(p.delta.latency_s for p in pairs)
+    rows = [{"version": p.version, "full_latency_s": p.full.latency_s, "delta_latency_s": p.delta.latency_s,
+             "delta_receivers": list(p.delta.delta_receivers), "delta_bytes": p.delta.delta_bytes,
+             "delta_changed_share": p.delta.delta_changed_share, "delta_encode_s": p.delta.delta_encode_s,
+             "delta_decode_s": p.delta.delta_decode_s, "bit_exact": p.full.digest_ok and p.delta.digest_ok}
+            for p in pairs]  # fmt: skip
+    return {
+        "pushes": rows,
+        "medians": {"full_latency_s": full, "delta_latency_s": delta, "speedup": full / delta},
+        "ok": all(r["bit_exact"] for r in rows),
+    }
+
+
+def format_links(result: dict[str, object]) -> str:
+    rows = result["pushes"]
+    med = result["medians"]
+    assert isinstance(rows, list) and isinstance(med, dict)
+    lines = [
+        "",
+        "push latency on the same link, same versions (push() until every receiver applied it):",
+        "",
+        "| version | full push s | delta push s | sent as | delta MiB | changed | encode s | decode s | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        as_delta = bool(r["delta_receivers"])
+        mib = "-" if r["delta_bytes"] is None else f"{r['delta_bytes'] / 2**20:.2f}"
+        changed = "-" if r["delta_changed_share"] is None else f"{r['delta_changed_share']:.2%}"
+        enc = "-" if r["delta_encode_s"] is None else f"{r['delta_encode_s']:.3f}"
+        dec = "-" if r["delta_decode_s"] is None else f"{r['delta_decode_s']:.3f}"
+        lines.append(
+            f"| {r['version']} | {r['full_latency_s']:.3f} | {r['delta_latency_s']:.3f} | "
+            f"{'delta' if as_delta else 'full'} | {mib} | {changed} | {enc} | {dec} | "
+            f"{'yes' if r['bit_exact'] else 'NO'} |"
+        )
+    lines.append("")
+    lines.append(
+        f"medians: full push {med['full_latency_s']:.3f} s, delta push {med['delta_latency_s']:.3f} s: "
+        f"{med['speedup']:.2f}x lower latency"
+    )
+    return "\n".join(lines)
