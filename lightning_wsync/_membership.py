@@ -212,7 +212,9 @@ class Membership:
         with self._retire_lock:
             retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
             raws = iter(ctl.multi_get([state_key(rid) for rid in rids if rid not in retired]))
-        return [ctl.seal(state_key(rid), encode_state(-1, None)).encode() if rid in retired else next(raws) for rid in rids]
+        return [
+            ctl.seal(state_key(rid), encode_state(-1, None)).encode() if rid in retired else next(raws) for rid in rids
+        ]
 
     def members(self) -> list[Member]:
         with self._lock:

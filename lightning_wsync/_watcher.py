@@ -249,15 +249,18 @@ class ReceiverWatcher:
     def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
         if record.get("relay") and record["host"] != self._host:
             if self.config.apply == "swap":
-                log.warning("receiver %r: apply='swap' has no effect on a relay host (versions are copied from the "
-                            "host's shared memory); the sender's cross_host='star' keeps the network path", self.name)  # fmt: skip
+                log.warning(
+                    "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
+                    "shared memory); the sender's cross_host='star' keeps the network path", self.name,
+                )  # fmt: skip
             return open_relay_source(
                 self._ctl, layout, self._ordered_for(layout), record, epoch=epoch, rid=self.rid, host=self._host,
                 job=self._ctl.job, name=self.name, addr=local_address(self._store_address),
                 timeout_s=self.config.timeout_s, on_published=self._on_staged, on_rejected=self._on_rejected,
             )  # fmt: skip
         return open_source(
-            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name, swap=self.config.apply == "swap",
+            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
+            swap=self.config.apply == "swap",
             net=lambda backend: NetReceiveLink(
                 self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
                 addr=local_address(self._store_address), timeout_s=self.config.timeout_s,

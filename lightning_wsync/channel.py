@@ -89,7 +89,10 @@ def _decode(raw: bytes) -> dict[str, torch.Tensor]:
     for name, dtype_name, shape in header["tensors"]:
         if not isinstance(name, str) or name == VERSION_KEY or name in out:
             raise ValueError(f"tensor name {name!r} is not a fresh string key")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        dims_ok = isinstance(shape, list) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        )
+        if not dims_ok:
             raise ValueError(f"shape {shape!r} of {name!r} is not a list of ints >= 0")
         dtype = _dtype_from_name(str(dtype_name))
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -50,7 +50,9 @@ def resolve_config(cls: type[_C], config: _C | None, owner: str, job: str | None
     Passing both ``config`` and options that differ from the defaults is a TypeError:
     one of them would be silently ignored.
     """
-    options = {k: (v if isinstance(v, str) or not isinstance(v, (list, tuple)) else list(v)) for k, v in options.items()}
+    options = {
+        k: (v if isinstance(v, str) or not isinstance(v, (list, tuple)) else list(v)) for k, v in options.items()
+    }
     if config is None:
         return cls(job=job, **options)  # type: ignore[arg-type]
     if not isinstance(config, cls):

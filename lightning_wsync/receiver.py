@@ -40,6 +40,8 @@ from lightning_wsync._control import (
 )
 from lightning_wsync._manifest import select_tensors
 from lightning_wsync._membership import StateReport
+from lightning_wsync._source import ReceiveSource
+from lightning_wsync._watcher import SLOW_POLL_S, Published, ReceiverWatcher
 from lightning_wsync.config import ReceiverConfig, resolve_config
 from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 from lightning_wsync.errors import (
@@ -49,8 +51,6 @@ from lightning_wsync.errors import (
     WeightSyncStoreError,
     WeightSyncTimeoutError,
 )
-from lightning_wsync._source import ReceiveSource
-from lightning_wsync._watcher import SLOW_POLL_S, Published, ReceiverWatcher
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,8 @@ class WeightReceiver(ReceiverWatcher):
                 raise WeightSyncStoreError(
                     f"WeightReceiver {self.name!r}: the control-plane store {self._store_address!r} has been "
                     f"unreachable for {time.monotonic() - lost:.1f} s; the module keeps version {self.version!r}. "
-                    f"The trainer (or `lightning-wsync store`) is gone: restart it, or exit and let torchrun restart this worker"
+                    f"The trainer (or `lightning-wsync store`) is gone: restart it, or exit and let torchrun "
+                    f"restart this worker"
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -393,7 +393,8 @@ class WeightSender:
                 break
             # Poll often at first (small pushes), then at 1% of the time spent so far: the
             # report's latency stays within ~1% while a long push costs the store few requests.
-            time.sleep(min(_COLLECT_POLL_MAX_S, max(_COLLECT_POLL_MIN_S, (time.perf_counter() - handle._started) / 100)))
+            elapsed = time.perf_counter() - handle._started
+            time.sleep(min(_COLLECT_POLL_MAX_S, max(_COLLECT_POLL_MIN_S, elapsed / 100)))
         by_delta = [(m.label, m.link.delta_versions[handle.version]) for m in targets
                     if m.link is not None and handle.version in m.link.delta_versions]  # fmt: skip
         stats = self._deltas.stats_for(handle.version) if self._deltas is not None and by_delta else None

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=float, default=256.0, help="float32 model size in MiB (default 256)")
     parser.add_argument("--receivers", type=int, default=4, help="receiver processes on this host (default 4)")
     parser.add_argument("--transport", choices=("auto", "shm", "gloo"), default="auto", help="sender transport")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None, help="cast on the wire; receivers hold their module in this dtype")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
+                        help="cast on the wire; receivers hold their module in this dtype")
     parser.add_argument("--bucket-mb", type=float, default=SenderConfig.bucket_mb,
                         help=f"network send and checksum unit in MiB (default {SenderConfig.bucket_mb:g})")
     parser.add_argument("--apply", choices=APPLY_MODES, default="copy",
@@ -135,7 +136,8 @@ def _run_delta(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     try:
         samples, model = measure_codec(lr=args.lr, dtype=None if args.dtype is None else getattr(torch, args.dtype),
-                                       pushes=args.pushes, bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
+                                       pushes=args.pushes, bucket_bytes=int(args.bucket_mb * 2**20),
+                                       seed=args.seed)  # fmt: skip
         links = None
         if args.transport == "gloo":
             restore_signals = _exit_on_sigterm()
@@ -182,7 +184,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     reference_bytes = fp32_bytes if alongside else 0
     interleave = _fits(spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=reference_bytes)
     schedule = {"bounds_schedule": "interleaved" if interleave else "before-and-after",
-                "uncast_schedule": None if args.dtype is None else ("alternating" if alongside else "after")}  # fmt: skip
+                "uncast_schedule": None if args.dtype is None
+                else ("alternating" if alongside else "after")}  # fmt: skip
     reference: PushPhase | None = None
     with Children() as children:
         bounds = BoundBench(children, args.receivers, pushed_bytes, args.timeout_s)
@@ -227,7 +230,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     return {
         "config": {
             "size_mb": args.size_mb, "receivers": args.receivers, "transport": args.transport,
-            "dtype": args.dtype, "bucket_mb": args.bucket_mb, "apply": args.apply, "pushes": args.pushes, "torch": torch.__version__, "cpus": os.cpu_count(),
+            "dtype": args.dtype, "bucket_mb": args.bucket_mb, "apply": args.apply, "pushes": args.pushes,
+            "torch": torch.__version__, "cpus": os.cpu_count(),
             "threads_per_process": 1, **schedule,
         },
         "model": {"tensors": phase.n_tensors, "fp32_bytes": spec.nbytes, "pushed_bytes": phase.pushed_bytes,

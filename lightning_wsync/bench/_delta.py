@@ -163,7 +163,8 @@ def format_codec(result: dict[str, object], *, lr: float, dtype: str | None) -> 
     targets = result["targets"]
     assert isinstance(targets, list)
     for t in targets:
-        lines.append(f"target: {t['what']} = {t['value']:.2%} (limit {t['limit']:.0%}): {'met' if t['met'] else 'MISSED'}")
+        verdict = "met" if t["met"] else "MISSED"
+        lines.append(f"target: {t['what']} = {t['value']:.2%} (limit {t['limit']:.0%}): {verdict}")
     problems = result["problems"]
     assert isinstance(problems, list)
     lines += [f"PROBLEM: {p}" for p in problems]

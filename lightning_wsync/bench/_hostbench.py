@@ -50,7 +50,8 @@ _TOPOLOGIES = ("relay", "star")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=None,
-                        help="rollout hosts simulated with network namespaces (root); enables the multi-host bench")  # fmt: skip
+                        help="rollout hosts simulated with network namespaces (root); "
+                             "enables the multi-host bench")  # fmt: skip
     parser.add_argument("--receivers-per-host", type=int, default=2, help="receivers on each rollout host (default 2)")
     parser.add_argument("--link", default="700mbit", help="link rate of every host, tc syntax (default 700mbit)")
     parser.add_argument("--topology", choices=_TOPOLOGIES, action="append", default=None,
@@ -183,7 +184,8 @@ def _phase(
     return {
         "topology": topology, "hosts": n_hosts, "receivers": len(placement), "pushed_bytes": pushed,
         "latency_s": latency, "wire_bound_s": wire_bound_s, "latency_vs_wire_bound": latency / wire_bound_s,
-        "egress_models_per_push": egress, "hops": hops, "per_hop_overhead_s": (latency - max(nic_s, wire_bound_s)) / hops,
+        "egress_models_per_push": egress, "hops": hops,
+        "per_hop_overhead_s": (latency - max(nic_s, wire_bound_s)) / hops,
         "samples": samples, "ok": all(bool(s["digest_ok"]) and not s["failed"] for s in samples),
     }  # fmt: skip
 

@@ -98,7 +98,9 @@ def run_interval_phase(
         sender.push(final, wait_for_slot_s=timeout_s)
         for conn in conns.values():
             conn.send(("final", final))
-        outcomes = {n: receive(conn, timeout_s, f"receiver {n} to apply the final version") for n, conn in conns.items()}
+        outcomes = {
+            n: receive(conn, timeout_s, f"receiver {n} to apply the final version") for n, conn in conns.items()
+        }
         dropped, superseded = sender.dropped_pushes, sender.superseded_sends
     published = [v for v in pushed_at if 1 <= v <= version]
     receivers: dict[str, object] = {}

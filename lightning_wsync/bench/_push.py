@@ -15,9 +15,9 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any, NamedTuple
-from multiprocessing.connection import Connection
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ from torch import nn
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
 from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
 from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
-from lightning_wsync.config import SenderConfig
 from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
+from lightning_wsync.config import SenderConfig
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,9 @@ class PushRun:
         """Take the sender's memory figure now (before another sender in this process starts)."""
         self._sender_memory = growth(self._base)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         sender, children, phase = self._sender, self._children, self.phase
         try:
             if exc_type is None and sender is not None and phase is not None:

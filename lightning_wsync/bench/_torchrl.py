@@ -160,7 +160,8 @@ def compare_torchrl(
         if scheme is not None:
             scheme.shutdown()
     result: dict[str, object] = {
-        "method": "torchrl.weight_update.DistributedWeightSyncScheme (gloo, sync): send() to all workers, then their acks",
+        "method": "torchrl.weight_update.DistributedWeightSyncScheme (gloo, sync): "
+        "send() to all workers, then their acks",
         "stall_s": median(stalls),
         "latency_s": median(stalls),  # send() returns only once every worker has applied the push
         "stall_samples_s": stalls,

@@ -66,7 +66,11 @@ class _Engine(Protocol):
     """What the driver-side helper uses of ``vllm.LLM``."""
 
     def collective_rpc(
-        self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> list[Any]: ...
 
     def reset_prefix_cache(self) -> bool: ...

@@ -232,7 +232,8 @@ class DeltaEncoder:
 
     def _literal(self, index: int, changed: int, new: torch.Tensor) -> BucketDelta:
         a, b = self.layout.buckets[index]
-        return BucketDelta(index, LITERAL, changed, _RECORD.pack(index, LITERAL, changed, 0) + new[a:b].numpy().tobytes())
+        record = _RECORD.pack(index, LITERAL, changed, 0) + new[a:b].numpy().tobytes()
+        return BucketDelta(index, LITERAL, changed, record)
 
     def encode(self, base: torch.Tensor, new: torch.Tensor) -> list[BucketDelta]:
         """Every bucket's record, in layout order."""
@@ -246,7 +247,9 @@ class DeltaDecoder:
         DeltaError, DeltaBaseMismatch: from :meth:`DeltaHeader.check`, before any byte is written.
     """
 
-    def __init__(self, layout: Layout, header: DeltaHeader, *, held_version: int | None, held_digest: int | None) -> None:
+    def __init__(
+        self, layout: Layout, header: DeltaHeader, *, held_version: int | None, held_digest: int | None
+    ) -> None:
         header.check(layout, held_version, held_digest)
         self.layout = layout
         self.header = header

@@ -356,7 +356,8 @@ class RelayMember:
             self._leader_hb = (rid, hb, now)
             return None
         if now - seen[2] > self._heartbeat_timeout_s:
-            return f"leader rid={rid} silent for {now - seen[2]:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
+            silent = now - seen[2]
+            return f"leader rid={rid} silent for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
         return None
 
     def _elect(self, ctl: Control) -> dict[str, object] | None:
@@ -504,7 +505,9 @@ class RelayMember:
         bad = [i for i, (x, y) in enumerate(zip(sums, sent)) if x != y]
         if bad:
             a, b = self.layout.buckets[bad[0]]
-            self._on_rejected(version, f"checksum mismatch on the relay in {len(bad)} bucket(s), first bytes [{a}, {b})")
+            self._on_rejected(
+                version, f"checksum mismatch on the relay in {len(bad)} bucket(s), first bytes [{a}, {b})"
+            )
             return
         own = self._own
         if own is None or (self.published_version is not None and version <= self.published_version):

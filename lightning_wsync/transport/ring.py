@@ -124,7 +124,8 @@ class SnapshotRing:
             for slot in order:
                 seq = self.seq(slot)
                 self._sums = {r: v for r, v in self._sums.items() if r.slot != slot or r.seq == seq}
-                if any(le.ref.slot == slot and le.ref.seq == seq and now - le.progress_ns <= lease_ns for le in self._leases):
+                held = [le for le in self._leases if le.ref.slot == slot and le.ref.seq == seq]
+                if any(now - le.progress_ns <= lease_ns for le in held):
                     continue
                 if self.segment is None:
                     self._seqs[slot] = seq + 1
