@@ -63,8 +63,8 @@ def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
     assert model["pushed_bytes"] >= spec.nbytes
 
     pushes = result["pushes"]
-    assert [p["version"] for p in pushes] == [1, 2, 3]
-    assert [p["warmup"] for p in pushes] == [True, False, False]
+    assert [p["version"] for p in pushes] == [1, 2, 3, 4]
+    assert [p["warmup"] for p in pushes] == [True, True, False, False]  # one warm-up per snapshot slot
     for p in pushes:
         assert p["delivered"] == ["r0", "r1"] and p["failed"] == {}
         assert p["applied"] == {"r0": p["version"], "r1": p["version"]}
@@ -107,7 +107,7 @@ def test_bench_with_a_cast_also_runs_the_uncast_pushes_and_swap_apply(capsys):
     model = result["model"]
     assert model["pushed_bytes"] < model["fp32_pushed_bytes"] and model["fp32_pushed_bytes"] >= model["fp32_bytes"]
     for pushes in (result["pushes"], result["fp32_pushes"]):
-        assert [p["version"] for p in pushes] == [1, 2, 3]
+        assert [p["version"] for p in pushes] == [1, 2, 3, 4]
         assert all(p["digest_ok"] and p["delivered"] == ["r0", "r1"] for p in pushes)
     ratios = result["ratios"]
     assert ratios["bytes_to_fp32"] == model["pushed_bytes"] / model["fp32_pushed_bytes"]

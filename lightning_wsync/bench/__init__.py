@@ -9,7 +9,7 @@
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
-processes on this host: one warm-up push, then ``--pushes`` timed ones, each timed
+processes on this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed
 until every receiver has *applied* it. With ``--dtype`` the same pushes also run
 without the cast (to a second receiver set, alternating with the cast pushes when
 memory allows), so the cast's gain is measured in the same run. The machine's bounds are measured on the same
@@ -45,7 +45,7 @@ from lightning_wsync.bench._bounds import BoundBench
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
 from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
 from lightning_wsync.bench._procs import BenchError, Children
-from lightning_wsync.bench._push import PushPhase, PushRun, run_push_phase
+from lightning_wsync.bench._push import WARMUP_PUSHES, PushPhase, PushRun, run_push_phase
 from lightning_wsync.bench._report import format_table, summarize
 from lightning_wsync.config import APPLY_MODES, DELTA_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"network send and checksum unit in MiB (default {SenderConfig.bucket_mb:g})")
     parser.add_argument("--apply", choices=APPLY_MODES, default="copy",
                         help="receivers' apply mode (WeightReceiver apply=; 'swap' matters on the network path)")
-    parser.add_argument("--pushes", type=int, default=5, help="timed pushes after one warm-up (default 5)")
+    parser.add_argument("--pushes", type=int, default=5, help="timed pushes after two warm-ups (default 5)")
     parser.add_argument("--compare", choices=_COMPARE, action="append", default=[], help="also run another library")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every wait (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights")
@@ -264,11 +264,13 @@ def _push_phases(
         return run_push_phase(model, spec, pushes=args.pushes, dtype=args.dtype, between=between, **common), None
     cast, uncast = PushRun(model, spec, dtype=args.dtype, **common), PushRun(model, spec, dtype=None, **common)
     with cast:
-        cast.push(1, warmup=True)
+        for version in range(1, WARMUP_PUSHES + 1):
+            cast.push(version, warmup=True)
         cast.freeze_sender_memory()  # before the second sender in this process allocates
         with uncast:
-            uncast.push(1, warmup=True)
-            for version in range(2, args.pushes + 2):
+            for version in range(1, WARMUP_PUSHES + 1):
+                uncast.push(version, warmup=True)
+            for version in range(WARMUP_PUSHES + 1, args.pushes + WARMUP_PUSHES + 1):
                 for run in (cast, uncast) if version % 2 else (uncast, cast):
                     run.push(version)
                 if between is not None:

@@ -30,6 +30,10 @@ from lightning_wsync.config import SenderConfig
 
 log = logging.getLogger(__name__)
 
+# Pushes alternate between the sender's two snapshot slots: one warm-up push per slot, so
+# the first use of each (pages first touched by the copies) stays out of the timed ones.
+WARMUP_PUSHES = 2
+
 
 @dataclass(frozen=True)
 class PushSample:
@@ -283,16 +287,16 @@ def run_push_phase(
     between: Callable[[], None] | None = None,
     **options: Any,
 ) -> PushPhase:
-    """One warm-up push and ``pushes`` timed ones to ``n_receivers`` receiver processes.
+    """``WARMUP_PUSHES`` warm-up pushes and ``pushes`` timed ones to ``n_receivers`` receiver processes.
 
     ``between`` runs after each timed push, once every receiver has applied it;
     ``options`` are :class:`PushRun`'s.
     """
     run = PushRun(model, spec, **options)
     with run:
-        for version in range(1, pushes + 2):
-            run.push(version, warmup=version == 1)
-            if between is not None and version > 1:
+        for version in range(1, pushes + WARMUP_PUSHES + 1):
+            run.push(version, warmup=version <= WARMUP_PUSHES)
+            if between is not None and version > WARMUP_PUSHES:
                 between()
     assert run.phase is not None
     return run.phase

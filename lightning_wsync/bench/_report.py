@@ -138,7 +138,7 @@ def format_table(result: dict[str, object]) -> str:
         (
             f"lightning-wsync bench: {_mib(pushed)} pushed ({model['tensors']} tensors, fp32 model {model_mib}), "
             f"{n} receiver(s), transport={cfg['transport']}, dtype={cfg['dtype'] or 'as is'}, "
-            f"{cfg['pushes']} timed pushes after 1 warm-up, bounds {cfg['bounds_schedule']}"
+            f"{cfg['pushes']} timed pushes after 2 warm-ups, bounds {cfg['bounds_schedule']}"
             + (f", uncast pushes {cfg['uncast_schedule']}" if cfg.get("uncast_schedule") else "")
             + "; medians"
         ),
