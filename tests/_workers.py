@@ -6,6 +6,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import queue
+import time
 from typing import Any
 
 import torch
@@ -199,3 +200,13 @@ def sender_main(port: int, job: str, spec: tuple[str, int], results: Any) -> Non
     sender.push(1)
     results.put(("pushed", "sender", 1, digest(model)))
     threading.Event().wait()
+
+
+def corrupt_newest_slot(sender: Any, job: str, version: int, deadline: float) -> None:
+    """Once ``version``'s checksums are published, flip a bit of it in the sender's shared ring."""
+    while not sender.store.check([f"wsync/{job}/v/{version}/sums"]):  # bounded poll: sums published
+        assert time.monotonic() < deadline, f"checksums of version {version} never published"
+        time.sleep(0.005)
+    newest = sender._ring.newest()
+    assert newest is not None and newest.version == version
+    sender._ring.buffers[newest.slot][100] ^= 0x10

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from _workers import build, digest, mutate
+from _workers import build, corrupt_newest_slot, digest, mutate
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncError
 from lightning_wsync.engines import ApplyTarget
@@ -84,12 +84,7 @@ def test_corrupted_version_never_reaches_the_target(port):
             mutate(src, 2)
             sender.push(2)
             deadline = time.monotonic() + 10
-            while not sender.store.check(["wsync/target-verify/v/2/sums"]):  # bounded poll: sums published
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            newest = sender._ring.newest()
-            assert newest is not None and newest.version == 2
-            sender._ring.buffers[newest.slot][100] ^= 0x10  # a bit flips in shared memory after the snapshot
+            corrupt_newest_slot(sender, "target-verify", 2, deadline)  # a bit flips after the snapshot
             while receiver.rejected == 0:
                 assert time.monotonic() < deadline, "the corrupted version was never checked"
                 assert receiver.update() is None

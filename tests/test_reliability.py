@@ -8,7 +8,17 @@ import time
 
 import pytest
 import torch
-from _workers import Inbox, build, collect, corrupting_receiver_main, digest, mutate, receiver_main, sender_main
+from _workers import (
+    Inbox,
+    build,
+    collect,
+    corrupt_newest_slot,
+    corrupting_receiver_main,
+    digest,
+    mutate,
+    receiver_main,
+    sender_main,
+)
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncStoreError
 
@@ -106,12 +116,7 @@ def test_shared_memory_verify_rejects_corrupted_bytes(port):
             mutate(src, 2)
             handle = sender.push(2)
             deadline = time.monotonic() + 10
-            while not sender.store.check(["wsync/shm-verify/v/2/sums"]):  # bounded poll: sums published
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            newest = sender._ring.newest()
-            assert newest is not None and newest.version == 2
-            sender._ring.buffers[newest.slot][100] ^= 0x10  # a bit flips in shared memory after the snapshot
+            corrupt_newest_slot(sender, "shm-verify", 2, deadline)  # a bit flips after the snapshot
             while receiver.rejected == 0:
                 assert time.monotonic() < deadline, "the corrupted version was never checked"
                 assert receiver.update() is None

@@ -22,7 +22,7 @@ import torch
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError, WeightSyncTimeoutError
 from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
 from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
-from lightning_wsync.bench._push import wait_registered
+from lightning_wsync.bench._push import receiver_model, wait_registered
 
 _SAMPLE_S = 0.001
 
@@ -33,10 +33,7 @@ def _follower_main(
 ) -> None:
     init_child()
     try:
-        model = build_model(spec, seed=None)
-        wire_dtype = None if wire is None else getattr(torch, wire)
-        if wire_dtype is not None:
-            model = model.to(wire_dtype)
+        model, wire_dtype = receiver_model(spec, wire)
         applied: list[tuple[float, int]] = []
         with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s, apply=apply) as receiver:
             conn.send(("ready", os.getpid()))

@@ -86,16 +86,20 @@ class PushPhase:
     receiver_memory: dict[str, MemGrowth] = field(default_factory=dict)
 
 
+def receiver_model(spec: ModelSpec, wire: str | None) -> tuple[nn.Module, torch.dtype | None]:
+    """A receiver's module, held in the wire dtype as bf16 inference engines hold theirs."""
+    model = build_model(spec, seed=None)
+    wire_dtype = None if wire is None else getattr(torch, wire)
+    return (model if wire_dtype is None else model.to(wire_dtype)), wire_dtype
+
+
 def _receiver_main(
     conn: Connection, store: str, job: str, name: str, spec: ModelSpec, wire: str | None, apply: str,
     timeout_s: float,
 ) -> None:
     init_child()
     try:
-        model = build_model(spec, seed=None)
-        wire_dtype = None if wire is None else getattr(torch, wire)
-        if wire_dtype is not None:
-            model = model.to(wire_dtype)  # rollout modules in the wire dtype, as bf16 inference engines hold them
+        model, wire_dtype = receiver_model(spec, wire)
         base = reset_peak()
         with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s, apply=apply) as receiver:
             conn.send(("ready", os.getpid()))
