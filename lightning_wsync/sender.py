@@ -230,6 +230,7 @@ class WeightSender:
                 "addr": self._addr,
                 "relay": self._relay is not None,
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+                "timeout_s": cfg.timeout_s,  # bounds every relay hop, whatever each receiver's own timeout_s
             },
         )
         self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it

@@ -81,3 +81,27 @@ def test_leader_killed_mid_version_host_mate_takes_over(tmp_path: Path) -> None:
     assert {a["name"] for a in applied if a["version"] == last} == set(names) - {
         killed["name"]
     }
+
+
+@pytest.mark.timeout(400)
+def test_leader_stalled_mid_version_is_replaced_and_follows_after_resume(tmp_path: Path) -> None:
+    """SIGSTOP, not SIGKILL: the stalled leader's host-mate takes over, the hosts behind are repaired."""
+    result = run_scenario(
+        "relay_failover.py", str(tmp_path), "3", "2", "16", "300mbit", "stop", timeout_s=380
+    )
+    stalled, names, rids = result["killed"], result["names"], result["rids"]
+    print(json.dumps({k: result[k] for k in ("killed", "leader_after", "reports", "resumed")}, indent=1))
+    assert stalled["name"] is not None and stalled["name"].startswith("h1")
+    assert 0 < stalled["rx_bytes"] < 16 * 2**20
+    for report in result["reports"]:
+        if report["version"] > result["kill_at"]:
+            assert set(report["delivered"]) >= set(names) - {stalled["name"]}, report
+            assert report["latency_s"] is not None and report["latency_s"] <= result["timeout_s"]
+    (mate,) = [n for n in names if n.startswith("h1") and n != stalled["name"]]
+    assert result["leader_after"]["rid"] == rids[mate]
+    # Resumed, it steps down and follows its host-mate: the next version reaches every receiver
+    # (the resumed one within the scenario's wait; its push report may close before it is back).
+    assert set(result["resumed"]["delivered"]) >= set(names) - {stalled["name"]}, result["resumed"]
+    applied = result["applied"]
+    assert applied and all(a["exact"] for a in applied), [a for a in applied if not a["exact"]]
+    assert {a["name"] for a in applied if a["version"] == result["resumed"]["version"]} == set(names)

@@ -162,3 +162,43 @@ def test_segments_of_a_dead_creator_are_reclaimed():
 def _create_named_after_self() -> None:
     ShmSegment(f"wsync-{os.getpid()}-0-reclaim", 4096, create=True, slots=2)
     os._exit(0)
+
+
+
+def _close_under_readers(name: str, rounds: int) -> None:
+    """Close a reader while another thread reads its header, ``rounds`` times (a SIGSEGV fails the test)."""
+    import threading
+
+    layout = _layout()
+    for _ in range(rounds):
+        reader = ShmReader(name, layout)
+        polling, stop = threading.Event(), threading.Event()
+
+        def poll(reader: ShmReader = reader, polling: threading.Event = polling, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                try:
+                    reader.change_marker()
+                    reader.newest()
+                except (AttributeError, ValueError):
+                    pass
+                polling.set()
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        polling.wait(10)
+        reader.close()
+        stop.set()
+        thread.join()
+
+
+def test_closing_a_reader_under_a_concurrent_header_read_never_crashes(ring):
+    """A host ring re-followed (new leader) closes its reader while the watcher polls the header."""
+    ring_, layout, name = ring
+    ring_.write(1, _fill(1.0))
+    proc = mp.get_context("spawn").Process(target=_close_under_readers, args=(name, 300))
+    proc.start()
+    proc.join(timeout=120)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("reader close loop ran past 120 s")
+    assert proc.exitcode == 0, f"reader process died with exit code {proc.exitcode} (negative: signal)"

@@ -222,7 +222,8 @@ class RelayHead:
                 if not self._stop.is_set() and not self._changed.is_set():
                     log.warning("relay: hop to leader rid=%d failed: %s", first, _error_text(exc))
                     ctl.set_text(broken_key(self._epoch, first), "1")
-                    self._changed.wait(self._timeout_s)
+                    while not self._stop.is_set() and not self._changed.wait(_CHAIN_POLL_S):
+                        pass  # the same generation's hop cannot be joined again: wait for the re-formed chain
             finally:
                 _shutdown(pg)
 
@@ -337,6 +338,7 @@ class RelayMember:
         self._on_rejected = on_rejected
         self._own: SnapshotRing | None = None
         self._leader_hb: tuple[int, int, float] | None = None  # (rid, hb, seen at)
+        self._failed_gen: int | None = None  # the chain generation whose hop from upstream failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
         self._thread.start()
@@ -418,7 +420,10 @@ class RelayMember:
     # -- leading ------------------------------------------------------------------
     def _lead(self, ctl: Control) -> None:
         chain = read_chain(ctl, self._epoch)
-        if chain is None or self._rid not in chain.rids:
+        if chain is None or self._rid not in chain.rids or chain.gen == self._failed_gen:
+            # A failed hop's group cannot be joined again (its store keys name the old peer,
+            # which may be stalled: joining would block for timeout_s). The side that sent to
+            # it marked the failure, so the sender re-forms the chain under a new generation.
             self._stop.wait(_CHAIN_POLL_S)
             return
         pos = chain.rids.index(self._rid)
@@ -435,7 +440,8 @@ class RelayMember:
             self._serve(ctl, pg, up_prefix, chain, down)
         except _Superseded:
             return
-        except Exception as exc:  # noqa: BLE001 - rebuild with the (maybe new) chain
+        except Exception as exc:  # noqa: BLE001 - rebuild with the next chain
+            self._failed_gen = chain.gen
             if not self._stop.is_set():
                 log.info("relay: rid=%d hop from upstream ended (%s)", self._rid, _error_text(exc)[:200])
                 self._stop.wait(_CHAIN_POLL_S)
@@ -660,7 +666,8 @@ def open_relay_source(
     segment = HostSegment(epoch, layout, ordered, name)
     member = RelayMember(
         control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=str(record["backend"]),
-        addr=addr, timeout_s=timeout_s, heartbeat_timeout_s=float(str(record["heartbeat_timeout_s"])),
+        addr=addr, timeout_s=float(str(record.get("timeout_s", timeout_s))),
+        heartbeat_timeout_s=float(str(record["heartbeat_timeout_s"])),
         on_published=on_published, on_rejected=on_rejected,
     )  # fmt: skip
     return RelaySource(epoch, segment, member)

@@ -183,11 +183,10 @@ class ShmSegment:
         return best
 
     def close(self) -> None:
-        del self.header, self.data
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a view escaped; the mapping dies with the process
+        # Never ``mmap.close()``: it unmaps even while tensor views exist (``torch.frombuffer``
+        # holds a reference to the mmap, not a buffer export), and a thread still reading the
+        # header then faults. Dropping the references unmaps once the last view is gone.
+        del self.header, self.data, self._mmap
         if self._owner:
             unlink_segment(self.path)
 

@@ -1,11 +1,13 @@
-"""Scenario: a host leader SIGKILLed mid-version while the trainer keeps pushing.
+"""Scenario: a host leader SIGKILLed (or SIGSTOPped) mid-version while the trainer keeps pushing.
 
 The trainer (this process, host 0) pushes versions one after another to R receivers on
-each of H hosts, relayed host to host. While version ``--kill-at`` is on the wire into
-host 1 (its interface has received 40% of the bytes), host 1's leader is SIGKILLed.
-Every later version must reach every other receiver within ``timeout_s`` (push reports),
-a host-mate must take over host 1, and every version any receiver applied must be
-bit-exact (digests against the trainer's).
+each of H hosts, relayed host to host. While version ``kill_at`` is on the wire into
+host 1 (its interface has received 40% of the bytes), host 1's leader is SIGKILLed, or
+with mode ``stop`` SIGSTOPped (a stall longer than every timeout). Every later version
+must reach every other receiver within ``timeout_s`` (push reports), a host-mate must
+take over host 1, and every version any receiver applied must be bit-exact (digests
+against the trainer's). With ``stop`` the stalled leader is then resumed and one more
+version is pushed: it must reach every receiver, the resumed one included.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         float(argv[3]),
         argv[4],
     )
+    mode = argv[5] if len(argv) > 5 else "kill"
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[mode]
     kill_at, pushes, timeout_s = 3, 7, 10.0
     events = out / "events.jsonl"
     with SimHosts(n_hosts + 1) as hosts:
@@ -88,7 +92,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                         lambda goal=goal: hosts.counters(1)[1] >= goal,
                         30,
                     )
-                    os.kill(int(str(record["pid"])), signal.SIGKILL)
+                    os.kill(int(str(record["pid"])), sig)
                     killed = {"rid": record["rid"], "pid": record["pid"], "after_s": time.monotonic() - started,
                               "rx_bytes": hosts.counters(1)[1] - rx0}  # fmt: skip
                 else:
@@ -102,6 +106,27 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 ready[killed["pid"]]["name"] if killed["pid"] in ready else None
             )
             latest = pushes
+            resumed: dict[str, Any] = {}
+            if mode == "stop":
+                # The stalled leader comes back: it must step down and follow its host-mate.
+                os.kill(int(str(killed["pid"])), signal.SIGCONT)
+                latest = pushes + 1
+                mutate(model, latest)
+                expected[latest] = digest(model, None)
+                report = sender.push(latest).wait(timeout_s)
+                resumed = {"version": latest, "delivered": sorted(report.delivered), "failed": report.failed,
+                           "latency_s": report.latency_s}  # fmt: skip
+
+                def resumed_holds_latest() -> bool:
+                    return any(r["event"] == "applied" and r["name"] == killed["name"] and r["version"] == latest
+                               for r in read(events))  # fmt: skip
+
+                wait_until(
+                    "the resumed receiver to apply the version pushed after its stall",
+                    resumed_holds_latest,
+                    60,
+                    procs,
+                )
 
             def all_live_hold_latest() -> bool:
                 got = {
@@ -135,6 +160,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 for r in applied
             ],
             "kill_at": kill_at,
+            "mode": mode,
+            "resumed": resumed,
             "timeout_s": timeout_s,
         }
 
