@@ -69,7 +69,7 @@ class StateReport:
     Producers (``update()``, the network link) only queue; the watcher thread writes.
     """
 
-    def __init__(self, rid: int) -> None:
+    def __init__(self, rid: int = -1) -> None:
         self._rid = rid
         self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
         self._held = -1
@@ -79,6 +79,10 @@ class StateReport:
 
     def rejected(self, version: int, reason: str) -> None:
         self._queue.put((-1, (version, reason)))
+
+    def moved_to(self, rid: int) -> None:
+        """Report under ``rid`` from now on (a receiver registered again keeps what it holds)."""
+        self._rid = rid
 
     def write(self, ctl: Control, *, force: bool = False) -> None:
         """Write what was queued since the last write (one store round trip, if any)."""
