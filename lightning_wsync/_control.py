@@ -218,7 +218,13 @@ def check_segment_name(name: object) -> str:
 
 def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
     """Open a shared-memory segment file safely: a valid name directly under /dev/shm, no
-    symlink followed, a regular file, and (when not creating it) owned by this user."""
+    symlink followed, a regular file, and (when not creating it) owned by this user.
+
+    Raises:
+        WeightSyncConfigError: the name, a symlink, not a regular file (not a wsync segment).
+        OSError: it cannot be opened here (FileNotFoundError, PermissionError; also for a
+            file of another user), which a receiver with ``transport='auto'`` works around.
+    """
     if not path.startswith(SHM_DIR + "/"):
         raise WeightSyncConfigError(f"shared-memory segment {path!r} is not under {SHM_DIR!r}; refused")
     check_segment_name(path[len(SHM_DIR) + 1 :])
@@ -232,17 +238,16 @@ def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
             ) from None
         raise
     info = os.fstat(fd)
-    problem = None
     if not stat.S_ISREG(info.st_mode):
-        problem = "is not a regular file"
-    elif not flags & os.O_CREAT and info.st_uid != os.geteuid():
-        problem = f"belongs to uid {info.st_uid}, not this process's uid {os.geteuid()}"
-    if problem is not None:
         os.close(fd)
         raise WeightSyncConfigError(
-            f"shared-memory segment {path!r} {problem}; it is not a snapshot of a sender of this user. Run "
-            f"sender and receivers as the same user, or use transport='gloo' on the sender"
+            f"shared-memory segment {path!r} is not a regular file; it is not a snapshot of a sender of this "
+            f"user: remove it, and check who else writes to {SHM_DIR}"
         )
+    if not flags & os.O_CREAT and info.st_uid != os.geteuid():
+        os.close(fd)  # not this user's to read: as if it could not be opened (a receiver takes the network)
+        raise PermissionError(errno.EACCES, f"belongs to uid {info.st_uid}, not this process's uid {os.geteuid()}",
+                              path)  # fmt: skip
     return fd
 
 

@@ -249,7 +249,8 @@ class ReceiverWatcher:
             if self._target is not None:
                 self._tensors = self._target.tensors_for(layout)
             layout.check_module(self._tensors, self.name)
-            source = self._make_source(epoch, layout, record)
+            # A sender that has ended leaves no segment: that is not a reason for the network path.
+            source = self._make_source(epoch, layout, record, fallback=not ctl.has(closed_key))
         except WeightSyncSchemaError as exc:
             self._error = exc  # raised by update()/wait_for_version(); reported on each version
             log.error("%s", exc)
@@ -276,7 +277,9 @@ class ReceiverWatcher:
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip
 
-    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
+    def _make_source(
+        self, epoch: int, layout: Layout, record: dict[str, object], *, fallback: bool = True
+    ) -> ReceiveSource:
         if record.get("relay") and record["host"] != self._host:
             if self.config.apply == "swap":
                 log.warning(
@@ -290,7 +293,7 @@ class ReceiverWatcher:
             )  # fmt: skip
         return open_source(
             epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
-            swap=self.config.apply == "swap",
+            swap=self.config.apply == "swap", fallback=fallback,
             net=lambda backend: NetReceiveLink(
                 self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
                 addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
