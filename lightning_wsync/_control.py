@@ -200,6 +200,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (0 when unknown): a PID means the same process only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 SHM_DIR = "/dev/shm"
 # What transport.shm.segment_name() makes: wsync-<pid>-<epoch>-<job with [A-Za-z0-9_.-] only>.
 _SEGMENT_NAME = re.compile(r"wsync-[0-9]{1,10}-[0-9]{1,20}-[A-Za-z0-9_.-]{0,64}")

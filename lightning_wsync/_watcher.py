@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_wsync._control import Control, local_address
+from lightning_wsync._control import Control, local_address, pid_namespace
 from lightning_wsync._manifest import Layout
 from lightning_wsync._membership import StateReport
 from lightning_wsync._source import ReceiveSource, open_source
@@ -134,7 +134,8 @@ class ReceiverWatcher:
         self._beat = ctl.add(f"member/{self.rid}/hb", 1)
         ctl.set_json(
             f"member/{self.rid}",
-            {"name": self.name, "host": self._host, "pid": os.getpid(), "verify": self.config.verify},
+            {"name": self.name, "host": self._host, "pid": os.getpid(), "pidns": pid_namespace(),
+             "verify": self.config.verify},
         )
 
     def _rejoin(self, ctl: Control) -> None:
