@@ -212,8 +212,14 @@ def open_source(
         try:
             return SharedMemorySource(epoch, layout, ordered, ShmReader(str(record["shm"]), layout), name)
         except (FileNotFoundError, PermissionError) as exc:
+            if transport == "shm" and isinstance(exc, PermissionError):
+                raise WeightSyncConfigError(
+                    f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {record['shm']!r} "
+                    f"cannot be opened here ({exc.strerror}); run sender and receivers as one user, or use "
+                    f"transport='auto' on the sender (the network path then serves this receiver)"
+                ) from exc
             if transport == "shm" or not fallback:
-                raise
+                raise  # the segment is gone: that sender has ended
             log.warning(
                 "receiver %r: cannot open the sender's shared-memory segment %r (%s); receiving over the network "
                 "(%s) instead. Sender and receiver share a host id but not /dev/shm or a user (a container on the "

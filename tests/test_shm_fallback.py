@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _workers import build, digest, mutate
 
-from lightning_wsync import WeightSender
+from lightning_wsync import WeightReceiver, WeightSender, WeightSyncConfigError
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -121,3 +121,16 @@ def test_receiver_in_another_pid_namespace_is_not_taken_for_dead(children, port)
         serve(sender, model, receiver, last)
         assert [m.pid for m in sender._members.members()] == [unused]  # a pid that means nothing here
     assert WARNING not in receiver.text  # shared memory: same /dev/shm, same user
+
+
+def test_explicit_shm_transport_does_not_fall_back(port):
+    store = f"127.0.0.1:{port}"
+    with WeightSender(build(("mixed", 0)), store=store, job="shm-only", transport="shm", timeout_s=5) as sender:
+        sender.push(1)
+        os.chown(f"/dev/shm/{sender._ring.segment.name}", 65534, 65534)
+        with (
+            WeightReceiver(build(("mixed", 1)), store=store, job="shm-only", timeout_s=5) as receiver,
+            pytest.raises(WeightSyncConfigError, match=r"transport='shm' but its segment .* cannot be opened here "
+                                                       r"\(belongs to uid 65534.*use transport='auto'"),  # fmt: skip
+        ):
+            receiver.wait_for_version(1, timeout_s=5)
