@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import Control, group_keys
 from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync.errors import WeightSyncStoreError
 from lightning_wsync.transport.delta import base_digest
 from lightning_wsync.transport.delta_link import (
     AutoPolicy,
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
 _REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing at once would spin)
+_STORE_RETRY_S = 1.0
 
 
 class _Work(Protocol):
@@ -445,7 +447,11 @@ class NetReceiveLink:
     def _run(self) -> None:
         ctl = self._control.clone()
         while not self._stop.is_set():
-            gen = ctl.add(f"member/{self._rid}/net", 1)
+            try:
+                gen = ctl.add(f"member/{self._rid}/net", 1)
+            except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
+                self._stop.wait(_STORE_RETRY_S)
+                continue
             prefix = group_prefix(self.epoch, self._rid, gen)
             pg: Interruptible | None = None
             self._n = 0
