@@ -18,7 +18,7 @@ generations), never what to trust.
     closed/<epoch>                JSON {final}: set by WeightSender.close(); final=False when
                                   the sender left without finishing (exception, SIGTERM)
     members/next                  counter; each WeightReceiver takes the next rid
-    member/<rid>                  JSON member record (name, host, pid)
+    member/<rid>                  JSON member record (name, host, pid, PID namespace)
     member/<rid>/hb               heartbeat counter
     member/<rid>/gone             set by WeightReceiver.close()
     member/<rid>/state            JSON {acked, error}: newest version held, last rejection
@@ -29,8 +29,9 @@ generations), never what to trust.
 
 Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the
-link is in use or replaced, ``v/<version>*`` beyond the newest few, and the records of
-sender epochs two or more behind the current one.
+link is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves
+it, ``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
+behind the current one.
 """
 
 from __future__ import annotations
