@@ -91,8 +91,9 @@ class Interruptible:
     instead of at ``timeout_s`` (one stalled peer each, in turn, was N x timeout_s).
     """
 
-    def __init__(self, pg: PeerGroup) -> None:
+    def __init__(self, pg: PeerGroup, backend: str) -> None:
         self._pg = pg
+        self._gloo = backend == "gloo"  # NCCL's timed wait is not known to end only this pair: left alone
         self._waiting: set[_Work] = set()
         self._lock = threading.Lock()
         self._interrupted = False
@@ -109,7 +110,7 @@ class Interruptible:
     def interrupt(self) -> None:
         with self._lock:
             self._interrupted = True
-            waiting = list(self._waiting)
+            waiting = list(self._waiting) if self._gloo else []
         for work in waiting:
             try:
                 cast(_TimedWork, work).wait(timedelta(milliseconds=1))
@@ -211,7 +212,7 @@ class NetSendLink:
         n = 0
         try:
             pg = self._pg = Interruptible(make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr,
-                                                     self._timeout_s))  # fmt: skip
+                                                     self._timeout_s), self._backend)  # fmt: skip
             if self._stop.is_set():
                 return
             while not self._stop.is_set():
@@ -457,7 +458,7 @@ class NetReceiveLink:
             self._n = 0
             try:
                 pg = self._pg = Interruptible(make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr,
-                                                         self._timeout_s))  # fmt: skip
+                                                         self._timeout_s), self._backend)  # fmt: skip
                 self._serve(pg, ctl, prefix)
             except Exception as exc:  # noqa: BLE001 - rebuild the group and go on
                 if not self._stop.is_set():
