@@ -18,7 +18,7 @@ generations), never what to trust.
     closed/<epoch>                JSON {final}: set by WeightSender.close(); final=False when
                                   the sender left without finishing (exception, SIGTERM)
     members/next                  counter; each WeightReceiver takes the next rid
-    member/<rid>                  JSON member record (name, host, pid)
+    member/<rid>                  JSON member record (name, host, pid, PID namespace)
     member/<rid>/hb               heartbeat counter
     member/<rid>/gone             set by WeightReceiver.close()
     member/<rid>/state            JSON {acked, error}: newest version held, last rejection
@@ -29,8 +29,9 @@ generations), never what to trust.
 
 Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the
-link is in use or replaced, ``v/<version>*`` beyond the newest few, and the records of
-sender epochs two or more behind the current one.
+link is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves
+it, ``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
+behind the current one.
 """
 
 from __future__ import annotations
@@ -200,6 +201,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (0 when unknown): a PID means the same process only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 SHM_DIR = "/dev/shm"
 # What transport.shm.segment_name() makes: wsync-<pid>-<epoch>-<job with [A-Za-z0-9_.-] only>.
 _SEGMENT_NAME = re.compile(r"wsync-[0-9]{1,10}-[0-9]{1,20}-[A-Za-z0-9_.-]{0,64}")
@@ -218,7 +227,13 @@ def check_segment_name(name: object) -> str:
 
 def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
     """Open a shared-memory segment file safely: a valid name directly under /dev/shm, no
-    symlink followed, a regular file, and (when not creating it) owned by this user."""
+    symlink followed, a regular file, and (when not creating it) owned by this user.
+
+    Raises:
+        WeightSyncConfigError: the name, a symlink, not a regular file (not a wsync segment).
+        OSError: it cannot be opened here (FileNotFoundError, PermissionError; also for a
+            file of another user), which a receiver with ``transport='auto'`` works around.
+    """
     if not path.startswith(SHM_DIR + "/"):
         raise WeightSyncConfigError(f"shared-memory segment {path!r} is not under {SHM_DIR!r}; refused")
     check_segment_name(path[len(SHM_DIR) + 1 :])
@@ -232,17 +247,16 @@ def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
             ) from None
         raise
     info = os.fstat(fd)
-    problem = None
     if not stat.S_ISREG(info.st_mode):
-        problem = "is not a regular file"
-    elif not flags & os.O_CREAT and info.st_uid != os.geteuid():
-        problem = f"belongs to uid {info.st_uid}, not this process's uid {os.geteuid()}"
-    if problem is not None:
         os.close(fd)
         raise WeightSyncConfigError(
-            f"shared-memory segment {path!r} {problem}; it is not a snapshot of a sender of this user. Run "
-            f"sender and receivers as the same user, or use transport='gloo' on the sender"
+            f"shared-memory segment {path!r} is not a regular file; it is not a snapshot of a sender of this "
+            f"user: remove it, and check who else writes to {SHM_DIR}"
         )
+    if not flags & os.O_CREAT and info.st_uid != os.geteuid():
+        os.close(fd)  # not this user's to read: as if it could not be opened (a receiver takes the network)
+        raise PermissionError(errno.EACCES, f"belongs to uid {info.st_uid}, not this process's uid {os.geteuid()}",
+                              path)  # fmt: skip
     return fd
 
 

@@ -7,7 +7,7 @@ any client may have bumped the counter): it is looked for again at each refresh 
 given up after one heartbeat timeout if it has no heartbeat key (its owner died at once,
 or an earlier sender retired it), else after ``_FORGET_AFTER`` heartbeat timeouts. The sender compares counter values
 against its own clock, so hosts need no synchronised clocks. A receiver is gone when
-it closed (``gone`` key), when its process no longer exists (same host only), or when
+it closed (``gone`` key), when its process no longer exists (same host and PID namespace only), or when
 its heartbeat has not moved for ``heartbeat_timeout_s``.
 """
 
@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from lightning_wsync._control import Control, group_keys, member_keys, pid_alive
+from lightning_wsync._control import Control, group_keys, member_keys, pid_alive, pid_namespace
 from lightning_wsync.errors import WeightSyncAuthError
 from lightning_wsync.transport.net import NetSendLink
 
@@ -39,6 +39,7 @@ class Member:
     gone_reason: str | None = None
     link: NetSendLink | None = None
     verify: bool = False  # wants per-bucket checksums on the shared-memory path
+    pidns: int = 0  # its PID namespace (0: unknown); its pid is checked only from the same one
     cleaned_gen: int = 0  # process-group keys of link generations up to this one are deleted
     gone_at: float = 0.0  # time.monotonic() when gone_reason was set
     retired: bool = False  # gone for good and its keys deleted from the store
@@ -69,7 +70,7 @@ class StateReport:
     Producers (``update()``, the network link) only queue; the watcher thread writes.
     """
 
-    def __init__(self, rid: int) -> None:
+    def __init__(self, rid: int = -1) -> None:
         self._rid = rid
         self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
         self._held = -1
@@ -79,6 +80,10 @@ class StateReport:
 
     def rejected(self, version: int, reason: str) -> None:
         self._queue.put((-1, (version, reason)))
+
+    def moved_to(self, rid: int) -> None:
+        """Report under ``rid`` from now on (a receiver registered again keeps what it holds)."""
+        self._rid = rid
 
     def write(self, ctl: Control, *, force: bool = False) -> None:
         """Write what was queued since the last write (one store round trip, if any)."""
@@ -110,6 +115,7 @@ class Membership:
         self._host_id = host_id
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._epoch = epoch
+        self._pidns = pid_namespace()
         low = control.get_json("members/low")
         self._next_rid = self._low = 0 if low is None else int(low)
         self._unrecorded: dict[int, float] = {}  # rid reserved, record not seen yet -> since
@@ -144,7 +150,7 @@ class Membership:
                 continue
             del self._unrecorded[rid]
             member = Member(rid, str(record["name"]), str(record["host"]), int(record["pid"]),
-                            verify=bool(record.get("verify", False)))  # fmt: skip
+                            verify=bool(record.get("verify", False)), pidns=int(record.get("pidns", 0)))  # fmt: skip
             member.hb, member.hb_seen_at = ctl.add(f"member/{member.rid}/hb", 0), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
@@ -193,7 +199,7 @@ class Membership:
         """Why ``member`` is gone for good (a merely silent one may still come back)."""
         if self._ctl.has(f"member/{member.rid}/gone"):
             return "closed"
-        if member.host == self._host_id and not pid_alive(member.pid):
+        if self._exited(member):
             return f"process {member.pid} exited"
         silent = now - member.hb_seen_at
         if silent > _FORGET_AFTER * self._heartbeat_timeout_s:
@@ -239,9 +245,15 @@ class Membership:
             return silent
         if member.link is not None and member.link.error is not None:
             return f"network link failed: {member.link.error}"
-        if member.host == self._host_id and not pid_alive(member.pid):
+        if self._exited(member):
             return f"process {member.pid} exited"
         return None
+
+    def _exited(self, member: Member) -> bool:
+        """Its process is gone, judged only where its pid means it: the same host and PID
+        namespace (a container sharing this host's id and IPC has PIDs of its own)."""
+        same = member.host == self._host_id and member.pidns == self._pidns != 0
+        return same and not pid_alive(member.pid)
 
     def heartbeat_age_s(self, rid: int) -> float | None:
         member = self.get(rid)

@@ -9,6 +9,7 @@ verified. :func:`open_source` picks one from the sender's record.
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ Reject = Callable[[int, str], None]  # (version, reason)
 # A pin fails only when a push lands between reading the header and pinning; a copy is
 # torn only when this receiver stalled past the sender's pin lease. Either way the next
 # try takes the newest version; this many in a row means something is badly wrong.
+log = logging.getLogger("lightning_wsync.receiver")
+
 _SHARED_ATTEMPTS = 8
 _PIN_ATTEMPTS = 64  # a pin fails while a push lands on that slot; each failure is a header read
 
@@ -187,9 +190,18 @@ def open_source(
     name: str,
     net: Callable[[str], NetReceiveLink],
     swap: bool = False,
+    fallback: bool = True,
 ) -> ReceiveSource:
-    """The data plane the sender's record allows from this host."""
+    """The data plane the sender's record allows from this host.
+
+    Same host by its host id, but the segment cannot be opened here (missing: another
+    /dev/shm, as in a container on the host network; no permission; another user's):
+    with ``transport='auto'`` and ``fallback``, the network path, said once in the log. A
+    segment that opens but is not a wsync ring (a bad name, a symlink, not a regular file,
+    no wsync header) stays a configuration error.
+    """
     transport = str(record["transport"])
+    backend = str(record["backend"])
     same_host = record["host"] == host and record["shm"] is not None
     if transport == "shm" and not same_host:
         raise WeightSyncConfigError(
@@ -197,8 +209,24 @@ def open_source(
             f"{record['host']!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
         )
     if transport in ("auto", "shm") and same_host:
-        return SharedMemorySource(epoch, layout, ordered, ShmReader(str(record["shm"]), layout), name)
-    backend = str(record["backend"])
+        try:
+            return SharedMemorySource(epoch, layout, ordered, ShmReader(str(record["shm"]), layout), name)
+        except (FileNotFoundError, PermissionError) as exc:
+            if transport == "shm" and isinstance(exc, PermissionError):
+                raise WeightSyncConfigError(
+                    f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {record['shm']!r} "
+                    f"cannot be opened here ({exc.strerror}); run sender and receivers as one user, or use "
+                    f"transport='auto' on the sender (the network path then serves this receiver)"
+                ) from exc
+            if transport == "shm" or not fallback:
+                raise  # the segment is gone: that sender has ended
+            log.warning(
+                "receiver %r: cannot open the sender's shared-memory segment %r (%s); receiving over the network "
+                "(%s) instead. Sender and receiver share a host id but not /dev/shm or a user (a container on the "
+                "host network, another uid): run them in one IPC namespace as one user for the shared-memory "
+                "path, or set a distinct WSYNC_HOST_ID per container to choose the network path without this "
+                "warning", name, record["shm"], exc.strerror or exc, backend,
+            )  # fmt: skip
     if swap:
         _check_swappable(layout, ordered, name, backend)
     return NetworkSource(epoch, layout, ordered, net(backend), swap=swap)

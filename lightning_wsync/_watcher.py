@@ -11,13 +11,14 @@ holds only the user API.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import NamedTuple
 
 import torch
 
-from lightning_wsync._control import Control, local_address
+from lightning_wsync._control import Control, local_address, pid_namespace
 from lightning_wsync._manifest import Layout
 from lightning_wsync._membership import StateReport
 from lightning_wsync._source import ReceiveSource, open_source
@@ -77,6 +78,7 @@ class ReceiverWatcher:
     _apply_lock: threading.Lock
     _stop: threading.Event
     _kick: threading.Event
+    _beat: int  # the heartbeat counter's last value
 
     def _watch(self) -> None:
         ctl = self._watch_ctl
@@ -87,7 +89,10 @@ class ReceiverWatcher:
             try:
                 now = time.monotonic()
                 if now >= next_beat:
-                    ctl.add(f"member/{self.rid}/hb", 1)
+                    beat = ctl.add(f"member/{self.rid}/hb", 1)
+                    if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
+                        self._rejoin(ctl)
+                    self._beat = beat
                     next_beat = now + self.config.heartbeat_s
                 self._state.write(ctl)
                 # Sender changes and the close signal are looked at every SLOW_POLL_S.
@@ -120,6 +125,32 @@ class ReceiverWatcher:
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
             self._kick.wait(POLL_S if fast else SLOW_POLL_S)  # an apply kicks it for its acknowledgement
+
+    def _register(self, ctl: Control) -> None:
+        """Take a fresh receiver id and announce this receiver under it."""
+        self.rid = ctl.add("members/next", 1) - 1
+        self._state.moved_to(self.rid)
+        self._state.write(ctl, force=True)
+        self._beat = ctl.add(f"member/{self.rid}/hb", 1)
+        ctl.set_json(
+            f"member/{self.rid}",
+            {"name": self.name, "host": self._host, "pid": os.getpid(), "pidns": pid_namespace(),
+             "verify": self.config.verify},
+        )
+
+    def _rejoin(self, ctl: Control) -> None:
+        """The sender forgot this receiver (silent past its patience: paused, partitioned):
+        register again and reopen the data plane under the new id, keeping the version held."""
+        old = self.rid
+        self._register(ctl)
+        log.warning("receiver %r was forgotten by the sender while silent (rid=%d); registered again as rid=%d",
+                    self.name, old, self.rid)  # fmt: skip
+        source = self._source
+        if source is None:
+            return
+        record, layout_text = ctl.get_json(f"sender/{source.epoch}"), ctl.get_json(f"layout/{source.epoch}")
+        if record is not None and layout_text is not None:
+            self._switch(ctl, source.epoch, record, layout_text)
 
     def _follow_versions(self, ctl: Control) -> None:
         source = self._source
@@ -219,7 +250,8 @@ class ReceiverWatcher:
             if self._target is not None:
                 self._tensors = self._target.tensors_for(layout)
             layout.check_module(self._tensors, self.name)
-            source = self._make_source(epoch, layout, record)
+            # A sender that has ended leaves no segment: that is not a reason for the network path.
+            source = self._make_source(epoch, layout, record, fallback=not ctl.has(closed_key))
         except WeightSyncSchemaError as exc:
             self._error = exc  # raised by update()/wait_for_version(); reported on each version
             log.error("%s", exc)
@@ -246,7 +278,9 @@ class ReceiverWatcher:
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip
 
-    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
+    def _make_source(
+        self, epoch: int, layout: Layout, record: dict[str, object], *, fallback: bool = True
+    ) -> ReceiveSource:
         if record.get("relay") and record["host"] != self._host:
             if self.config.apply == "swap":
                 log.warning(
@@ -260,12 +294,13 @@ class ReceiverWatcher:
             )  # fmt: skip
         return open_source(
             epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
-            swap=self.config.apply == "swap",
+            swap=self.config.apply == "swap", fallback=fallback,
             net=lambda backend: NetReceiveLink(
                 self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
                 addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
                 device=self._device if backend == "nccl" else torch.device("cpu"),
                 on_staged=self._on_staged, on_rejected=self._on_rejected,
+                newest=lambda: None if self._latest is None else self._latest.version,
             ),
         )  # fmt: skip
 

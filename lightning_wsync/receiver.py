@@ -20,7 +20,6 @@ ever written by ``update()`` on the caller's thread, and only with a complete ve
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -125,14 +124,9 @@ class WeightReceiver(ReceiverWatcher):
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the watcher early (an ack to send, or stop)
 
-        self.rid = self._ctl.add("members/next", 1) - 1
         self.name = cfg.name or default_receiver_name()
-        self._state = StateReport(self.rid)
-        self._state.write(self._ctl, force=True)
-        self._ctl.add(f"member/{self.rid}/hb", 1)
-        self._ctl.set_json(
-            f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid(), "verify": cfg.verify}
-        )
+        self._state = StateReport()
+        self._register(self._ctl)
         self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
         self._thread.start()
         log.info("WeightReceiver %r (rid=%d) joined job %r", self.name, self.rid, job_name)

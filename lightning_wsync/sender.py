@@ -432,6 +432,11 @@ class WeightSender:
     def close(self, flush_timeout_s: float | None = None, *, final: bool = True) -> None:
         """Wait (bounded) for the last push to be delivered, then signal receivers and stop.
 
+        Takes at most ``flush_timeout_s`` plus ``timeout_s`` in all, however many receivers
+        are stalled (every link is told to stop first, then all are joined against one
+        deadline), and frees the shared-memory ring and every thread even when the store
+        is gone.
+
         Args:
             flush_timeout_s: bound on waiting for the last push; default ``timeout_s``;
                 0 closes at once.
@@ -442,31 +447,46 @@ class WeightSender:
         if self._closed:
             return
         last = self._last_handle
-        if last is not None and flush_timeout_s != 0:
-            last.wait(flush_timeout_s)
+        try:
+            if last is not None and flush_timeout_s != 0:
+                last.wait(flush_timeout_s)
+        except WeightSyncStoreError as exc:
+            log.warning("close: the last push's delivery cannot be checked: %s", exc)
         self._closed = True
+        deadline = time.monotonic() + self.config.timeout_s
         try:
             self._ctl.set_json(f"closed/{self.epoch}", {"final": final})
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
                 self._ctl.delete(f"v/{old}")
                 self._ctl.delete(f"v/{old}/sums")
-        except RuntimeError as exc:
+        except WeightSyncStoreError as exc:
             log.warning("could not signal close on the store: %s", exc)
-        self._stop.set()
-        with self._wake:
-            self._wake.notify()
-        self._thread.join(timeout=10)
-        self._ring.close()
-        if self._relay is not None:
-            self._relay.close()
-        for member in self._members.members():
-            if member.link is not None:
-                member.link.close()
-        if self._deltas is not None:
-            self._deltas.close()
-        if self._ring.segment is not None:
-            self._ring.segment.close()
+        finally:
+            self._stop_threads(deadline)
         log.info("WeightSender job=%r epoch=%d closed", self._ctl.job, self.epoch)
+
+    def _stop_threads(self, deadline: float) -> None:
+        """Signal every thread, join them all against ``deadline``, then free the ring."""
+        links = [m.link for m in self._members.members() if m.link is not None]
+        try:
+            self._stop.set()
+            with self._wake:
+                self._wake.notify()
+            for link in links:
+                link.stop()  # ends a send blocked on a stalled receiver now
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._ring.close()
+            if self._relay is not None:
+                self._relay.close(timeout_s=max(0.0, deadline - time.monotonic()))
+            stuck = [link.rid for link in links if not link.join(deadline - time.monotonic())]
+            if stuck:
+                log.warning("close: links to receivers %s still running at the deadline (timeout_s=%s)", stuck,
+                            self.config.timeout_s)  # fmt: skip
+            if self._deltas is not None:
+                self._deltas.close(timeout_s=max(0.0, deadline - time.monotonic()))
+        finally:
+            if self._ring.segment is not None:
+                self._ring.segment.close()
 
     def __enter__(self) -> WeightSender:
         return self

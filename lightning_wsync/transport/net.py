@@ -28,8 +28,9 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from lightning_wsync._control import Control
+from lightning_wsync._control import Control, group_keys
 from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync.errors import WeightSyncStoreError
 from lightning_wsync.transport.delta import base_digest
 from lightning_wsync.transport.delta_link import (
     AutoPolicy,
@@ -47,10 +48,16 @@ from lightning_wsync.transport.ring import Lease, SnapshotRing
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
+_REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing at once would spin)
+_STORE_RETRY_S = 1.0
 
 
 class _Work(Protocol):
     def wait(self) -> bool: ...
+
+
+class _TimedWork(Protocol):
+    def wait(self, timeout: timedelta) -> bool: ...
 
 
 class PeerGroup(Protocol):
@@ -74,6 +81,65 @@ def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s:
         nccl_opts._timeout = timeout
         return cast(PeerGroup, dist.ProcessGroupNCCL(store, rank, 2, nccl_opts))
     raise ValueError(f"unknown network backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+class Interruptible:
+    """A peer group whose blocked waits another thread can end.
+
+    gloo's ``abort()`` wakes no waiter; a wait that times out closes the pair, and that
+    wakes every wait on it. :meth:`interrupt` does so, so a link stops at once on close
+    instead of at ``timeout_s`` (one stalled peer each, in turn, was N x timeout_s).
+    """
+
+    def __init__(self, pg: PeerGroup, backend: str) -> None:
+        self._pg = pg
+        self._gloo = backend == "gloo"  # NCCL's timed wait is not known to end only this pair: left alone
+        self._waiting: set[_Work] = set()
+        self._lock = threading.Lock()
+        self._interrupted = False
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _Work:
+        return _Tracked(self, self._pg.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work:
+        return _Tracked(self, self._pg.recv(tensors, src_rank, tag))
+
+    def abort(self) -> None:
+        self._pg.abort()
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            waiting = list(self._waiting) if self._gloo else []
+        for work in waiting:
+            try:
+                cast(_TimedWork, work).wait(timedelta(milliseconds=1))
+            except (RuntimeError, TypeError):  # the expected timeout; TypeError: a wrapper without timeout=
+                pass
+
+    def _wait(self, work: _Work) -> bool:
+        with self._lock:
+            if self._interrupted:
+                raise RuntimeError("link closed")
+            self._waiting.add(work)
+        try:
+            return work.wait()
+        finally:
+            with self._lock:
+                self._waiting.discard(work)
+
+
+class _Tracked:
+    def __init__(self, owner: Interruptible, work: _Work) -> None:
+        self._owner = owner
+        self._work = work
+
+    def wait(self) -> bool:
+        return self._owner._wait(self._work)
+
+
+class LinkSilent(Exception):
+    """The peer wrote no announcement within ``timeout_s`` while a newer version was out."""
 
 
 def _shutdown(pg: PeerGroup | None) -> None:
@@ -135,16 +201,20 @@ class NetSendLink:
         self._addr = addr
         self._timeout_s = timeout_s
         self._stop = threading.Event()
+        self._pg: Interruptible | None = None
         self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}g{gen}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         ctl = self._control.clone()
         prefix = group_prefix(self._epoch, self.rid, self.gen)
-        pg: PeerGroup | None = None
+        pg: Interruptible | None = None
+        n = 0
         try:
-            pg = make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr, self._timeout_s)
-            n = 0
+            pg = self._pg = Interruptible(make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr,
+                                                     self._timeout_s), self._backend)  # fmt: skip
+            if self._stop.is_set():
+                return
             while not self._stop.is_set():
                 # The receiver says when its staging buffer is free: a send it cannot keep
                 # until update() takes it would only be overwritten by the next.
@@ -178,6 +248,7 @@ class NetSendLink:
                 log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
         finally:
             _shutdown(pg)
+            forget_notes(ctl, prefix, n)
 
     def _delta_base(self, lease: Lease) -> tuple[DeltaStream, Lease] | None:
         """The delta of ``lease``'s version against what the receiver holds, and a lease on that base.
@@ -266,9 +337,30 @@ class NetSendLink:
         self.sent_version = version
         log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def stop(self) -> None:
+        """Ask the thread to end, and end a send it is blocked in (see :meth:`join`)."""
         self._stop.set()
-        self._thread.join(timeout=timeout_s)
+        pg = self._pg
+        if pg is not None:
+            pg.interrupt()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the thread to end; True when it has."""
+        self._thread.join(timeout=max(0.0, timeout_s))
+        if self._thread.is_alive() and self._pg is not None:
+            self._pg.interrupt()  # it had not reached its first wait when stop() came
+            self._thread.join(timeout=0.05)
+        return not self._thread.is_alive()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.stop()
+        self.join(timeout_s)
+
+
+def forget_notes(ctl: Control, prefix: str, n: int) -> None:
+    """Delete what a link that ended at its ``n``-th version may have left on the store."""
+    for key in (f"ready/{n}", f"ann/{n}"):
+        ctl.delete(prefix + key)
 
 
 class NetReceiveLink:
@@ -287,6 +379,7 @@ class NetReceiveLink:
         device: torch.device,
         on_staged: Callable[[int], None],
         on_rejected: Callable[[int, str], None],
+        newest: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -310,6 +403,10 @@ class NetReceiveLink:
         self._held_buffer: torch.Tensor | None = None
         self._decode_s: float | None = None
         self.deltas_applied = 0
+        self._newest = newest  # the newest version published, as the watcher last read it
+        self._seen: int | None = None  # the newest version whose header arrived, on any generation
+        self._n = 0  # the announcement the current generation waits for
+        self._pg: Interruptible | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
@@ -351,23 +448,43 @@ class NetReceiveLink:
     def _run(self) -> None:
         ctl = self._control.clone()
         while not self._stop.is_set():
-            gen = ctl.add(f"member/{self._rid}/net", 1)
-            prefix = group_prefix(self.epoch, self._rid, gen)
-            pg: PeerGroup | None = None
             try:
-                pg = make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr, self._timeout_s)
+                gen = ctl.add(f"member/{self._rid}/net", 1)
+            except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
+                self._stop.wait(_STORE_RETRY_S)
+                continue
+            prefix = group_prefix(self.epoch, self._rid, gen)
+            pg: Interruptible | None = None
+            self._n = 0
+            try:
+                pg = self._pg = Interruptible(make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr,
+                                                         self._timeout_s), self._backend)  # fmt: skip
                 self._serve(pg, ctl, prefix)
             except Exception as exc:  # noqa: BLE001 - rebuild the group and go on
                 if not self._stop.is_set():
                     log.info("network link gen=%d ended (%s); rebuilding", gen, str(exc).strip()[:200])
+                    self._stop.wait(_REBUILD_PAUSE_S)
             finally:
                 _shutdown(pg)
+                forget_notes(ctl, prefix, self._n)
+                for key in group_keys(self.epoch, self._rid, gen):  # spent, or never to be joined
+                    ctl.delete(key)
+
+    def _silent(self, waited_s: float) -> bool:
+        """No announcement for ``timeout_s`` although a version newer than any seen here is
+        published: the sender's end of this link is gone (it failed, or dropped the link
+        while this process was paused), and only a new group brings versions again."""
+        if waited_s < self._timeout_s:
+            return False
+        newest = self._newest()
+        return newest is not None and (self._seen is None or newest > self._seen)
 
     def _serve(self, pg: PeerGroup, ctl: Control, prefix: str) -> None:
         device = self.device
         nb = len(self.layout.buckets)
         n = 0
         while not self._stop.is_set():
+            self._n = n
             if self.staged_version is not None:
                 # Keep the staged version for update() for up to one receive time: under
                 # pushes faster than a send, each version received is then applied.
@@ -375,13 +492,18 @@ class NetReceiveLink:
             held = self._held if self._held_buffer is not None and self.device.type != "cuda" else None
             ctl.set_text(prefix + f"ready/{n}", ready_note(held, self._decode_s))
             ann = prefix + f"ann/{n}"
+            waiting_since = time.monotonic()
             while not ctl.has(ann):
                 if self._stop.wait(_POLL_S):
                     return
+                if self._silent(time.monotonic() - waiting_since):
+                    raise LinkSilent(f"no version announced within timeout_s={self._timeout_s} while version "
+                                     f"{self._newest()} is published (newest seen here: {self._seen})")  # fmt: skip
             ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
             header = torch.empty(5, dtype=torch.int64, device=device)
             pg.recv([header], 0, 0).wait()
             version, seq, total, buckets, is_delta = (int(x) for x in header.cpu())
+            self._seen = version if self._seen is None else max(self._seen, version)
             if total != self.layout.total_bytes or buckets != nb:
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
             with self.lock:  # waits for an update() that is copying the previous version out
@@ -442,5 +564,8 @@ class NetReceiveLink:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        pg = self._pg
+        if pg is not None:
+            pg.interrupt()  # a receive blocked on a stalled sender ends now, not at timeout_s
         self._thread.join(timeout=timeout_s)
 
