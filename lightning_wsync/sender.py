@@ -22,7 +22,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -42,7 +41,7 @@ from lightning_wsync._control import (
 )
 from lightning_wsync._manifest import build_layout, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state
-from lightning_wsync.config import SenderConfig, resolve_config
+from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
 from lightning_wsync.transport.delta_link import AutoPolicy, DeltaStreams
 from lightning_wsync.transport.net import NetSendLink
@@ -141,7 +140,9 @@ class WeightSender:
         module: the module whose parameters and persistent buffers are sent.
         store: a ``torch.distributed.Store``, or ``"host:port"`` (hosted here when the
             port is free or 0, else joined as a client). Default ``$WSYNC_STORE``.
-        config: a :class:`SenderConfig`; or pass its fields as keyword arguments.
+        job: the job's name on the store (default ``$WSYNC_JOB``); overrides ``config.job``.
+        config: a :class:`SenderConfig`; or pass its fields (``dtype``, ``bucket_mb``, ...)
+            as keyword ``options``, not both.
     """
 
     def __init__(
@@ -150,24 +151,10 @@ class WeightSender:
         store: dist.Store | str | None = None,
         job: str | None = None,
         *,
-        dtype: str | None = None,
-        include: Sequence[str] = (),
-        exclude: Sequence[str] = (),
-        bucket_mb: float = 32.0,
-        timeout_s: float = 30.0,
-        transport: str = "auto",
-        heartbeat_timeout_s: float = 10.0,
-        cross_host: str = "relay",
-        secret: str | None = None,
-        delta: str = "auto",
         config: SenderConfig | None = None,
+        **options: object,
     ) -> None:
-        options: dict[str, object] = {
-            "dtype": dtype, "include": include, "exclude": exclude, "bucket_mb": bucket_mb, "timeout_s": timeout_s,
-            "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s, "cross_host": cross_host,
-            "secret": secret, "delta": delta,
-        }  # fmt: skip
-        cfg = resolve_config(SenderConfig, config, "WeightSender", job, options)
+        cfg = SenderConfig(**config_values(SenderConfig, config, options, owner="WeightSender", job=job))
         self.config = cfg
         self._tensors = select_tensors(module, cfg.include, cfg.exclude)
         if not self._tensors:
