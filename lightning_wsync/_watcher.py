@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, local_address
 from lightning_wsync._manifest import Layout
 from lightning_wsync._membership import StateReport
@@ -87,7 +88,7 @@ class ReceiverWatcher:
             try:
                 now = time.monotonic()
                 if now >= next_beat:
-                    ctl.add(f"member/{self.rid}/hb", 1)
+                    ctl.add(keys.member_heartbeat(self.rid), 1)
                     next_beat = now + self.config.heartbeat_s
                 self._state.write(ctl)
                 # Sender changes and the close signal are looked at every SLOW_POLL_S.
@@ -124,7 +125,7 @@ class ReceiverWatcher:
     def _follow_versions(self, ctl: Control) -> None:
         source = self._source
         if isinstance(self._error, WeightSyncSchemaError):
-            latest = ctl.get_json("latest")
+            latest = ctl.get_json(keys.LATEST)
             version = -1 if latest is None else int(latest["version"])
             if version > self._rejected_version:  # tell the sender, version by version
                 self._rejected_version = version
@@ -133,7 +134,7 @@ class ReceiverWatcher:
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.get_raw("latest"))
+        latest = ctl.get_json(keys.LATEST) if self._latest is None else ctl.open(keys.LATEST, ctl.get_raw(keys.LATEST))
         if latest is not None:
             record = Published(int(latest["version"]), int(latest["epoch"]))
             if record != self._latest and (self._latest is None or record.version > self._latest.version):
@@ -150,7 +151,7 @@ class ReceiverWatcher:
         latest = self._latest
         if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest.version):
             return
-        record = ctl.get_json(f"v/{latest.version}/sums")
+        record = ctl.get_json(keys.version_sums(latest.version))
         if record is not None and int(record["version"]) == latest.version:
             self._sums = (latest.version, [int(s) for s in record["sums"]])
             with self._cond:
@@ -160,7 +161,7 @@ class ReceiverWatcher:
         source = self._source
         if source is None:
             return
-        closed_key = f"closed/{source.epoch}"
+        closed_key = keys.closed(source.epoch)
         if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
             self._on_closed(ctl.get_json(closed_key))
 
@@ -188,7 +189,7 @@ class ReceiverWatcher:
 
     def _follow_sender(self, ctl: Control) -> None:
         """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        pointer = ctl.get_json("sender/current")  # signed with a secret: a forged one raises
+        pointer = ctl.get_json(keys.SENDER_CURRENT)  # signed with a secret: a forged one raises
         if pointer is None:
             return
         current = int(pointer["epoch"])
@@ -200,8 +201,8 @@ class ReceiverWatcher:
             if epoch in self._refused_epochs:
                 continue
             try:
-                record = ctl.get_json(f"sender/{epoch}")
-                layout_text = ctl.get_json(f"layout/{epoch}")
+                record = ctl.get_json(keys.sender_record(epoch))
+                layout_text = ctl.get_json(keys.manifest(epoch))
             except WeightSyncAuthError as exc:
                 self._refused_epochs.add(epoch)
                 refusal = exc
@@ -214,7 +215,7 @@ class ReceiverWatcher:
 
     def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
         layout = Layout.from_json(layout_text)
-        closed_key = f"closed/{epoch}"
+        closed_key = keys.closed(epoch)
         try:
             if self._target is not None:
                 self._tensors = self._target.tensors_for(layout)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, connect_store, resolve_job, resolve_secret
 from lightning_wsync._manifest import _dtype_from_name, _dtype_name
 from lightning_wsync.errors import (
@@ -118,7 +119,7 @@ class _Queue:
     def __init__(self, control: Control, name: str, *, capacity: int, max_item_mb: float) -> None:
         self._ctl = control
         self._name = name
-        self._queue_key = f"channel/{name}/queue"
+        self._queue_key = keys.channel_queue(name)
         self.capacity = capacity
         self.max_item_mb = max_item_mb
         self.max_item_bytes = int(max_item_mb * 2**20)

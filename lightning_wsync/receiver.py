@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import (
     Control,
     connect_store,
@@ -115,13 +116,13 @@ class WeightReceiver(ReceiverWatcher):
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the watcher early (an ack to send, or stop)
 
-        self.rid = self._ctl.add("members/next", 1) - 1
+        self.rid = self._ctl.add(keys.MEMBERS_NEXT, 1) - 1
         self.name = cfg.name or default_receiver_name()
         self._state = StateReport(self.rid)
         self._state.write(self._ctl, force=True)
-        self._ctl.add(f"member/{self.rid}/hb", 1)
+        self._ctl.add(keys.member_heartbeat(self.rid), 1)
         self._ctl.set_json(
-            f"member/{self.rid}", {"name": self.name, "host": self._host, "pid": os.getpid(), "verify": cfg.verify}
+            keys.member(self.rid), {"name": self.name, "host": self._host, "pid": os.getpid(), "verify": cfg.verify}
         )
         self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
         self._thread.start()
@@ -266,7 +267,7 @@ class WeightReceiver(ReceiverWatcher):
         self._thread.join(timeout=10)
         try:
             self._state.write(self._ctl)
-            self._ctl.set_json(f"member/{self.rid}/gone", True)
+            self._ctl.set_json(keys.member_gone(self.rid), True)
         except RuntimeError:
             pass  # store already gone: the sender sees the heartbeat stop instead
         with self._apply_lock:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import (
     Control,
     StoreHandle,
@@ -176,8 +177,8 @@ class WeightSender:
         self._ordered = [self._tensors[e.name] for e in self.layout.entries]
         self._host = host_id()
         self._addr = local_address(self._store.address)
-        self.epoch = self._ctl.add("sender/epoch", 1)
-        latest = self._ctl.get_json("latest")
+        self.epoch = self._ctl.add(keys.SENDER_EPOCH, 1)
+        latest = self._ctl.get_json(keys.LATEST)
         self.latest_version: int | None = None if latest is None else int(latest["version"])
 
         # auto snapshots CUDA weights to host shared memory: same-host receivers (often on
@@ -204,9 +205,9 @@ class WeightSender:
             else None
         )  # fmt: skip
 
-        self._ctl.set_json(f"layout/{self.epoch}", self.layout.to_json())
+        self._ctl.set_json(keys.manifest(self.epoch), self.layout.to_json())
         self._ctl.set_json(
-            f"sender/{self.epoch}",
+            keys.sender_record(self.epoch),
             {
                 "epoch": self.epoch,
                 "host": self._host,
@@ -219,7 +220,7 @@ class WeightSender:
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
             },
         )
-        self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it
+        self._ctl.set_json(keys.SENDER_CURRENT, {"epoch": self.epoch})  # signed: receivers follow it
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
         self._closed = False
@@ -296,8 +297,8 @@ class WeightSender:
         assert newest is not None
         version = newest.version
         ctl = self._ctl
-        ctl.set_json(f"v/{version}", {"version": version, "epoch": self.epoch})
-        ctl.set_json("latest", {"version": version, "epoch": self.epoch})
+        ctl.set_json(keys.version_record(version), {"version": version, "epoch": self.epoch})
+        ctl.set_json(keys.LATEST, {"version": version, "epoch": self.epoch})
         self._members.refresh()  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:  # receivers live at push time, plus any found since
@@ -306,8 +307,8 @@ class WeightSender:
         self._published_versions.append(version)
         while len(self._published_versions) > _KEEP_VERSION_RECORDS:
             old = self._published_versions.pop(0)
-            ctl.delete(f"v/{old}")
-            ctl.delete(f"v/{old}/sums")
+            for key in keys.version_keys(old):
+                ctl.delete(key)
         if self._ring.segment is not None and any(m.verify for m in live):
             # After the version is out, so receivers that do not verify are not delayed.
             lease = self._ring.acquire(newest)
@@ -317,11 +318,11 @@ class WeightSender:
                 finally:
                     lease.release()
                 if sums is not None:
-                    ctl.set_json(f"v/{version}/sums", {"version": version, "sums": sums})
+                    ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
 
     def _sync_links(self) -> None:
         for member in self._members.live():
-            gen = self._ctl.add(f"member/{member.rid}/net", 0)
+            gen = self._ctl.add(keys.member_link(member.rid), 0)
             if gen == 0 or (member.link is not None and member.link.gen >= gen):
                 continue
             if member.link is not None:
@@ -432,10 +433,10 @@ class WeightSender:
             last.wait(flush_timeout_s)
         self._closed = True
         try:
-            self._ctl.set_json(f"closed/{self.epoch}", {"final": final})
+            self._ctl.set_json(keys.closed(self.epoch), {"final": final})
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
-                self._ctl.delete(f"v/{old}")
-                self._ctl.delete(f"v/{old}/sums")
+                for key in keys.version_keys(old):
+                    self._ctl.delete(key)
         except RuntimeError as exc:
             log.warning("could not signal close on the store: %s", exc)
         self._stop.set()

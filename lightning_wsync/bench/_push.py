@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
+from lightning_wsync._keys import ENV_HOST_ID
 from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
 from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
 from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
@@ -133,7 +134,7 @@ class Placement(NamedTuple):
 def _receiver_on_host(conn: Connection, netns: str, host_id: str, *args: Any) -> None:
     from lightning_wsync.bench._hosts import enter_netns
 
-    os.environ["WSYNC_HOST_ID"] = host_id
+    os.environ[ENV_HOST_ID] = host_id
     enter_netns(netns)  # before any socket: the receiver's store client and links live there
     _receiver_main(conn, *args)
 

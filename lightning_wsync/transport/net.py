@@ -28,6 +28,7 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Layout, checksum
 from lightning_wsync.transport.delta import base_digest
@@ -85,10 +86,6 @@ def _shutdown(pg: PeerGroup | None) -> None:
         pass
 
 
-def group_prefix(epoch: int, rid: int, gen: int) -> str:
-    return f"pg/{epoch}/{rid}/{gen}/"
-
-
 def _signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
@@ -140,7 +137,7 @@ class NetSendLink:
 
     def _run(self) -> None:
         ctl = self._control.clone()
-        prefix = group_prefix(self._epoch, self.rid, self.gen)
+        prefix = keys.link_prefix(self._epoch, self.rid, self.gen)
         pg: PeerGroup | None = None
         try:
             pg = make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr, self._timeout_s)
@@ -148,7 +145,7 @@ class NetSendLink:
             while not self._stop.is_set():
                 # The receiver says when its staging buffer is free: a send it cannot keep
                 # until update() takes it would only be overwritten by the next.
-                ready = prefix + f"ready/{n}"
+                ready = keys.ready(prefix, n)
                 while not ctl.has(ready):
                     if self._stop.wait(_POLL_S):
                         return
@@ -164,7 +161,7 @@ class NetSendLink:
                 if lease is None:
                     return
                 try:
-                    self._send(pg, ctl, prefix + f"ann/{n}", lease)
+                    self._send(pg, ctl, keys.announcement(prefix, n), lease)
                 finally:
                     lease.release()
                 n += 1
@@ -351,8 +348,8 @@ class NetReceiveLink:
     def _run(self) -> None:
         ctl = self._control.clone()
         while not self._stop.is_set():
-            gen = ctl.add(f"member/{self._rid}/net", 1)
-            prefix = group_prefix(self.epoch, self._rid, gen)
+            gen = ctl.add(keys.member_link(self._rid), 1)
+            prefix = keys.link_prefix(self.epoch, self._rid, gen)
             pg: PeerGroup | None = None
             try:
                 pg = make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr, self._timeout_s)
@@ -373,8 +370,8 @@ class NetReceiveLink:
                 # pushes faster than a send, each version received is then applied.
                 self._taken.wait(self._hold_s)
             held = self._held if self._held_buffer is not None and self.device.type != "cuda" else None
-            ctl.set_text(prefix + f"ready/{n}", ready_note(held, self._decode_s))
-            ann = prefix + f"ann/{n}"
+            ctl.set_text(keys.ready(prefix, n), ready_note(held, self._decode_s))
+            ann = keys.announcement(prefix, n)
             while not ctl.has(ann):
                 if self._stop.wait(_POLL_S):
                     return
