@@ -306,7 +306,6 @@ class NetReceiveLink:
         self._held: Held | None = None
         self._held_buffer: torch.Tensor | None = None
         self._decode_s: float | None = None
-        self.deltas_applied = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
@@ -433,7 +432,6 @@ class NetReceiveLink:
                 self._taken.clear()
             if not staging.is_cuda:
                 self._held, self._held_buffer = held_of(version, [s & (2**64 - 1) for s in sent_sums]), staging
-            self.deltas_applied += bool(is_delta)
             self._hold_s = time.monotonic() - started
             self._on_staged(version)
 
