@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, pid_alive
@@ -49,14 +50,28 @@ class Member:
         return self.name
 
 
+class Rejection(NamedTuple):
+    """A version a receiver refused, and why."""
+
+    version: int
+    reason: str
+
+
+class MemberState(NamedTuple):
+    """What ``member/<rid>/state`` says: the newest version held, the last rejection."""
+
+    acked: int
+    rejected: Rejection | None
+
+
 def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
     return {"acked": acked, "error": list(error) if error else None}
 
 
-def decode_state(ctl: Control, rid: int, raw: bytes) -> tuple[int, tuple[int, str] | None]:
+def decode_state(ctl: Control, rid: int, raw: bytes) -> MemberState:
     value = ctl.open(keys.member_state(rid), raw)
     error = value["error"]
-    return int(value["acked"]), None if error is None else (int(error[0]), str(error[1]))
+    return MemberState(int(value["acked"]), None if error is None else Rejection(int(error[0]), str(error[1])))
 
 
 class StateReport:

@@ -358,12 +358,12 @@ class WeightSender:
             with self._report_lock:
                 states = self._members.read_states(self._report_ctl, list(pending))
             for (rid, member), raw in zip(list(pending.items()), states):
-                acked, error = decode_state(self._report_ctl, rid, raw)
-                if acked >= handle.version:
+                state = decode_state(self._report_ctl, rid, raw)
+                if state.acked >= handle.version:
                     delivered.append(member.label)
                     last_delivery = time.perf_counter()
-                elif error is not None and int(error[0]) >= handle.version:
-                    failed[member.label] = f"rejected version {error[0]}: {error[1]}"
+                elif (rejected := state.rejected) is not None and rejected.version >= handle.version:
+                    failed[member.label] = f"rejected version {rejected.version}: {rejected.reason}"
                 elif (reason := self._members.failure(rid)) is not None:
                     failed[member.label] = reason
                 else:
