@@ -80,7 +80,25 @@ def config_values(
 
 
 @dataclass(kw_only=True)
-class SenderConfig:
+class _PeerConfig:
+    """The fields both ends of a job have; each end's docstring says what they mean there."""
+
+    OWNER: ClassVar[str] = "lightning_wsync"  # named in error messages
+
+    job: str | None = None
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    timeout_s: float = 30.0
+    secret: str | None = None
+
+    def __post_init__(self) -> None:
+        _patterns(self.OWNER, "include", self.include)
+        _patterns(self.OWNER, "exclude", self.exclude)
+        _positive(self.OWNER, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
+
+
+@dataclass(kw_only=True)
+class SenderConfig(_PeerConfig):
     """Settings of :class:`~lightning_wsync.WeightSender`.
 
     Attributes:
@@ -108,29 +126,22 @@ class SenderConfig:
             receiver holds the base (for tests). Receivers without the base get a full version.
     """
 
-    OWNER: ClassVar[str] = "WeightSender"  # named in error messages
+    OWNER: ClassVar[str] = "WeightSender"
 
-    job: str | None = None
     dtype: str | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
     bucket_mb: float = 32.0
-    timeout_s: float = 30.0
     transport: str = "auto"
     heartbeat_timeout_s: float = 10.0
     cross_host: str = "relay"
-    secret: str | None = None
     delta: str = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = self.OWNER
         _delta_mode(owner, self.delta)
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in WIRE_DTYPES:
             raise ValueError(f"{owner}: dtype={self.dtype!r} is not supported; choose one of {WIRE_DTYPES} or None")
-        _patterns(owner, "include", self.include)
-        _patterns(owner, "exclude", self.exclude)
         _positive(owner, "bucket_mb", self.bucket_mb, "e.g. bucket_mb=32")
-        _positive(owner, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
         _positive(owner, "heartbeat_timeout_s", self.heartbeat_timeout_s, "e.g. heartbeat_timeout_s=10")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"{owner}: transport={self.transport!r} is unknown; choose one of {TRANSPORTS}")
@@ -156,7 +167,7 @@ APPLY_MODES = ("copy", "swap")
 
 
 @dataclass(kw_only=True)
-class ReceiverConfig:
+class ReceiverConfig(_PeerConfig):
     """Settings of :class:`~lightning_wsync.WeightReceiver`.
 
     Attributes:
@@ -180,21 +191,16 @@ class ReceiverConfig:
             shared-memory path always copies (its one copy is the private one).
     """
 
-    job: str | None = None
+    OWNER: ClassVar[str] = "WeightReceiver"
+
     name: str | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    timeout_s: float = 30.0
     heartbeat_s: float = 0.5
-    secret: str | None = None
     verify: bool = False
     apply: str = "copy"
 
     def __post_init__(self) -> None:
-        owner = "WeightReceiver"
-        _patterns(owner, "include", self.include)
-        _patterns(owner, "exclude", self.exclude)
-        _positive(owner, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
+        super().__post_init__()
+        owner = self.OWNER
         _positive(owner, "heartbeat_s", self.heartbeat_s, "e.g. heartbeat_s=0.5")
         if not isinstance(self.verify, bool):
             raise TypeError(f"{owner}: verify={self.verify!r} must be True or False")
