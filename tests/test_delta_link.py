@@ -157,7 +157,7 @@ def test_streams_are_shared_per_base_and_version_and_old_ones_dropped() -> None:
 def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
     with pytest.raises(ValueError, match=r"WeightSender: delta='sometimes' must be one of \['auto', 'off', 'always'\]"):
         SenderConfig(delta="sometimes")
-    with pytest.raises(ValueError, match=r"WeightSender: delta='never' must be one of"):
+    with pytest.raises(ValueError, match=r"WeightSyncCallback: delta='never' must be one of"):
         CallbackConfig(every_n_steps=1, delta="never")
     assert CallbackConfig(every_n_steps=1, delta="off").sender_config().delta == "off"
     assert SenderConfig().delta == "auto"
