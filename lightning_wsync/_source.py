@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from lightning_wsync._manifest import Layout, _dtype_name, bind_views, copy_out
+from lightning_wsync._manifest import Manifest, _dtype_name, bind_views, copy_out
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync.transport.shm import ShmReader, SlotRef, remove_stale_segments
@@ -59,7 +59,7 @@ class ReceiveSource(Protocol):
 class SharedMemorySource:
     """A sender's ring on this host, applied slot by pinned slot."""
 
-    def __init__(self, epoch: int, layout: Layout, ordered: list[torch.Tensor], reader: ShmReader, name: str) -> None:
+    def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], reader: ShmReader, name: str) -> None:
         self.epoch = epoch
         self.layout = layout
         self._ordered = ordered
@@ -143,7 +143,7 @@ class NetworkSource:
     """Versions a network link has staged and verified; applied by copy or by swapping buffers."""
 
     def __init__(
-        self, epoch: int, layout: Layout, ordered: list[torch.Tensor], link: NetReceiveLink, *, swap: bool
+        self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], link: NetReceiveLink, *, swap: bool
     ) -> None:
         self.epoch = epoch
         self.layout = layout
@@ -179,7 +179,7 @@ class NetworkSource:
 
 def open_source(
     epoch: int,
-    layout: Layout,
+    layout: Manifest,
     record: dict[str, object],
     ordered: list[torch.Tensor],
     *,
@@ -204,7 +204,7 @@ def open_source(
     return NetworkSource(epoch, layout, ordered, net(backend), swap=swap)
 
 
-def _check_swappable(layout: Layout, ordered: list[torch.Tensor], name: str, backend: str) -> None:
+def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, backend: str) -> None:
     """apply="swap" points tensors at the staging buffer: each must already be in its wire form."""
     want = torch.device("cpu") if backend == "gloo" else None
     for e, t in zip(layout.entries, ordered):

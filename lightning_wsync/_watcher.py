@@ -19,7 +19,7 @@ import torch
 
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, local_address
-from lightning_wsync._manifest import Layout
+from lightning_wsync._manifest import Manifest
 from lightning_wsync._membership import StateReport
 from lightning_wsync._source import ReceiveSource, open_source
 from lightning_wsync.config import ReceiverConfig
@@ -214,7 +214,7 @@ class ReceiverWatcher:
             self._refuse(refusal)
 
     def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
-        layout = Layout.from_json(layout_text)
+        layout = Manifest.from_json(layout_text)
         closed_key = keys.closed(epoch)
         try:
             if self._target is not None:
@@ -247,7 +247,7 @@ class ReceiverWatcher:
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
                  self._source.describe())  # fmt: skip
 
-    def _make_source(self, epoch: int, layout: Layout, record: dict[str, object]) -> ReceiveSource:
+    def _make_source(self, epoch: int, layout: Manifest, record: dict[str, object]) -> ReceiveSource:
         if record.get("relay") and record["host"] != self._host:
             if self.config.apply == "swap":
                 log.warning(
@@ -270,7 +270,7 @@ class ReceiverWatcher:
             ),
         )  # fmt: skip
 
-    def _ordered_for(self, layout: Layout) -> list[torch.Tensor]:
+    def _ordered_for(self, layout: Manifest) -> list[torch.Tensor]:
         return [self._tensors[e.name] for e in layout.entries]
 
     def _on_staged(self, version: int) -> None:

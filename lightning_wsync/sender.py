@@ -40,7 +40,7 @@ from lightning_wsync._control import (
     resolve_secret,
     retire_old_epochs,
 )
-from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync._manifest import build_manifest, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state
 from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
@@ -173,7 +173,7 @@ class WeightSender:
         self._report_ctl = self._ctl.clone()
         self._report_lock = threading.Lock()
 
-        self.layout = build_layout(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
+        self.layout = build_manifest(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
         self._ordered = [self._tensors[e.name] for e in self.layout.entries]
         self._host = host_id()
         self._addr = local_address(self._store.address)

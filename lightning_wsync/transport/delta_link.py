@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.config import DELTA_MODES
 from lightning_wsync.transport.delta import (
     BucketDelta,
@@ -109,7 +109,7 @@ class DeltaStats:
 class EncoderPool:
     """A few :class:`DeltaEncoder` (each with its own scratch), so buckets encode in parallel."""
 
-    def __init__(self, layout: Layout, workers: int) -> None:
+    def __init__(self, layout: Manifest, workers: int) -> None:
         self.layout = layout
         self._free = [DeltaEncoder(layout) for _ in range(max(1, workers))]
         self.workers = len(self._free)
@@ -239,7 +239,7 @@ class DeltaStream:
 class DeltaStreams:
     """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
 
-    def __init__(self, layout: Layout, *, keep: int = 2, workers: int = 2) -> None:
+    def __init__(self, layout: Manifest, *, keep: int = 2, workers: int = 2) -> None:
         self._pool = EncoderPool(layout, workers)
         self._streams: dict[tuple[int, int], DeltaStream] = {}
         self._lock = threading.Lock()
@@ -346,7 +346,7 @@ class Received(NamedTuple):
 
 
 def recv_records(
-    pg: PeerGroup, layout: Layout, *, held: Held | None, base: torch.Tensor | None, out: torch.Tensor,
+    pg: PeerGroup, layout: Manifest, *, held: Held | None, base: torch.Tensor | None, out: torch.Tensor,
 ) -> Received:
     """Receive a delta and rebuild it into ``out`` from ``base`` (may be ``out`` itself).
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
-from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.transport.delta import base_digest
 from lightning_wsync.transport.delta_link import (
     AutoPolicy,
@@ -274,7 +274,7 @@ class NetReceiveLink:
     def __init__(
         self,
         control: Control,
-        layout: Layout,
+        layout: Manifest,
         *,
         epoch: int,
         rid: int,

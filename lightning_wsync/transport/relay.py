@@ -57,7 +57,7 @@ import torch
 import xxhash
 
 from lightning_wsync._control import Control, pid_alive
-from lightning_wsync._manifest import Layout, entry_views
+from lightning_wsync._manifest import Manifest, entry_views
 from lightning_wsync._source import Reject, SharedMemorySource, SumsLookup
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.transport.net import (
@@ -106,7 +106,7 @@ def hop_prefix(epoch: int, gen: int, rid: int) -> str:
     return f"relay/{epoch}/pg/{gen}/{rid}/"
 
 
-def chunks(layout: Layout) -> list[tuple[int, int, int]]:
+def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
     """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket."""
     out = []
     for i, (a, b) in enumerate(layout.buckets):
@@ -263,7 +263,7 @@ class RelayHead:
 class HostSegment:
     """The host's ring of verified versions, read as same-host receivers read the trainer's."""
 
-    def __init__(self, epoch: int, layout: Layout, ordered: list[torch.Tensor], name: str) -> None:
+    def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], name: str) -> None:
         self.epoch = epoch
         self.layout = layout
         self._ordered = ordered
@@ -316,7 +316,7 @@ class RelayMember:
     """
 
     def __init__(
-        self, control: Control, layout: Layout, segment: HostSegment, *, epoch: int, rid: int, host: str, job: str,
+        self, control: Control, layout: Manifest, segment: HostSegment, *, epoch: int, rid: int, host: str, job: str,
         backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
     ) -> None:  # fmt: skip
@@ -652,7 +652,7 @@ class RelaySource:
 
 
 def open_relay_source(
-    control: Control, layout: Layout, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
+    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
     rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
 ) -> RelaySource:  # fmt: skip
