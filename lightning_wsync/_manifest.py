@@ -1,7 +1,7 @@
 """What a version is: the tensor table, its byte layout and its bucket ranges.
 
 A :class:`Manifest` is fixed for a sender's lifetime (one per sender epoch) and is
-published once as JSON; each version only adds its number and snapshot generation.
+published once as JSON; each version only adds its number and snapshot sequence.
 Nothing here is ever pickled: the wire format is JSON plus raw tensor bytes.
 """
 

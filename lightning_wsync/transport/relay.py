@@ -23,8 +23,8 @@
   chunk time per hop. Each hop is its own two-rank gloo group under
   ``relay/<epoch>/pg/<gen>/<rid>/``, so a failed hop fails only itself.
 - **Checks at every hop.** Each leader hashes every bucket as it arrives and accepts a
-  version only when the trailer's generation says the trainer's snapshot was not
-  overwritten mid-send, its MAC (the job secret, over epoch, version, generation and
+  version only when the trailer's snapshot sequence says the trainer's snapshot was not
+  overwritten mid-send, its MAC (the job secret, over epoch, version, snapshot sequence and
   checksums) verifies, and every checksum matches. A leader forwards the trailer as it
   got it, so the hosts behind check the trainer's signature, not their upstream's word.
 - **Failure.** A hop that dies fails at once; one that stalls fails at the group
@@ -465,7 +465,7 @@ class RelayMember:
             ctl.delete(ann)
             header = torch.empty(4, dtype=torch.int64)
             pg.recv([header], 0, 0).wait()
-            version, gen, total, count = (int(x) for x in header)
+            version, seq, total, count = (int(x) for x in header)
             if total != layout.total_bytes or count != len(pieces):
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {count} chunks)")
             forward = down.begin(header)
@@ -487,18 +487,18 @@ class RelayMember:
             if forward:
                 down.send(trailer)
             n += 1
-            self._accept(ctl, version, gen, trailer.tolist(), sums, staging)
+            self._accept(ctl, version, seq, trailer.tolist(), sums, staging)
             down.finish()
 
     def _accept(
-        self, ctl: Control, version: int, gen: int, values: list[int], sums: list[int], staging: torch.Tensor
+        self, ctl: Control, version: int, seq: int, values: list[int], sums: list[int], staging: torch.Tensor
     ) -> None:
         nb = len(self.layout.buckets)
-        if values[0] != gen:
+        if values[0] != seq:
             log.debug("relay: version %d was overwritten on the trainer during its send", version)
             return
         sent, mac = values[1 : 1 + nb], values[1 + nb :]
-        expected = trailer_mac(ctl, self._epoch, _RELAY_RID, version, gen, sent)
+        expected = trailer_mac(ctl, self._epoch, _RELAY_RID, version, seq, sent)
         if not hmac.compare_digest(struct.pack(f"<{_MAC_WORDS}q", *mac), struct.pack(f"<{_MAC_WORDS}q", *expected)):
             self._on_rejected(version, "relayed trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
             return
