@@ -70,7 +70,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
-from lightning_wsync._push_reports import PushReports
+from lightning_wsync._report_waiter import ReportWaiter
 from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.sender import PushReport, WeightSender
@@ -130,7 +130,7 @@ class WeightSyncCallback(Callback):
         self._target: nn.Module | None = None
         self._mirror: dict[str, torch.Tensor] = {}
         self._skipped: int | None = None
-        self._reports: PushReports | None = None
+        self._reports: ReportWaiter | None = None
         self._pushes = 0
         self._held: dict[str, int] = {}  # receiver name -> index of the newest push it is known to hold
         self._failing: set[str] = set()  # receivers that failed the newest report (warned once)
@@ -184,7 +184,7 @@ class WeightSyncCallback(Callback):
                 source = self._target if full is None else _mirror(self._target, full, self._mirror)
                 self._sender = WeightSender(source, store=self._store, config=self.sender_config)
                 latest = self._sender.latest_version
-                self._reports = PushReports(self._sender.config.timeout_s)
+                self._reports = ReportWaiter(self._sender.config.timeout_s)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 if trainer.world_size > 1:  # let the other ranks leave the broadcast below
