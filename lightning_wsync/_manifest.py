@@ -49,7 +49,7 @@ class Manifest:
         return json.dumps(
             {
                 "tensors": [
-                    [e.name, list(e.shape), _dtype_name(e.dtype), _dtype_name(e.wire_dtype), e.offset, e.nbytes]
+                    [e.name, list(e.shape), dtype_to_name(e.dtype), dtype_to_name(e.wire_dtype), e.offset, e.nbytes]
                     for e in self.entries
                 ],
                 "buckets": [list(b) for b in self.buckets],
@@ -62,7 +62,7 @@ class Manifest:
     def from_json(cls, text: str | bytes) -> Manifest:
         raw = json.loads(text)
         entries = tuple(
-            TensorEntry(name, tuple(shape), _dtype_from_name(dt), _dtype_from_name(wdt), off, nb)
+            TensorEntry(name, tuple(shape), dtype_from_name(dt), dtype_from_name(wdt), off, nb)
             for name, shape, dt, wdt, off, nb in raw["tensors"]
         )
         buckets = tuple((int(a), int(b)) for a, b in raw["buckets"])
@@ -192,11 +192,11 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_to_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise WeightSyncSchemaError(f"published layout names unknown dtype {name!r}; upgrade torch on this side")

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from lightning_wsync._manifest import Manifest, _dtype_name, bind_views, copy_out
+from lightning_wsync._manifest import Manifest, bind_views, copy_out, dtype_to_name
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync.transport.shm import ShmReader, SlotRef, remove_stale_segments
@@ -212,8 +212,8 @@ def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, b
         if t.dtype != e.wire_dtype or not device_ok:
             raise WeightSyncSchemaError(
                 f"WeightReceiver {name!r}: apply='swap' needs every tensor as the {backend} link stages it, "
-                f"but {e.name!r} is {_dtype_name(t.dtype)} on {t.device} and arrives as "
-                f"{_dtype_name(e.wire_dtype)} on {want or 'the GPU'}; hold the module in the "
+                f"but {e.name!r} is {dtype_to_name(t.dtype)} on {t.device} and arrives as "
+                f"{dtype_to_name(e.wire_dtype)} on {want or 'the GPU'}; hold the module in the "
                 f"wire dtype on that device, or use apply='copy'"
             )
 

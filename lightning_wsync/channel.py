@@ -36,7 +36,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, connect_store, resolve_job, resolve_secret
-from lightning_wsync._manifest import _dtype_from_name, _dtype_name
+from lightning_wsync._manifest import dtype_from_name, dtype_to_name
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncIntegrityError,
@@ -62,7 +62,7 @@ def encode(sample: Mapping[str, torch.Tensor], version: int) -> bytes:
             raise TypeError(f"experience sample: {name!r} is {type(t).__name__}, expected a torch.Tensor")
         t = t.detach().to("cpu").contiguous()
         tensors.append(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        meta.append([name, _dtype_name(t.dtype), list(t.shape)])
+        meta.append([name, dtype_to_name(t.dtype), list(t.shape)])
     header = json.dumps({"version": int(version), "tensors": meta}, separators=(",", ":")).encode()
     return _HEADER.pack(len(header)) + header + b"".join(tensors)
 
@@ -95,7 +95,7 @@ def _decode(raw: bytes) -> dict[str, torch.Tensor]:
         )
         if not dims_ok:
             raise ValueError(f"shape {shape!r} of {name!r} is not a list of ints >= 0")
-        dtype = _dtype_from_name(str(dtype_name))
+        dtype = dtype_from_name(str(dtype_name))
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offset + nbytes > len(raw):
             raise ValueError(f"{name!r} needs {nbytes} bytes at offset {offset}, past the end")

@@ -62,7 +62,7 @@ class Held(NamedTuple):
     digest: int
 
     def to_words(self) -> list[int]:
-        return [self.version, _signed(self.digest)]
+        return [self.version, to_int64(self.digest)]
 
     @staticmethod
     def from_words(words: list[int]) -> Held | None:
@@ -388,7 +388,7 @@ def recv_records(
             error, decoder = str(exc), None
             continue
         a, b = layout.buckets[i]
-        sums.append(_signed(checksum(out, a, b)))
+        sums.append(to_int64(checksum(out, a, b)))
         stats.decode_s += time.perf_counter() - start
     if error is None and base is None:
         error = "no base buffer to rebuild from"
@@ -397,5 +397,5 @@ def recv_records(
     return Received(None if error else sums, error, stats)
 
 
-def _signed(u: int) -> int:
+def to_int64(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u

@@ -77,7 +77,7 @@ def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s:
     raise ValueError(f"unknown network backend {backend!r}; expected 'gloo' or 'nccl'")
 
 
-def _shutdown(pg: PeerGroup | None) -> None:
+def shutdown_group(pg: PeerGroup | None) -> None:
     if pg is None:
         return
     try:
@@ -86,17 +86,17 @@ def _shutdown(pg: PeerGroup | None) -> None:
         pass
 
 
-def _signed(u: int) -> int:
+def to_int64(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-_MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
+MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
 
 
 def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int]) -> list[int]:
     """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
     message = f"{epoch}/{rid}/{version}/{seq}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
-    return list(struct.unpack(f"<{_MAC_WORDS}q", ctl.mac_bytes(message)))
+    return list(struct.unpack(f"<{MAC_WORDS}q", ctl.mac_bytes(message)))
 
 
 class NetSendLink:
@@ -174,7 +174,7 @@ class NetSendLink:
                 self.error = error
                 log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
         finally:
-            _shutdown(pg)
+            shutdown_group(pg)
 
     def _delta_base(self, lease: Lease) -> tuple[DeltaStream, Lease] | None:
         """The delta of ``lease``'s version against what the receiver holds, and a lease on that base.
@@ -256,7 +256,7 @@ class NetSendLink:
         intact = sums is not None and lease.intact() and base_intact
         if not intact:
             self.superseded += 1
-        words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
+        words = [to_int64(s) for s in (sums or [0] * len(layout.buckets))]
         mac = trailer_mac(ctl, self._epoch, self.rid, version, seq, words)
         trailer = torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)
         pg.send([trailer.to(device)], 1, 0).wait()
@@ -357,7 +357,7 @@ class NetReceiveLink:
                 if not self._stop.is_set():
                     log.info("network link gen=%d ended (%s); rebuilding", gen, str(exc).strip()[:200])
             finally:
-                _shutdown(pg)
+                shutdown_group(pg)
 
     def _serve(self, pg: PeerGroup, ctl: Control, prefix: str) -> None:
         device = self.device
@@ -401,8 +401,8 @@ class NetReceiveLink:
                 for (a, b), work in zip(self.layout.buckets, works):
                     work.wait()
                     if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
-                        sums.append(_signed(checksum(staging, a, b)))
-            trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64, device=device)
+                        sums.append(to_int64(checksum(staging, a, b)))
+            trailer = torch.empty(1 + nb + MAC_WORDS, dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
             values = trailer.cpu().tolist()
@@ -411,8 +411,8 @@ class NetReceiveLink:
                 continue
             sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
             if not hmac.compare_digest(
-                struct.pack(f"<{_MAC_WORDS}q", *mac),
-                struct.pack(f"<{_MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, seq, sent_sums)),
+                struct.pack(f"<{MAC_WORDS}q", *mac),
+                struct.pack(f"<{MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, seq, sent_sums)),
             ):
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue

@@ -61,11 +61,11 @@ from lightning_wsync._manifest import Manifest, entry_views
 from lightning_wsync._source import Reject, SharedMemorySource, SumsLookup
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.transport.net import (
-    _MAC_WORDS,
+    MAC_WORDS,
     PeerGroup,
-    _shutdown,
-    _signed,
     make_group,
+    shutdown_group,
+    to_int64,
     trailer_mac,
 )
 from lightning_wsync.transport.ring import SnapshotRing
@@ -224,7 +224,7 @@ class RelayHead:
                     ctl.set_text(broken_key(self._epoch, first), "1")
                     self._changed.wait(self._timeout_s)
             finally:
-                _shutdown(pg)
+                shutdown_group(pg)
 
     def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
         ring, layout = self._ring, self._ring.layout
@@ -246,7 +246,7 @@ class RelayHead:
                     work.wait()
                     lease.touch()
                 intact = sums is not None and lease.intact()
-                words = [_signed(x) for x in (sums or [0] * len(layout.buckets))]
+                words = [to_int64(x) for x in (sums or [0] * len(layout.buckets))]
                 mac = trailer_mac(ctl, self._epoch, _RELAY_RID, version, seq, words)
                 pg.send([torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)], 1, 0).wait()
                 sent, n = version, n + 1
@@ -441,7 +441,7 @@ class RelayMember:
                 self._stop.wait(_CHAIN_POLL_S)
         finally:
             down.close()
-            _shutdown(pg)
+            shutdown_group(pg)
 
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: _Downstream) -> None:
         layout = self.layout
@@ -480,9 +480,9 @@ class RelayMember:
                 # the next chunks back from the next hop (xxh3 streamed equals xxh3 in one go).
                 hasher.update(staging[a:b].numpy().data)
                 if last_piece[bucket] == i:
-                    sums.append(_signed(hasher.intdigest()))
+                    sums.append(to_int64(hasher.intdigest()))
                     hasher = xxhash.xxh3_64()
-            trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64)
+            trailer = torch.empty(1 + nb + MAC_WORDS, dtype=torch.int64)
             pg.recv([trailer], 0, 0).wait()
             if forward:
                 down.send(trailer)
@@ -499,7 +499,7 @@ class RelayMember:
             return
         sent, mac = values[1 : 1 + nb], values[1 + nb :]
         expected = trailer_mac(ctl, self._epoch, _RELAY_RID, version, seq, sent)
-        if not hmac.compare_digest(struct.pack(f"<{_MAC_WORDS}q", *mac), struct.pack(f"<{_MAC_WORDS}q", *expected)):
+        if not hmac.compare_digest(struct.pack(f"<{MAC_WORDS}q", *mac), struct.pack(f"<{MAC_WORDS}q", *expected)):
             self._on_rejected(version, "relayed trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
             return
         bad = [i for i, (x, y) in enumerate(zip(sums, sent)) if x != y]
@@ -614,7 +614,7 @@ class _Downstream:
         self._closed.set()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
-        _shutdown(self._pg)
+        shutdown_group(self._pg)
 
 
 def leader_record(ctl: Control, epoch: int, host: str) -> dict[str, object] | None:
