@@ -10,7 +10,7 @@ and as Hydra structured configs (see :func:`register_configs`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,10 +28,9 @@ def _positive(owner: str, name: str, value: float, fix: str) -> None:
         raise ValueError(f"{owner}: {name}={value!r} must be a number > 0; {fix}")
 
 
-def _patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
-    if isinstance(value, str) or not all(isinstance(p, str) for p in value):  # type: ignore[attr-defined]
+def _patterns(owner: str, name: str, value: object) -> None:
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(p, str) for p in value):
         raise TypeError(f"{owner}: {name}={value!r} must be a list of glob patterns, e.g. ['*lora_*']")
-    return tuple(value)  # type: ignore[arg-type]
 
 
 def _delta_mode(owner: str, value: object) -> None:
