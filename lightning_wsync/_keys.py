@@ -3,8 +3,8 @@
 Keys of a job live under ``wsync/<job>/`` (:func:`job_prefix`; :class:`~lightning_wsync._control.Control`
 adds it). Keys that a wait depends on carry the version, sender epoch or link
 generation in their name, so a key written for one version can never satisfy a wait for
-another. Only ``latest`` and ``sender/current`` are overwritten (pointers read by value,
-never waited on). JSON records are signed with the job's secret when one is set;
+another. Only ``latest``, ``sender/current`` and the relay's ``leader`` and ``chain``
+records are overwritten (read by value, never waited on). JSON records are signed with the job's secret when one is set;
 counters and ``1`` markers cannot be, and only say "look again", never what to trust.
 
 ==============================  ======  =========================================================
@@ -30,8 +30,9 @@ member/<rid>/net                count   generation of the receiver's newest netw
 pg/<epoch>/<rid>/<link>/        prefix  one sender-receiver link: gloo's rendezvous keys ``0/0``,
                                         ``0/1``; ``ready/<n>`` (receiver: ready for send n, what
                                         it holds), ``ann/<n>`` (sender: version of send n)
-relay/<epoch>/leader/<hostkey>  text    the host leader's record (sha256 of the host id, 16 hex)
-relay/<epoch>/chain             text    the relay chain: generation and leader rids
+relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, term, shm}`` of the host's leader (hostkey: sha256
+                                        of the host id, 16 hex digits); replaced by compare-and-set
+relay/<epoch>/chain             JSON    ``{gen, rids}``: the relay chain's generation and leader rids
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
 relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ann/<n>``, gloo's keys
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
