@@ -1,37 +1,5 @@
-"""The control plane: connection to the shared store and the key layout on it.
-
-Every key lives under ``wsync/<job>/``. Keys that a wait depends on carry the
-version, sender epoch or group generation in their name, so a key written for one
-version can never satisfy a wait for another. Only two keys are overwritten:
-``latest`` and ``sender/current`` (pointers read by value, never waited on). Every
-JSON record is signed with the job's secret when one is set (see :meth:`Control.seal`);
-counters cannot be, and only say "look again" (who registered, heartbeats, link
-generations), never what to trust.
-
-    sender/epoch                  counter; each WeightSender takes the next epoch
-    sender/current                JSON {epoch} of the newest sender
-    sender/<epoch>                JSON sender record (host, pid, transport, shm segment)
-    layout/<epoch>                JSON tensor table and buckets of that epoch
-    latest                        JSON {version, epoch, gen} of the newest published version
-    v/<version>                   JSON version record
-    v/<version>/sums              JSON bucket checksums (only when a receiver verifies)
-    closed/<epoch>                JSON {final}: set by WeightSender.close(); final=False when
-                                  the sender left without finishing (exception, SIGTERM)
-    members/next                  counter; each WeightReceiver takes the next rid
-    member/<rid>                  JSON member record (name, host, pid, PID namespace)
-    member/<rid>/hb               heartbeat counter
-    member/<rid>/gone             set by WeightReceiver.close()
-    member/<rid>/state            JSON {acked, error}: newest version held, last rejection
-    member/<rid>/net              generation of the receiver's newest network link
-    members/low                   JSON: every rid below it is gone and its keys deleted
-    pg/<epoch>/<rid>/<gen>/...    prefix of one sender-receiver process group (gloo's
-                                  rendezvous keys 0/0 and 0/1, announcements ann/<n>)
-
-Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
-receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the
-link is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves
-it, ``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
-behind the current one.
+"""The control plane: connection to the shared store, host facts, and :class:`Control`,
+the one error boundary for a job's keys (their layout: :mod:`lightning_wsync._keys`).
 """
 
 from __future__ import annotations
@@ -51,6 +19,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from lightning_wsync import _keys as keys
+from lightning_wsync._keys import ENV_ADDR, ENV_HOST_ID, ENV_JOB, ENV_ROLE, ENV_SECRET, ENV_STORE
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncConfigError,
@@ -60,11 +30,6 @@ from lightning_wsync.errors import (
 
 _T = TypeVar("_T")
 
-ENV_STORE = "WSYNC_STORE"
-ENV_JOB = "WSYNC_JOB"
-ENV_HOST_ID = "WSYNC_HOST_ID"
-ENV_ADDR = "WSYNC_ADDR"
-ENV_SECRET = "WSYNC_SECRET"
 _SIGNED = "wsync_signed"
 
 
@@ -94,6 +59,19 @@ def resolve_job(job: str | None, owner: str) -> str:
     return job
 
 
+def tcp_store(host: str, port: int, *, serve: bool, timeout_s: float) -> dist.TCPStore:
+    """Host (``serve``) or join the TCPStore at ``host:port``; every TCPStore of the package is made here.
+
+    A hosted store does not wait for clients and is multi-tenant: another store object
+    of this process may host the same port and shares the server. Raises what
+    ``TCPStore`` raises (``RuntimeError``, ``OSError``, ``ValueError``); callers say what failed.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if serve:
+        return dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timeout)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
 def connect_store(
     spec: dist.Store | str | None, *, serve: bool, timeout_s: float, owner: str
 ) -> StoreHandle:
@@ -115,10 +93,9 @@ def connect_store(
     if not isinstance(spec, str):
         raise TypeError(f"{owner}: store={spec!r} must be a torch.distributed.Store or a 'host:port' string")
     host, port = parse_address(spec, f"{owner}: store")
-    timeout = timedelta(seconds=timeout_s)
     if serve:
         try:
-            server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+            server = tcp_store(host, port, serve=True, timeout_s=timeout_s)
             return StoreHandle(server, f"{host}:{server.port}", True)
         except (RuntimeError, OSError):
             if port == 0:
@@ -128,7 +105,7 @@ def connect_store(
                 ) from None
             # Port taken (the torchrun agent or another sender hosts it): join as a client.
     try:
-        client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        client = tcp_store(host, port, serve=False, timeout_s=timeout_s)
     except (RuntimeError, OSError) as exc:
         raise WeightSyncStoreError(
             f"{owner}: cannot reach the control-plane store at {spec!r} within timeout_s={timeout_s}: "
@@ -177,7 +154,7 @@ def host_id() -> str:
 
 def default_receiver_name() -> str:
     """``<role>-<rank>@<host>`` under torchrun, else ``<role>@<host>:<pid>``."""
-    role = os.environ.get("WSYNC_ROLE", "receiver")
+    role = os.environ.get(ENV_ROLE, "receiver")
     rank = os.environ.get("RANK")
     if rank is not None:
         return f"{role}-{rank}@{socket.gethostname()}"
@@ -260,18 +237,6 @@ def open_segment(path: str, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def member_keys(rid: int) -> tuple[str, ...]:
-    """Every key receiver ``rid`` writes outside its process groups."""
-    base = f"member/{rid}"
-    return (base, f"{base}/hb", f"{base}/state", f"{base}/gone", f"{base}/net")
-
-
-def group_keys(epoch: int, rid: int, gen: int) -> tuple[str, ...]:
-    """The keys gloo's rendezvous writes under one link's prefix (rank 0 and rank 1)."""
-    prefix = f"pg/{epoch}/{rid}/{gen}/"
-    return (prefix + "0/0", prefix + "0/1")
-
-
 _KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)
 _EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before sweeping
 
@@ -280,11 +245,11 @@ def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> N
     """Delete the records of sender epochs ``_KEEP_EPOCHS`` or more behind ``epoch``, and
     the version record the previous sender left (``latest_version``; a new version follows)."""
     if latest_version is not None:
-        ctl.delete(f"v/{latest_version}")
-        ctl.delete(f"v/{latest_version}/sums")
+        for key in keys.version_keys(latest_version):
+            ctl.delete(key)
     newest_old = epoch - _KEEP_EPOCHS
     for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
-        for key in (f"sender/{old}", f"layout/{old}", f"closed/{old}"):
+        for key in keys.epoch_keys(old):
             ctl.delete(key)
 
 
@@ -300,7 +265,7 @@ class Control:
         self.job = job
         self.raw = store
         self.secret = secret
-        self.store = dist.PrefixStore(f"wsync/{job}", store)  # PrefixStore adds the "/"
+        self.store = dist.PrefixStore(keys.job_prefix(job), store)  # PrefixStore adds the "/"
 
     def clone(self) -> Control:
         """A second connection (where the store supports it) for a thread that may block."""
@@ -312,7 +277,7 @@ class Control:
     # -- signed records -------------------------------------------------------------
     def _mac(self, key: str, body: str) -> str:
         assert self.secret is not None
-        message = f"wsync/{self.job}/{key}\0{body}".encode()
+        message = f"{keys.job_prefix(self.job)}/{key}\0{body}".encode()
         return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
 
     def seal(self, key: str, value: object) -> str:
@@ -350,7 +315,7 @@ class Control:
         """HMAC-SHA256 of ``message`` with the job secret (32 zero bytes without one)."""
         if self.secret is None:
             return bytes(32)
-        return hmac.new(self.secret, f"wsync/{self.job}/".encode() + message, hashlib.sha256).digest()
+        return hmac.new(self.secret, f"{keys.job_prefix(self.job)}/".encode() + message, hashlib.sha256).digest()
 
     # -- primitives ---------------------------------------------------------------
     def _call(self, op: str, key: str, call: Callable[[], _T]) -> _T:

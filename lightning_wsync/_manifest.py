@@ -1,7 +1,7 @@
 """What a version is: the tensor table, its byte layout and its bucket ranges.
 
-A :class:`Layout` is fixed for a sender's lifetime (one per sender epoch) and is
-published once as JSON; each version only adds its number and snapshot generation.
+A :class:`Manifest` is fixed for a sender's lifetime (one per sender epoch) and is
+published once as JSON; each version only adds its number and snapshot sequence.
 Nothing here is ever pickled: the wire format is JSON plus raw tensor bytes.
 """
 
@@ -38,7 +38,7 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Manifest:
     """Tensor table plus bucket ranges of one sender epoch."""
 
     entries: tuple[TensorEntry, ...]
@@ -49,7 +49,7 @@ class Layout:
         return json.dumps(
             {
                 "tensors": [
-                    [e.name, list(e.shape), _dtype_name(e.dtype), _dtype_name(e.wire_dtype), e.offset, e.nbytes]
+                    [e.name, list(e.shape), dtype_to_name(e.dtype), dtype_to_name(e.wire_dtype), e.offset, e.nbytes]
                     for e in self.entries
                 ],
                 "buckets": [list(b) for b in self.buckets],
@@ -59,10 +59,10 @@ class Layout:
         )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Layout:
+    def from_json(cls, text: str | bytes) -> Manifest:
         raw = json.loads(text)
         entries = tuple(
-            TensorEntry(name, tuple(shape), _dtype_from_name(dt), _dtype_from_name(wdt), off, nb)
+            TensorEntry(name, tuple(shape), dtype_from_name(dt), dtype_from_name(wdt), off, nb)
             for name, shape, dt, wdt, off, nb in raw["tensors"]
         )
         buckets = tuple((int(a), int(b)) for a, b in raw["buckets"])
@@ -118,9 +118,9 @@ def select_tensors(
     return selected
 
 
-def build_layout(
+def build_manifest(
     tensors: dict[str, torch.Tensor], wire_dtype: torch.dtype | None, bucket_bytes: int
-) -> Layout:
+) -> Manifest:
     """Lay the tensors out back to back, aligned, grouped into buckets of about ``bucket_bytes``."""
     entries: list[TensorEntry] = []
     buckets: list[tuple[int, int]] = []
@@ -136,10 +136,10 @@ def build_layout(
         offset = _align(offset + nbytes)
     if offset > bucket_start:
         buckets.append((bucket_start, offset))
-    return Layout(entries=tuple(entries), buckets=tuple(buckets), total_bytes=max(offset, _ALIGN))
+    return Manifest(entries=tuple(entries), buckets=tuple(buckets), total_bytes=max(offset, _ALIGN))
 
 
-def entry_views(layout: Layout, buffer: torch.Tensor) -> list[torch.Tensor]:
+def entry_views(layout: Manifest, buffer: torch.Tensor) -> list[torch.Tensor]:
     """Every entry's typed, shaped view of ``buffer``, in layout order.
 
     Worth computing once per buffer: making ~200 views costs about as much as copying
@@ -162,17 +162,17 @@ def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
             d.copy_(s, non_blocking=True)
 
 
-def copy_into(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+def copy_into(layout: Manifest, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
     """Snapshot ``tensors`` (in layout order) into ``buffer``, casting to the wire dtype."""
     copy_tensors(entry_views(layout, buffer), list(tensors))
 
 
-def copy_out(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+def copy_out(layout: Manifest, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
     """Write ``buffer``'s bytes into ``tensors`` in place (references held elsewhere stay valid)."""
     copy_tensors(list(tensors), entry_views(layout, buffer))
 
 
-def bind_views(layout: Layout, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+def bind_views(layout: Manifest, buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
     """Point ``tensors`` at their bytes in ``buffer`` (same tensor objects, new storage)."""
     with torch.no_grad():
         for e, t in zip(layout.entries, tensors):
@@ -192,11 +192,11 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_to_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise WeightSyncSchemaError(f"published layout names unknown dtype {name!r}; upgrade torch on this side")

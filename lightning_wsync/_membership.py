@@ -18,8 +18,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from lightning_wsync._control import Control, group_keys, member_keys, pid_alive, pid_namespace
+from lightning_wsync import _keys as keys
+from lightning_wsync._control import Control, pid_alive, pid_namespace
 from lightning_wsync.errors import WeightSyncAuthError
 from lightning_wsync.transport.net import NetSendLink
 
@@ -49,19 +51,28 @@ class Member:
         return self.name
 
 
-def state_key(rid: int) -> str:
-    """JSON ``{"acked": <newest version held>, "error": [version, reason] | null}``."""
-    return f"member/{rid}/state"
+class Rejection(NamedTuple):
+    """A version a receiver refused, and why."""
+
+    version: int
+    reason: str
+
+
+class MemberState(NamedTuple):
+    """What ``member/<rid>/state`` says: the newest version held, the last rejection."""
+
+    acked: int
+    rejected: Rejection | None
 
 
 def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
     return {"acked": acked, "error": list(error) if error else None}
 
 
-def decode_state(ctl: Control, rid: int, raw: bytes) -> tuple[int, tuple[int, str] | None]:
-    value = ctl.open(state_key(rid), raw)
+def decode_state(ctl: Control, rid: int, raw: bytes) -> MemberState:
+    value = ctl.open(keys.member_state(rid), raw)
     error = value["error"]
-    return int(value["acked"]), None if error is None else (int(error[0]), str(error[1]))
+    return MemberState(int(value["acked"]), None if error is None else Rejection(int(error[0]), str(error[1])))
 
 
 class StateReport:
@@ -98,7 +109,7 @@ class StateReport:
             self._held = max(self._held, version)
             error = err or error
         if changed:
-            ctl.set_json(state_key(self._rid), encode_state(self._held, error))
+            ctl.set_json(keys.member_state(self._rid), encode_state(self._held, error))
 
 
 class Membership:
@@ -116,7 +127,7 @@ class Membership:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._epoch = epoch
         self._pidns = pid_namespace()
-        low = control.get_json("members/low")
+        low = control.get_json(keys.MEMBERS_LOW)
         self._next_rid = self._low = 0 if low is None else int(low)
         self._unrecorded: dict[int, float] = {}  # rid reserved, record not seen yet -> since
         self._members: dict[int, Member] = {}
@@ -125,14 +136,14 @@ class Membership:
 
     def refresh(self) -> None:
         ctl = self._ctl
-        registered = ctl.add("members/next", 0)
+        registered = ctl.add(keys.MEMBERS_NEXT, 0)
         now = time.monotonic()
         while self._next_rid < registered:
             self._unrecorded[self._next_rid] = now
             self._next_rid += 1
         for rid, since in list(self._unrecorded.items()):
             try:
-                record = ctl.get_json(f"member/{rid}")
+                record = ctl.get_json(keys.member(rid))
             except WeightSyncAuthError as exc:
                 log.error("refused receiver rid=%d: %s", rid, exc)
                 del self._unrecorded[rid]
@@ -141,17 +152,17 @@ class Membership:
                 # A receiver writes its heartbeat key within moments of taking its id; an id
                 # with no keys at all for heartbeat_timeout_s is one whose owner died at once,
                 # or whose keys were deleted when an earlier sender retired it.
-                started = ctl.has(f"member/{rid}/hb")
+                started = ctl.has(keys.member_heartbeat(rid))
                 if now - since > (_FORGET_AFTER if started else 1) * self._heartbeat_timeout_s:
                     del self._unrecorded[rid]
-                    for key in member_keys(rid):
+                    for key in keys.member_keys(rid):
                         self._ctl.delete(key)
                     log.info("receiver rid=%d reserved an id but never registered; forgotten", rid)
                 continue
             del self._unrecorded[rid]
             member = Member(rid, str(record["name"]), str(record["host"]), int(record["pid"]),
                             verify=bool(record.get("verify", False)), pidns=int(record.get("pidns", 0)))  # fmt: skip
-            member.hb, member.hb_seen_at = ctl.add(f"member/{member.rid}/hb", 0), time.monotonic()
+            member.hb, member.hb_seen_at = ctl.add(keys.member_heartbeat(member.rid), 0), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
         now = time.monotonic()
@@ -161,7 +172,7 @@ class Membership:
                 if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
                     self._retire(member)
                 continue
-            hb = ctl.add(f"member/{member.rid}/hb", 0)
+            hb = ctl.add(keys.member_heartbeat(member.rid), 0)
             if hb != member.hb:
                 member.hb, member.hb_seen_at = hb, now
             reason = self._gone_reason(member, now)
@@ -175,16 +186,16 @@ class Membership:
 
     def _delete_groups(self, member: Member, up_to_gen: int) -> None:
         for gen in range(member.cleaned_gen + 1, up_to_gen + 1):
-            for key in group_keys(self._epoch, member.rid, gen):
+            for key in keys.group_keys(keys.link_prefix(self._epoch, member.rid, gen)):
                 self._ctl.delete(key)
         member.cleaned_gen = max(member.cleaned_gen, up_to_gen)
 
     def _retire(self, member: Member) -> None:
         """Delete the keys of a receiver gone for good (reports keep its name and reason)."""
-        self._delete_groups(member, self._ctl.add(f"member/{member.rid}/net", 0))
+        self._delete_groups(member, self._ctl.add(keys.member_link(member.rid), 0))
         with self._retire_lock:
             member.retired = True
-            for key in member_keys(member.rid):
+            for key in keys.member_keys(member.rid):
                 self._ctl.delete(key)
 
     def _advance_low(self) -> None:
@@ -192,12 +203,12 @@ class Membership:
             open_rids = [rid for rid, m in self._members.items() if not m.retired]
         low = min([*open_rids, *self._unrecorded, self._next_rid])
         if low > self._low:
-            self._ctl.set_json("members/low", low)
+            self._ctl.set_json(keys.MEMBERS_LOW, low)
             self._low = low
 
     def _gone_reason(self, member: Member, now: float) -> str | None:
         """Why ``member`` is gone for good (a merely silent one may still come back)."""
-        if self._ctl.has(f"member/{member.rid}/gone"):
+        if self._ctl.has(keys.member_gone(member.rid)):
             return "closed"
         if self._exited(member):
             return f"process {member.pid} exited"
@@ -217,9 +228,10 @@ class Membership:
         receiver's keys are deleted, so it reads as holding nothing (its gone reason stands)."""
         with self._retire_lock:
             retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
-            raws = iter(ctl.multi_get([state_key(rid) for rid in rids if rid not in retired]))
+            raws = iter(ctl.multi_get([keys.member_state(rid) for rid in rids if rid not in retired]))
         return [
-            ctl.seal(state_key(rid), encode_state(-1, None)).encode() if rid in retired else next(raws) for rid in rids
+            ctl.seal(keys.member_state(rid), encode_state(-1, None)).encode() if rid in retired else next(raws)
+            for rid in rids
         ]
 
     def members(self) -> list[Member]:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from lightning_wsync._manifest import Layout, _dtype_name, bind_views, copy_out
+from lightning_wsync._manifest import Manifest, bind_views, copy_out, dtype_to_name
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncIntegrityError, WeightSyncSchemaError
 from lightning_wsync.transport.net import NetReceiveLink
 from lightning_wsync.transport.shm import ShmReader, SlotRef, remove_stale_segments
@@ -62,7 +62,7 @@ class ReceiveSource(Protocol):
 class SharedMemorySource:
     """A sender's ring on this host, applied slot by pinned slot."""
 
-    def __init__(self, epoch: int, layout: Layout, ordered: list[torch.Tensor], reader: ShmReader, name: str) -> None:
+    def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], reader: ShmReader, name: str) -> None:
         self.epoch = epoch
         self.layout = layout
         self._ordered = ordered
@@ -146,7 +146,7 @@ class NetworkSource:
     """Versions a network link has staged and verified; applied by copy or by swapping buffers."""
 
     def __init__(
-        self, epoch: int, layout: Layout, ordered: list[torch.Tensor], link: NetReceiveLink, *, swap: bool
+        self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], link: NetReceiveLink, *, swap: bool
     ) -> None:
         self.epoch = epoch
         self.layout = layout
@@ -182,7 +182,7 @@ class NetworkSource:
 
 def open_source(
     epoch: int,
-    layout: Layout,
+    layout: Manifest,
     record: dict[str, object],
     ordered: list[torch.Tensor],
     *,
@@ -232,7 +232,7 @@ def open_source(
     return NetworkSource(epoch, layout, ordered, net(backend), swap=swap)
 
 
-def _check_swappable(layout: Layout, ordered: list[torch.Tensor], name: str, backend: str) -> None:
+def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, backend: str) -> None:
     """apply="swap" points tensors at the staging buffer: each must already be in its wire form."""
     want = torch.device("cpu") if backend == "gloo" else None
     for e, t in zip(layout.entries, ordered):
@@ -240,8 +240,8 @@ def _check_swappable(layout: Layout, ordered: list[torch.Tensor], name: str, bac
         if t.dtype != e.wire_dtype or not device_ok:
             raise WeightSyncSchemaError(
                 f"WeightReceiver {name!r}: apply='swap' needs every tensor as the {backend} link stages it, "
-                f"but {e.name!r} is {_dtype_name(t.dtype)} on {t.device} and arrives as "
-                f"{_dtype_name(e.wire_dtype)} on {want or 'the GPU'}; hold the module in the "
+                f"but {e.name!r} is {dtype_to_name(t.dtype)} on {t.device} and arrives as "
+                f"{dtype_to_name(e.wire_dtype)} on {want or 'the GPU'}; hold the module in the "
                 f"wire dtype on that device, or use apply='copy'"
             )
 

@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, local_address, pid_namespace
-from lightning_wsync._manifest import Layout
+from lightning_wsync._manifest import Manifest
 from lightning_wsync._membership import StateReport
 from lightning_wsync._source import ReceiveSource, open_source
 from lightning_wsync.config import ReceiverConfig
@@ -89,7 +90,7 @@ class ReceiverWatcher:
             try:
                 now = time.monotonic()
                 if now >= next_beat:
-                    beat = ctl.add(f"member/{self.rid}/hb", 1)
+                    beat = ctl.add(keys.member_heartbeat(self.rid), 1)
                     if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
                         self._rejoin(ctl)
                     self._beat = beat
@@ -128,12 +129,12 @@ class ReceiverWatcher:
 
     def _register(self, ctl: Control) -> None:
         """Take a fresh receiver id and announce this receiver under it."""
-        self.rid = ctl.add("members/next", 1) - 1
+        self.rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
         self._state.moved_to(self.rid)
         self._state.write(ctl, force=True)
-        self._beat = ctl.add(f"member/{self.rid}/hb", 1)
+        self._beat = ctl.add(keys.member_heartbeat(self.rid), 1)
         ctl.set_json(
-            f"member/{self.rid}",
+            keys.member(self.rid),
             {"name": self.name, "host": self._host, "pid": os.getpid(), "pidns": pid_namespace(),
              "verify": self.config.verify},
         )
@@ -148,14 +149,14 @@ class ReceiverWatcher:
         source = self._source
         if source is None:
             return
-        record, layout_text = ctl.get_json(f"sender/{source.epoch}"), ctl.get_json(f"layout/{source.epoch}")
+        record, layout_text = ctl.get_json(keys.sender_record(source.epoch)), ctl.get_json(keys.manifest(source.epoch))
         if record is not None and layout_text is not None:
             self._switch(ctl, source.epoch, record, layout_text)
 
     def _follow_versions(self, ctl: Control) -> None:
         source = self._source
         if isinstance(self._error, WeightSyncSchemaError):
-            latest = ctl.get_json("latest")
+            latest = ctl.get_json(keys.LATEST)
             version = -1 if latest is None else int(latest["version"])
             if version > self._rejected_version:  # tell the sender, version by version
                 self._rejected_version = version
@@ -164,7 +165,7 @@ class ReceiverWatcher:
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json("latest") if self._latest is None else ctl.open("latest", ctl.get_raw("latest"))
+        latest = ctl.get_json(keys.LATEST) if self._latest is None else ctl.open(keys.LATEST, ctl.get_raw(keys.LATEST))
         if latest is not None:
             record = Published(int(latest["version"]), int(latest["epoch"]))
             if record != self._latest and (self._latest is None or record.version > self._latest.version):
@@ -181,7 +182,7 @@ class ReceiverWatcher:
         latest = self._latest
         if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest.version):
             return
-        record = ctl.get_json(f"v/{latest.version}/sums")
+        record = ctl.get_json(keys.version_sums(latest.version))
         if record is not None and int(record["version"]) == latest.version:
             self._sums = (latest.version, [int(s) for s in record["sums"]])
             with self._cond:
@@ -191,7 +192,7 @@ class ReceiverWatcher:
         source = self._source
         if source is None:
             return
-        closed_key = f"closed/{source.epoch}"
+        closed_key = keys.closed(source.epoch)
         if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
             self._on_closed(ctl.get_json(closed_key))
 
@@ -219,7 +220,7 @@ class ReceiverWatcher:
 
     def _follow_sender(self, ctl: Control) -> None:
         """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        pointer = ctl.get_json("sender/current")  # signed with a secret: a forged one raises
+        pointer = ctl.get_json(keys.SENDER_CURRENT)  # signed with a secret: a forged one raises
         if pointer is None:
             return
         current = int(pointer["epoch"])
@@ -231,8 +232,8 @@ class ReceiverWatcher:
             if epoch in self._refused_epochs:
                 continue
             try:
-                record = ctl.get_json(f"sender/{epoch}")
-                layout_text = ctl.get_json(f"layout/{epoch}")
+                record = ctl.get_json(keys.sender_record(epoch))
+                layout_text = ctl.get_json(keys.manifest(epoch))
             except WeightSyncAuthError as exc:
                 self._refused_epochs.add(epoch)
                 refusal = exc
@@ -244,8 +245,8 @@ class ReceiverWatcher:
             self._refuse(refusal)
 
     def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
-        layout = Layout.from_json(layout_text)
-        closed_key = f"closed/{epoch}"
+        layout = Manifest.from_json(layout_text)
+        closed_key = keys.closed(epoch)
         try:
             if self._target is not None:
                 self._tensors = self._target.tensors_for(layout)
@@ -279,7 +280,7 @@ class ReceiverWatcher:
                  self._source.describe())  # fmt: skip
 
     def _make_source(
-        self, epoch: int, layout: Layout, record: dict[str, object], *, fallback: bool = True
+        self, epoch: int, layout: Manifest, record: dict[str, object], *, fallback: bool = True
     ) -> ReceiveSource:
         if record.get("relay") and record["host"] != self._host:
             if self.config.apply == "swap":
@@ -304,7 +305,7 @@ class ReceiverWatcher:
             ),
         )  # fmt: skip
 
-    def _ordered_for(self, layout: Layout) -> list[torch.Tensor]:
+    def _ordered_for(self, layout: Manifest) -> list[torch.Tensor]:
         return [self._tensors[e.name] for e in layout.entries]
 
     def _on_staged(self, version: int) -> None:

@@ -50,7 +50,6 @@ or relaunched trainer of the job, whose versions continue above the last one.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -71,17 +70,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
-from lightning_wsync._push_reports import PushReports
-from lightning_wsync.config import CallbackConfig, SenderConfig
+from lightning_wsync._report_waiter import ReportWaiter
+from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.sender import PushReport, WeightSender
 
 log = logging.getLogger(__name__)
 
-_SENDER_OPTIONS = (
-    "dtype", "include", "exclude", "bucket_mb", "timeout_s", "transport", "heartbeat_timeout_s", "cross_host",
-    "delta",
-)  # fmt: skip
 _SUPPORTED = "single device, DDPStrategy (ddp, ddp_spawn, ...), FSDPStrategy, ModelParallelStrategy (FSDP2)"
 
 
@@ -94,13 +89,13 @@ class WeightSyncCallback(Callback):
             None sends the whole LightningModule.
         store: ``"host:port"`` or a ``torch.distributed.Store`` (default ``$WSYNC_STORE``).
         job: the job (run) name shared with the receivers (default ``$WSYNC_JOB``).
-        dtype, include, exclude, bucket_mb, timeout_s, transport, heartbeat_timeout_s, cross_host, delta:
-            the :class:`~lightning_wsync.SenderConfig` fields. The shared secret comes from
-            ``$WSYNC_SECRET``, or from ``sender=SenderConfig(secret=...)``.
         max_version_lag: None (default) never waits for receivers; K >= 0 bounds how
             far the slowest receiver may fall behind (see the module docs).
         sender: a whole :class:`~lightning_wsync.SenderConfig` instead of the flat options
             (``job``, when given, overrides its ``job``).
+        options: the :class:`~lightning_wsync.SenderConfig` fields (``dtype``, ``include``,
+            ``exclude``, ``bucket_mb``, ``timeout_s``, ``transport``, ``delta``, ...), when
+            ``sender`` is not given. The shared secret defaults to ``$WSYNC_SECRET``.
     """
 
     def __init__(
@@ -110,49 +105,21 @@ class WeightSyncCallback(Callback):
         store: str | dist.Store | None = None,
         job: str | None = None,
         *,
-        dtype: str | None = None,
-        include: list[str] | None = None,
-        exclude: list[str] | None = None,
-        bucket_mb: float = 32.0,
-        timeout_s: float = 30.0,
-        transport: str = "auto",
-        heartbeat_timeout_s: float = 10.0,
-        cross_host: str = "relay",
-        delta: str = "auto",
         max_version_lag: int | None = None,
         sender: SenderConfig | None = None,
+        **options: object,
     ) -> None:
-        options: dict[str, Any] = {
-            "dtype": dtype, "include": list(include or []), "exclude": list(exclude or []), "bucket_mb": bucket_mb,
-            "timeout_s": timeout_s, "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s,
-            "cross_host": cross_host,
-            "delta": delta,
-        }  # fmt: skip
-        if sender is not None:
-            if not isinstance(sender, SenderConfig):
-                raise TypeError(f"WeightSyncCallback: sender={sender!r} must be a SenderConfig")
-            defaults = SenderConfig()
-            changed = sorted(k for k, v in options.items() if v != getattr(defaults, k))
-            if changed:
-                raise TypeError(
-                    f"WeightSyncCallback: got sender=SenderConfig(...) and the sender options {changed}; "
-                    f"pass one or the other"
-                )
-            if job is not None:
-                sender = dataclasses.replace(sender, job=job)
-            options = {k: getattr(sender, k) for k in _SENDER_OPTIONS}
-            job = sender.job
         if store is not None and not isinstance(store, (str, dist.Store)):
             raise TypeError(
                 f"WeightSyncCallback: store={store!r} must be 'host:port', a torch.distributed.Store, or None"
             )
+        values = config_values(SenderConfig, sender, options, owner="WeightSyncCallback", param="sender", job=job)
         self.config = CallbackConfig(
-            every_n_steps=every_n_steps, module=module, store=store if isinstance(store, str) else None, job=job,
-            max_version_lag=max_version_lag, **options,
+            every_n_steps=every_n_steps, module=module, store=store if isinstance(store, str) else None,
+            max_version_lag=max_version_lag, **values,
         )  # fmt: skip
-        #: What the WeightSender is built with (``sender`` itself when given, so fields
-        #: without a flat argument, such as ``secret``, are kept).
-        self.sender_config = sender if sender is not None else self.config.sender_config()
+        #: What the WeightSender is built with.
+        self.sender_config = self.config.sender_config()
         self._store = store
         self._last_pushed: int | None = None  # identical on every rank; saved in checkpoints
         self._floor: int | None = None  # pushes must be above this (checkpoint and store)
@@ -163,7 +130,7 @@ class WeightSyncCallback(Callback):
         self._target: nn.Module | None = None
         self._mirror: dict[str, torch.Tensor] = {}
         self._skipped: int | None = None
-        self._reports: PushReports | None = None
+        self._reports: ReportWaiter | None = None
         self._pushes = 0
         self._held: dict[str, int] = {}  # receiver name -> index of the newest push it is known to hold
         self._failing: set[str] = set()  # receivers that failed the newest report (warned once)
@@ -217,7 +184,7 @@ class WeightSyncCallback(Callback):
                 source = self._target if full is None else _mirror(self._target, full, self._mirror)
                 self._sender = WeightSender(source, store=self._store, config=self.sender_config)
                 latest = self._sender.latest_version
-                self._reports = PushReports(self._sender.config.timeout_s)
+                self._reports = ReportWaiter(self._sender.config.timeout_s)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 if trainer.world_size > 1:  # let the other ranks leave the broadcast below

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control, connect_store, resolve_job, resolve_secret
-from lightning_wsync._manifest import _dtype_from_name, _dtype_name
+from lightning_wsync._manifest import dtype_from_name, dtype_to_name
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncIntegrityError,
@@ -61,7 +62,7 @@ def encode(sample: Mapping[str, torch.Tensor], version: int) -> bytes:
             raise TypeError(f"experience sample: {name!r} is {type(t).__name__}, expected a torch.Tensor")
         t = t.detach().to("cpu").contiguous()
         tensors.append(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        meta.append([name, _dtype_name(t.dtype), list(t.shape)])
+        meta.append([name, dtype_to_name(t.dtype), list(t.shape)])
     header = json.dumps({"version": int(version), "tensors": meta}, separators=(",", ":")).encode()
     return _HEADER.pack(len(header)) + header + b"".join(tensors)
 
@@ -94,7 +95,7 @@ def _decode(raw: bytes) -> dict[str, torch.Tensor]:
         )
         if not dims_ok:
             raise ValueError(f"shape {shape!r} of {name!r} is not a list of ints >= 0")
-        dtype = _dtype_from_name(str(dtype_name))
+        dtype = dtype_from_name(str(dtype_name))
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offset + nbytes > len(raw):
             raise ValueError(f"{name!r} needs {nbytes} bytes at offset {offset}, past the end")
@@ -118,7 +119,7 @@ class _Queue:
     def __init__(self, control: Control, name: str, *, capacity: int, max_item_mb: float) -> None:
         self._ctl = control
         self._name = name
-        self._queue_key = f"channel/{name}/queue"
+        self._queue_key = keys.channel_queue(name)
         self.capacity = capacity
         self.max_item_mb = max_item_mb
         self.max_item_bytes = int(max_item_mb * 2**20)

@@ -10,8 +10,9 @@ and as Hydra structured configs (see :func:`register_configs`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import MISSING
@@ -27,10 +28,9 @@ def _positive(owner: str, name: str, value: float, fix: str) -> None:
         raise ValueError(f"{owner}: {name}={value!r} must be a number > 0; {fix}")
 
 
-def _patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
-    if isinstance(value, str) or not all(isinstance(p, str) for p in value):  # type: ignore[attr-defined]
+def _patterns(owner: str, name: str, value: object) -> None:
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(p, str) for p in value):
         raise TypeError(f"{owner}: {name}={value!r} must be a list of glob patterns, e.g. ['*lora_*']")
-    return tuple(value)  # type: ignore[arg-type]
 
 
 def _delta_mode(owner: str, value: object) -> None:
@@ -41,31 +41,63 @@ def _delta_mode(owner: str, value: object) -> None:
         )
 
 
-_C = TypeVar("_C", "SenderConfig", "ReceiverConfig")
+def config_values(
+    config_type: type[object],
+    config: object | None,
+    options: Mapping[str, object],
+    *,
+    owner: str,
+    param: str = "config",
+    job: str | None = None,
+) -> dict[str, Any]:
+    """Field values for a new ``config_type``: those of ``config``, or the keyword ``options``.
 
-
-def resolve_config(cls: type[_C], config: _C | None, owner: str, job: str | None, options: dict[str, object]) -> _C:
-    """``config`` (with ``job`` applied), or a new ``cls`` from the keyword ``options``.
-
-    Passing both ``config`` and options that differ from the defaults is a TypeError:
-    one of them would be silently ignored.
+    The one "config or options" rule of every component. ``options`` holds only the
+    keyword arguments the caller passed, so an option passed with its default value
+    beside ``config`` is refused like any other: one of the two would be ignored.
+    ``job``, when given, overrides the job of either.
     """
-    options = {
-        k: (v if isinstance(v, str) or not isinstance(v, (list, tuple)) else list(v)) for k, v in options.items()
-    }
+    names = [f.name for f in dataclasses.fields(config_type)]  # type: ignore[arg-type]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(f"{owner}: unexpected keyword argument {unknown[0]!r}; the options are {names}")
     if config is None:
-        return cls(job=job, **options)  # type: ignore[arg-type]
-    if not isinstance(config, cls):
-        raise TypeError(f"{owner}: config={config!r} must be a {cls.__name__}")
-    defaults = cls()
-    changed = sorted(k for k, v in options.items() if v != getattr(defaults, k))
-    if changed:
-        raise TypeError(f"{owner}: pass either config= or the options {changed}, not both")
-    return dataclasses.replace(config, job=job) if job is not None else config
+        values = dict(options)
+    elif not isinstance(config, config_type):
+        raise TypeError(f"{owner}: {param}={config!r} must be a {config_type.__name__}")
+    elif options:
+        raise TypeError(
+            f"{owner}: got {param}={config_type.__name__}(...) and the options {sorted(options)}; "
+            f"pass one or the other"
+        )
+    else:
+        values = {name: getattr(config, name) for name in names}
+    if job is not None:
+        values["job"] = job
+    # Sequences become fresh lists: the config must not share a caller's list.
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
 
 
 @dataclass(kw_only=True)
-class SenderConfig:
+class _PeerConfig:
+    """The fields both ends of a job have; each end's docstring says what they mean there."""
+
+    OWNER: ClassVar[str] = "lightning_wsync"  # named in error messages
+
+    job: str | None = None
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    timeout_s: float = 30.0
+    secret: str | None = None
+
+    def __post_init__(self) -> None:
+        _patterns(self.OWNER, "include", self.include)
+        _patterns(self.OWNER, "exclude", self.exclude)
+        _positive(self.OWNER, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
+
+
+@dataclass(kw_only=True)
+class SenderConfig(_PeerConfig):
     """Settings of :class:`~lightning_wsync.WeightSender`.
 
     Attributes:
@@ -93,27 +125,22 @@ class SenderConfig:
             receiver holds the base (for tests). Receivers without the base get a full version.
     """
 
-    job: str | None = None
+    OWNER: ClassVar[str] = "WeightSender"
+
     dtype: str | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
     bucket_mb: float = 32.0
-    timeout_s: float = 30.0
     transport: str = "auto"
     heartbeat_timeout_s: float = 10.0
     cross_host: str = "relay"
-    secret: str | None = None
     delta: str = "auto"
 
     def __post_init__(self) -> None:
-        owner = "WeightSender"
+        super().__post_init__()
+        owner = self.OWNER
         _delta_mode(owner, self.delta)
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in WIRE_DTYPES:
             raise ValueError(f"{owner}: dtype={self.dtype!r} is not supported; choose one of {WIRE_DTYPES} or None")
-        _patterns(owner, "include", self.include)
-        _patterns(owner, "exclude", self.exclude)
         _positive(owner, "bucket_mb", self.bucket_mb, "e.g. bucket_mb=32")
-        _positive(owner, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
         _positive(owner, "heartbeat_timeout_s", self.heartbeat_timeout_s, "e.g. heartbeat_timeout_s=10")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"{owner}: transport={self.transport!r} is unknown; choose one of {TRANSPORTS}")
@@ -139,7 +166,7 @@ APPLY_MODES = ("copy", "swap")
 
 
 @dataclass(kw_only=True)
-class ReceiverConfig:
+class ReceiverConfig(_PeerConfig):
     """Settings of :class:`~lightning_wsync.WeightReceiver`.
 
     Attributes:
@@ -163,21 +190,16 @@ class ReceiverConfig:
             shared-memory path always copies (its one copy is the private one).
     """
 
-    job: str | None = None
+    OWNER: ClassVar[str] = "WeightReceiver"
+
     name: str | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    timeout_s: float = 30.0
     heartbeat_s: float = 0.5
-    secret: str | None = None
     verify: bool = False
     apply: str = "copy"
 
     def __post_init__(self) -> None:
-        owner = "WeightReceiver"
-        _patterns(owner, "include", self.include)
-        _patterns(owner, "exclude", self.exclude)
-        _positive(owner, "timeout_s", self.timeout_s, "e.g. timeout_s=30")
+        super().__post_init__()
+        owner = self.OWNER
         _positive(owner, "heartbeat_s", self.heartbeat_s, "e.g. heartbeat_s=0.5")
         if not isinstance(self.verify, bool):
             raise TypeError(f"{owner}: verify={self.verify!r} must be True or False")
@@ -188,10 +210,12 @@ class ReceiverConfig:
 
 
 @dataclass(kw_only=True)
-class CallbackConfig:
+class CallbackConfig(SenderConfig):
     """Settings of :class:`~lightning_wsync.callback.WeightSyncCallback`, as a Hydra node.
 
-    The fields are the callback's keyword arguments; ``_target_`` lets
+    The callback's own fields plus every :class:`SenderConfig` field (inherited, so a
+    sender option is declared once and ``wsync.dtype=bfloat16`` overrides it). The fields
+    are the callback's keyword arguments; ``_target_`` lets
     ``hydra.utils.instantiate(cfg.wsync)`` build the callback::
 
         # conf/trainer.yaml
@@ -210,31 +234,23 @@ class CallbackConfig:
         max_version_lag: when set, after each push the trainer waits (at most
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
-        job, dtype, include, exclude, bucket_mb, timeout_s, transport,
-            heartbeat_timeout_s, cross_host, delta: as in :class:`SenderConfig`. The shared secret is
-            deliberately not a field (Hydra writes configs to its output folder): set
-            ``$WSYNC_SECRET``.
+
+    The sender's fields are as in :class:`SenderConfig`. Leave ``secret`` unset in YAML
+    (Hydra writes configs to its output folder) and set ``$WSYNC_SECRET`` instead.
     """
+
+    OWNER: ClassVar[str] = "WeightSyncCallback"
 
     _target_: str = "lightning_wsync.callback.WeightSyncCallback"
     _convert_: str = "all"  # lists reach the callback as lists, not ListConfig
     every_n_steps: int = MISSING
     module: str | None = None
     store: str | None = None
-    job: str | None = None
-    dtype: str | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    bucket_mb: float = 32.0
-    timeout_s: float = 30.0
-    transport: str = "auto"
-    heartbeat_timeout_s: float = 10.0
-    cross_host: str = "relay"
-    delta: str = "auto"
     max_version_lag: int | None = None
 
     def __post_init__(self) -> None:
-        owner = "WeightSyncCallback"
+        super().__post_init__()
+        owner = self.OWNER
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(
                 f"{owner}: every_n_steps={self.every_n_steps!r} must be an int >= 1 "
@@ -254,15 +270,10 @@ class CallbackConfig:
             )
         if self.store is not None and not isinstance(self.store, str):
             raise TypeError(f"{owner}: store={self.store!r} must be a 'host:port' string or None for $WSYNC_STORE")
-        self.sender_config()  # validates the sender's fields
 
     def sender_config(self) -> SenderConfig:
-        """The :class:`SenderConfig` these fields describe."""
-        return SenderConfig(
-            job=self.job, dtype=self.dtype, include=list(self.include), exclude=list(self.exclude),
-            bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, transport=self.transport,
-            heartbeat_timeout_s=self.heartbeat_timeout_s, cross_host=self.cross_host, delta=self.delta,
-        )  # fmt: skip
+        """The :class:`SenderConfig` part of these fields."""
+        return SenderConfig(**config_values(SenderConfig, self, {}, owner=self.OWNER))
 
 
 def register_configs(group: str = "wsync") -> None:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from types import TracebackType
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import (
     Control,
     connect_store,
@@ -41,7 +41,7 @@ from lightning_wsync._manifest import select_tensors
 from lightning_wsync._membership import StateReport
 from lightning_wsync._source import ReceiveSource
 from lightning_wsync._watcher import SLOW_POLL_S, Published, ReceiverWatcher
-from lightning_wsync.config import ReceiverConfig, resolve_config
+from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 from lightning_wsync.errors import (
     WeightSyncClosedError,
@@ -62,7 +62,9 @@ class WeightReceiver(ReceiverWatcher):
             engine's loader), handed each complete, verified version by ``update()``.
         store: a ``torch.distributed.Store`` or ``"host:port"`` (always joined as a
             client). Default ``$WSYNC_STORE``.
-        config: a :class:`ReceiverConfig`; or pass its fields as keyword arguments.
+        job: the job's name on the store (default ``$WSYNC_JOB``); overrides ``config.job``.
+        config: a :class:`ReceiverConfig`; or pass its fields (``name``, ``verify``, ...)
+            as keyword ``options``, not both.
     """
 
     def __init__(
@@ -71,21 +73,10 @@ class WeightReceiver(ReceiverWatcher):
         store: dist.Store | str | None = None,
         job: str | None = None,
         *,
-        name: str | None = None,
-        include: Sequence[str] = (),
-        exclude: Sequence[str] = (),
-        timeout_s: float = 30.0,
-        heartbeat_s: float = 0.5,
-        secret: str | None = None,
-        verify: bool = False,
-        apply: str = "copy",
         config: ReceiverConfig | None = None,
+        **options: object,
     ) -> None:
-        options: dict[str, object] = {
-            "name": name, "include": include, "exclude": exclude, "timeout_s": timeout_s,
-            "heartbeat_s": heartbeat_s, "secret": secret, "verify": verify, "apply": apply,
-        }  # fmt: skip
-        cfg = resolve_config(ReceiverConfig, config, "WeightReceiver", job, options)
+        cfg = ReceiverConfig(**config_values(ReceiverConfig, config, options, owner="WeightReceiver", job=job))
         self.config = cfg
         self._target: TargetTensors | None = None
         if isinstance(module, nn.Module):
@@ -270,7 +261,7 @@ class WeightReceiver(ReceiverWatcher):
         self._thread.join(timeout=10)
         try:
             self._state.write(self._ctl)
-            self._ctl.set_json(f"member/{self.rid}/gone", True)
+            self._ctl.set_json(keys.member_gone(self.rid), True)
         except RuntimeError:
             pass  # store already gone: the sender sees the heartbeat stop instead
         with self._apply_lock:

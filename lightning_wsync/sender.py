@@ -22,7 +22,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_wsync import _keys as keys
 from lightning_wsync._control import (
     Control,
     StoreHandle,
@@ -40,9 +40,9 @@ from lightning_wsync._control import (
     resolve_secret,
     retire_old_epochs,
 )
-from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync._manifest import build_manifest, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state
-from lightning_wsync.config import SenderConfig, resolve_config
+from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
 from lightning_wsync.transport.delta_link import AutoPolicy, DeltaStreams
 from lightning_wsync.transport.net import NetSendLink
@@ -141,7 +141,9 @@ class WeightSender:
         module: the module whose parameters and persistent buffers are sent.
         store: a ``torch.distributed.Store``, or ``"host:port"`` (hosted here when the
             port is free or 0, else joined as a client). Default ``$WSYNC_STORE``.
-        config: a :class:`SenderConfig`; or pass its fields as keyword arguments.
+        job: the job's name on the store (default ``$WSYNC_JOB``); overrides ``config.job``.
+        config: a :class:`SenderConfig`; or pass its fields (``dtype``, ``bucket_mb``, ...)
+            as keyword ``options``, not both.
     """
 
     def __init__(
@@ -150,24 +152,10 @@ class WeightSender:
         store: dist.Store | str | None = None,
         job: str | None = None,
         *,
-        dtype: str | None = None,
-        include: Sequence[str] = (),
-        exclude: Sequence[str] = (),
-        bucket_mb: float = 32.0,
-        timeout_s: float = 30.0,
-        transport: str = "auto",
-        heartbeat_timeout_s: float = 10.0,
-        cross_host: str = "relay",
-        secret: str | None = None,
-        delta: str = "auto",
         config: SenderConfig | None = None,
+        **options: object,
     ) -> None:
-        options: dict[str, object] = {
-            "dtype": dtype, "include": include, "exclude": exclude, "bucket_mb": bucket_mb, "timeout_s": timeout_s,
-            "transport": transport, "heartbeat_timeout_s": heartbeat_timeout_s, "cross_host": cross_host,
-            "secret": secret, "delta": delta,
-        }  # fmt: skip
-        cfg = resolve_config(SenderConfig, config, "WeightSender", job, options)
+        cfg = SenderConfig(**config_values(SenderConfig, config, options, owner="WeightSender", job=job))
         self.config = cfg
         self._tensors = select_tensors(module, cfg.include, cfg.exclude)
         if not self._tensors:
@@ -185,12 +173,12 @@ class WeightSender:
         self._report_ctl = self._ctl.clone()
         self._report_lock = threading.Lock()
 
-        self.layout = build_layout(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
+        self.layout = build_manifest(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
         self._ordered = [self._tensors[e.name] for e in self.layout.entries]
         self._host = host_id()
         self._addr = local_address(self._store.address)
-        self.epoch = self._ctl.add("sender/epoch", 1)
-        latest = self._ctl.get_json("latest")
+        self.epoch = self._ctl.add(keys.SENDER_EPOCH, 1)
+        latest = self._ctl.get_json(keys.LATEST)
         self.latest_version: int | None = None if latest is None else int(latest["version"])
 
         # auto snapshots CUDA weights to host shared memory: same-host receivers (often on
@@ -217,9 +205,9 @@ class WeightSender:
             else None
         )  # fmt: skip
 
-        self._ctl.set_json(f"layout/{self.epoch}", self.layout.to_json())
+        self._ctl.set_json(keys.manifest(self.epoch), self.layout.to_json())
         self._ctl.set_json(
-            f"sender/{self.epoch}",
+            keys.sender_record(self.epoch),
             {
                 "epoch": self.epoch,
                 "host": self._host,
@@ -233,7 +221,7 @@ class WeightSender:
                 "timeout_s": cfg.timeout_s,  # bounds every relay hop, whatever each receiver's own timeout_s
             },
         )
-        self._ctl.set_json("sender/current", {"epoch": self.epoch})  # signed: receivers follow it
+        self._ctl.set_json(keys.SENDER_CURRENT, {"epoch": self.epoch})  # signed: receivers follow it
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
         self._closed = False
@@ -310,8 +298,8 @@ class WeightSender:
         assert newest is not None
         version = newest.version
         ctl = self._ctl
-        ctl.set_json(f"v/{version}", {"version": version, "epoch": self.epoch})
-        ctl.set_json("latest", {"version": version, "epoch": self.epoch})
+        ctl.set_json(keys.version_record(version), {"version": version, "epoch": self.epoch})
+        ctl.set_json(keys.LATEST, {"version": version, "epoch": self.epoch})
         self._members.refresh()  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:  # receivers live at push time, plus any found since
@@ -320,8 +308,8 @@ class WeightSender:
         self._published_versions.append(version)
         while len(self._published_versions) > _KEEP_VERSION_RECORDS:
             old = self._published_versions.pop(0)
-            ctl.delete(f"v/{old}")
-            ctl.delete(f"v/{old}/sums")
+            for key in keys.version_keys(old):
+                ctl.delete(key)
         if self._ring.segment is not None and any(m.verify for m in live):
             # After the version is out, so receivers that do not verify are not delayed.
             lease = self._ring.acquire(newest)
@@ -331,11 +319,11 @@ class WeightSender:
                 finally:
                     lease.release()
                 if sums is not None:
-                    ctl.set_json(f"v/{version}/sums", {"version": version, "sums": sums})
+                    ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
 
     def _sync_links(self) -> None:
         for member in self._members.live():
-            gen = self._ctl.add(f"member/{member.rid}/net", 0)
+            gen = self._ctl.add(keys.member_link(member.rid), 0)
             if gen == 0 or (member.link is not None and member.link.gen >= gen):
                 continue
             if member.link is not None:
@@ -371,12 +359,12 @@ class WeightSender:
             with self._report_lock:
                 states = self._members.read_states(self._report_ctl, list(pending))
             for (rid, member), raw in zip(list(pending.items()), states):
-                acked, error = decode_state(self._report_ctl, rid, raw)
-                if acked >= handle.version:
+                state = decode_state(self._report_ctl, rid, raw)
+                if state.acked >= handle.version:
                     delivered.append(member.label)
                     last_delivery = time.perf_counter()
-                elif error is not None and int(error[0]) >= handle.version:
-                    failed[member.label] = f"rejected version {error[0]}: {error[1]}"
+                elif (rejected := state.rejected) is not None and rejected.version >= handle.version:
+                    failed[member.label] = f"rejected version {rejected.version}: {rejected.reason}"
                 elif (reason := self._members.failure(rid)) is not None:
                     failed[member.label] = reason
                 else:
@@ -455,10 +443,10 @@ class WeightSender:
         self._closed = True
         deadline = time.monotonic() + self.config.timeout_s
         try:
-            self._ctl.set_json(f"closed/{self.epoch}", {"final": final})
+            self._ctl.set_json(keys.closed(self.epoch), {"final": final})
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
-                self._ctl.delete(f"v/{old}")
-                self._ctl.delete(f"v/{old}/sums")
+                for key in keys.version_keys(old):
+                    self._ctl.delete(key)
         except WeightSyncStoreError as exc:
             log.warning("could not signal close on the store: %s", exc)
         finally:

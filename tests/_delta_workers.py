@@ -9,20 +9,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_wsync._manifest import Layout, build_layout, checksum
+from lightning_wsync._manifest import Manifest, build_manifest, checksum
 from lightning_wsync.transport.delta_link import Held, held_of, recv_records
 from lightning_wsync.transport.net import make_group
 
 
-def sums(layout: Layout, buffer: torch.Tensor) -> list[int]:
+def sums(layout: Manifest, buffer: torch.Tensor) -> list[int]:
     return [checksum(buffer, a, b) for a, b in layout.buckets]
 
 
-def versions(n_changed: int = 500) -> tuple[Layout, torch.Tensor, torch.Tensor]:
+def versions(n_changed: int = 500) -> tuple[Manifest, torch.Tensor, torch.Tensor]:
     """A layout and two versions of it (``n_changed`` bf16 words apart); the same in every process."""
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(4096, 8, generator=g), "b": torch.randn(1000, generator=g), "c": torch.randn(50000)}
-    layout = build_layout(tensors, torch.bfloat16, 32 * 1024)
+    layout = build_manifest(tensors, torch.bfloat16, 32 * 1024)
     base = torch.randint(0, 256, (layout.total_bytes,), dtype=torch.uint8, generator=g)
     new = base.clone()
     idx = torch.randperm(layout.total_bytes // 2, generator=g)[:n_changed]

@@ -9,7 +9,6 @@ once per rank)::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -25,6 +24,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
+from lightning_wsync.bench._model import digest
+
 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
 
@@ -34,16 +35,6 @@ def make_policy() -> nn.Module:
     policy[2].weight = policy[0].weight
     policy.register_buffer("calls", torch.arange(3, dtype=torch.int64))
     return policy
-
-
-def digest(module: nn.Module) -> str:
-    """sha256 over every state-dict tensor's name, dtype and bytes."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class PolicyModule(pl.LightningModule):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import queue
@@ -11,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_wsync.bench._model import digest, mutate  # noqa: F401 - the package's own, shared with the bench
 
 
 def mixed_model(seed: int = 0) -> nn.Module:
@@ -44,33 +45,13 @@ def build(spec: tuple[str, int]) -> nn.Module:
     raise ValueError(spec)
 
 
-def digest(module: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        t = t.cpu()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def mutate(module: nn.Module, version: int) -> None:
-    """Change every tensor deterministically so each version has distinct bytes."""
-    with torch.no_grad():
-        for t in module.state_dict().values():
-            if t.is_floating_point():
-                t.add_(0.01 * version)
-            else:
-                t.add_(version)
-
-
 def _rss_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 def receiver_main(
-    store: str, job: str, name: str, spec: tuple[str, int], results: "mp.Queue[Any]", options: dict[str, Any]
+    store: str, job: str, name: str, spec: tuple[str, int], results: mp.Queue[Any], options: dict[str, Any]
 ) -> None:
     """Follow the job: report (name, version, digest, pid) after each version applied."""
     torch.set_num_threads(1)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 from collections.abc import Iterator
 
 import pytest
+
+from lightning_wsync.bench._procs import Children
 
 
 def free_port() -> int:
@@ -37,28 +38,8 @@ def no_leaks() -> Iterator[None]:
     assert env_after == env_before, "test leaked WSYNC_* environment variables"
 
 
-class Children:
-    """Processes started by a test; all killed (SIGKILL, by PID) when the test ends."""
-
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-
-    def track(self, pid: int) -> int:
-        self.pids.append(pid)
-        return pid
-
-    def kill_all(self) -> None:
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.fixture
 def children() -> Iterator[Children]:
-    c = Children()
-    try:
+    """Processes a test starts (``children.track(pid)``); all SIGKILLed, by PID, when it ends."""
+    with Children(join_timeout_s=0) as c:
         yield c
-    finally:
-        c.kill_all()

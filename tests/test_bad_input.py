@@ -13,6 +13,8 @@ from _workers import mixed_model
 from lightning_wsync import (
     ExperienceReader,
     ExperienceWriter,
+    ReceiverConfig,
+    SenderConfig,
     WeightReceiver,
     WeightSender,
     WeightSyncCallback,
@@ -36,6 +38,8 @@ CASES: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("sender store port", WeightSender, {"store": "h:99999"}, ValueError, r"store='h:99999' is not 'host:port'"),
     ("sender store type", WeightSender, {"store": 29400}, TypeError, r"store=29400 must be a torch.distributed.Store"),
     ("sender job", WeightSender, {"job": "a/b"}, ValueError, r"job='a/b' must not contain '/'"),
+    ("sender config and default", WeightSender, {"config": SenderConfig(), "delta": "auto"}, TypeError, r"got config=SenderConfig\(...\) and the options \['delta'\]; pass one or the other"),
+    ("receiver config and option", WeightReceiver, {"config": ReceiverConfig(), "verify": False}, TypeError, r"got config=ReceiverConfig\(...\) and the options \['verify'\]"),
     ("receiver name", WeightReceiver, {"name": ""}, ValueError, r"name='' must be non-empty"),
     ("receiver heartbeat", WeightReceiver, {"heartbeat_s": 0}, ValueError, r"heartbeat_s=0 must be a number > 0"),
     ("receiver timeout", WeightReceiver, {"timeout_s": None}, ValueError, r"timeout_s=None must be a number > 0"),

@@ -63,8 +63,15 @@ def fit(tmp_path, callback, max_steps, ckpt_path=None, callbacks=(), **trainer_o
         (
             {"every_n_steps": 1, "sender": SenderConfig(), "bucket_mb": 8.0},
             TypeError,
-            r"got sender=SenderConfig\(...\) and the sender options \['bucket_mb'\]; pass one or the other",
+            r"got sender=SenderConfig\(...\) and the options \['bucket_mb'\]; pass one or the other",
         ),
+        (  # an option passed with its default value is noticed too
+            {"every_n_steps": 1, "sender": SenderConfig(), "timeout_s": 30.0},
+            TypeError,
+            r"got sender=SenderConfig\(...\) and the options \['timeout_s'\]; pass one or the other",
+        ),
+        ({"every_n_steps": 1, "bucket_size": 3}, TypeError, r"unexpected keyword argument 'bucket_size'; the options"),
+        ({"every_n_steps": 1, "include": None}, TypeError, r"include=None must be a list of glob patterns"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):

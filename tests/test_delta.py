@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_wsync._manifest import (
-    Layout,
-    build_layout,
+    Manifest,
+    build_manifest,
     checksum,
     copy_into,
     select_tensors,
@@ -31,7 +31,7 @@ _RECORD = "<IBQQ"  # bucket, mode, changed words, long runs
 _RECORD_BYTES = struct.calcsize(_RECORD)
 
 
-def _layout(wire: torch.dtype | None, *, bucket_bytes: int = 4096) -> tuple[Layout, dict[str, torch.Tensor]]:
+def _layout(wire: torch.dtype | None, *, bucket_bytes: int = 4096) -> tuple[Manifest, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     tensors = {
         "emb": torch.randn(300, 16, generator=g) * 0.02,
@@ -40,20 +40,20 @@ def _layout(wire: torch.dtype | None, *, bucket_bytes: int = 4096) -> tuple[Layo
         "ln": torch.ones(40),
         "steps": torch.arange(5, dtype=torch.int64),  # never cast: mixed widths in one layout
     }
-    return build_layout(tensors, wire, bucket_bytes), tensors
+    return build_manifest(tensors, wire, bucket_bytes), tensors
 
 
-def _snapshot(layout: Layout, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def _snapshot(layout: Manifest, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     copy_into(layout, buffer, tensors.values())
     return buffer
 
 
-def _sums(layout: Layout, buffer: torch.Tensor) -> list[int]:
+def _sums(layout: Manifest, buffer: torch.Tensor) -> list[int]:
     return [checksum(buffer, a, b) for a, b in layout.buckets]
 
 
-def _round_trip(layout: Layout, base: torch.Tensor, new: torch.Tensor, *, in_place: bool = True) -> tuple[
+def _round_trip(layout: Manifest, base: torch.Tensor, new: torch.Tensor, *, in_place: bool = True) -> tuple[
     torch.Tensor, list[int]
 ]:
     enc = DeltaEncoder(layout)
@@ -167,7 +167,7 @@ def test_header_round_trips_and_refuses_another_base() -> None:
         DeltaHeader.unpack(b"abc")
 
 
-def _changed_pair(layout: Layout, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _changed_pair(layout: Manifest, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     base = _snapshot(layout, tensors)
     new = base.clone()
     new.view(torch.int16)[::37] += 1
@@ -250,7 +250,7 @@ def test_versions_from_real_adamw_steps_round_trip() -> None:
 
     trainer = Trainer(ModelSpec(d_model=16, vocab=64, n_layers=2), lr=1e-3, seed=0)
     tensors = select_tensors(trainer.model)
-    layout = build_layout(tensors, torch.bfloat16, 2048)
+    layout = build_manifest(tensors, torch.bfloat16, 2048)
     versions = [_snapshot(layout, tensors)]
     for _ in range(3):
         trainer.step()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from _delta_workers import sums, versions
 from conftest import Children
 
-from lightning_wsync._manifest import Layout
+from lightning_wsync._manifest import Manifest
 from lightning_wsync.config import CallbackConfig, SenderConfig
 from lightning_wsync.transport.delta_link import (
     AUTO_MAX_WIRE_SHARE,
@@ -39,7 +39,7 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-def _run(port: int, children: Children, helds: list[str], stream: DeltaStream, layout: Layout) -> list[Any]:
+def _run(port: int, children: Children, helds: list[str], stream: DeltaStream, layout: Manifest) -> list[Any]:
     """Send ``stream`` once per entry of ``helds`` to a receiver process; return what it reported."""
     here, there = CTX.Pipe()
     p = CTX.Process(target=_delta_workers.receiver, args=(port, helds, there), daemon=True)
@@ -59,7 +59,7 @@ def _run(port: int, children: Children, helds: list[str], stream: DeltaStream, l
     return got
 
 
-def _stream(layout: Layout, base: torch.Tensor, new: torch.Tensor, workers: int = 2) -> DeltaStream:
+def _stream(layout: Manifest, base: torch.Tensor, new: torch.Tensor, workers: int = 2) -> DeltaStream:
     return DeltaStream(EncoderPool(layout, workers), version=2, base_version=1, base=base, new=new,
                        base_sums=sums(layout, base))  # fmt: skip
 
@@ -157,7 +157,7 @@ def test_streams_are_shared_per_base_and_version_and_old_ones_dropped() -> None:
 def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
     with pytest.raises(ValueError, match=r"WeightSender: delta='sometimes' must be one of \['auto', 'off', 'always'\]"):
         SenderConfig(delta="sometimes")
-    with pytest.raises(ValueError, match=r"WeightSender: delta='never' must be one of"):
+    with pytest.raises(ValueError, match=r"WeightSyncCallback: delta='never' must be one of"):
         CallbackConfig(every_n_steps=1, delta="never")
     assert CallbackConfig(every_n_steps=1, delta="off").sender_config().delta == "off"
     assert SenderConfig().delta == "auto"
@@ -175,10 +175,10 @@ def test_auto_backs_off_after_a_delta_that_did_not_pay() -> None:
 
 
 def test_ring_finds_a_complete_version_by_number() -> None:
-    from lightning_wsync._manifest import build_layout
+    from lightning_wsync._manifest import build_manifest
     from lightning_wsync.transport.ring import SnapshotRing
 
-    layout = build_layout({"w": torch.zeros(100)}, None, 1 << 20)
+    layout = build_manifest({"w": torch.zeros(100)}, None, 1 << 20)
     ring = SnapshotRing(layout, segment=None, device=torch.device("cpu"), slots=2, lease_s=5.0)
     assert ring.find(1) is None
     first = ring.write(1, [torch.zeros(100)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_wsync import WeightSender
-from lightning_wsync._manifest import build_layout
+from lightning_wsync._manifest import build_manifest
 from lightning_wsync.bench._pushmodel import Link, depth, fit, push_time
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.transport.relay import CHUNK_BYTES, chunks
@@ -16,7 +16,7 @@ from lightning_wsync.transport.relay import CHUNK_BYTES, chunks
 
 def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
     tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([3, 700_000, 5, 1_200_000, 17])}
-    layout = build_layout(tensors, None, 2 * 2**20)
+    layout = build_manifest(tensors, None, 2 * 2**20)
     pieces = chunks(layout)
     assert pieces[0][0] == 0 and pieces[-1][1] == layout.total_bytes
     assert all(b == a2 for (_, b, _), (a2, _, _) in itertools.pairwise(pieces))

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from lightning_wsync._manifest import build_layout
+from lightning_wsync._manifest import build_manifest
 from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync._control import check_segment_name
 from lightning_wsync.errors import WeightSyncConfigError
@@ -17,7 +17,7 @@ from lightning_wsync.transport.shm import ShmReader, ShmSegment, SlotRef, remove
 
 
 def _layout():
-    return build_layout({"x": torch.zeros(1024)}, None, 1 << 20)
+    return build_manifest({"x": torch.zeros(1024)}, None, 1 << 20)
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_a_stalled_readers_pin_expires_after_the_lease_and_it_sees_the_overwrite
 
 
 def _pin_and_die(name: str, total: int, ref: tuple[int, int, int]) -> None:
-    layout = build_layout({"x": torch.zeros(total // 4)}, None, 1 << 20)
+    layout = build_manifest({"x": torch.zeros(total // 4)}, None, 1 << 20)
     reader = ShmReader(name, layout)
     assert reader.pin(SlotRef(*ref))
     os._exit(0)  # killed mid-copy: its pin file stays behind

@@ -39,7 +39,7 @@ from types import FrameType
 
 import torch
 
-from lightning_wsync._manifest import build_layout, select_tensors
+from lightning_wsync._manifest import build_manifest, select_tensors
 from lightning_wsync.bench import _hostbench
 from lightning_wsync.bench._bounds import BoundBench
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
@@ -174,8 +174,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     model = build_model(spec, seed=args.seed)
     config = SenderConfig(dtype=args.dtype, bucket_mb=args.bucket_mb)
     tensors = list(select_tensors(model).values())
-    pushed_bytes = build_layout(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
-    fp32_bytes = build_layout(select_tensors(model), None, config.bucket_bytes).total_bytes
+    pushed_bytes = build_manifest(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
+    fp32_bytes = build_manifest(select_tensors(model), None, config.bucket_bytes).total_bytes
     # With a cast, the uncast pushes alternate with the cast ones (two receiver sets) when
     # memory allows, so the machine's drift reaches both alike; else they run afterwards.
     alongside = args.dtype is not None and _fits(

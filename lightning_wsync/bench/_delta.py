@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_wsync._manifest import build_layout, checksum, copy_into, select_tensors
+from lightning_wsync._manifest import build_manifest, checksum, copy_into, select_tensors
 from lightning_wsync.bench._model import ModelSpec
 from lightning_wsync.bench._push import PushRun, PushSample
 from lightning_wsync.bench._steps import GPT2_SPEC, Trainer
@@ -62,7 +62,7 @@ def measure_codec(
     """Train ``pushes`` steps; encode, decode and verify each version's delta; return samples and model facts."""
     trainer = Trainer(spec, lr=lr, seed=seed)
     tensors = select_tensors(trainer.model)
-    layout = build_layout(tensors, dtype, bucket_bytes)
+    layout = build_manifest(tensors, dtype, bucket_bytes)
     ring = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)]  # the sender's two buffers
     held = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # the receiver's copy of the previous version
     copy_into(layout, ring[0], tensors.values())

@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from lightning_wsync._keys import ENV_HOST_ID
 from lightning_wsync.bench._hosts import (
     SimHosts,
     in_session,
@@ -130,7 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     with SimHosts(args.hosts + 1) as hosts:
         for i in range(hosts.n):
             hosts.shape(i, args.link)
-        os.environ["WSYNC_HOST_ID"] = hosts.name(0)
+        os.environ[ENV_HOST_ID] = hosts.name(0)
         hosts.enter(0)  # this thread is the trainer on host 0; the store is hosted at its address
         if not args.no_reference and args.hosts > 1:
             phases["one_host"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=topologies[0])

@@ -38,6 +38,8 @@ from types import TracebackType
 
 from typing_extensions import Self
 
+from lightning_wsync._keys import ENV_ADDR, ENV_HOST_ID
+
 ENV_SESSION = "WSYNC_SIMNET_SESSION"
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
@@ -136,8 +138,8 @@ class SimHosts:
     def env(self, i: int, base: dict[str, str] | None = None) -> dict[str, str]:
         """Environment of a process on host ``i``: its host identity and address."""
         env = dict(os.environ if base is None else base)
-        env["WSYNC_HOST_ID"] = self.name(i)
-        env["WSYNC_ADDR"] = self.address(i)
+        env[ENV_HOST_ID] = self.name(i)
+        env[ENV_ADDR] = self.address(i)
         return env
 
     def up(self) -> None:

@@ -19,39 +19,30 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError, WeightSyncTimeoutError
+from lightning_wsync import WeightSender, WeightSyncClosedError, WeightSyncTimeoutError
 from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
-from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
-from lightning_wsync.bench._push import receiver_model, wait_registered
+from lightning_wsync.bench._procs import BenchError, Children, receive
+from lightning_wsync.bench._push import ReceiverArgs, receiver_child, wait_registered
 
 _SAMPLE_S = 0.001
 
 
-def _follower_main(
-    conn: Connection, store: str, job: str, name: str, spec: ModelSpec, wire: str | None, apply: str,
-    timeout_s: float,
-) -> None:
-    init_child()
-    try:
-        model, wire_dtype = receiver_model(spec, wire)
+def _follower_main(conn: Connection, args: ReceiverArgs) -> None:
+    with receiver_child(conn, args) as child:
         applied: list[tuple[float, int]] = []
-        with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s, apply=apply) as receiver:
-            conn.send(("ready", os.getpid()))
-            want = 0
-            while not conn.poll():
-                try:
-                    version = receiver.wait_for_version(want, timeout_s=0.2)
-                except WeightSyncTimeoutError:
-                    continue
-                except WeightSyncClosedError:
-                    break
-                applied.append((time.monotonic(), version))
-                want = version + 1
-            final = conn.recv()[1]
-            receiver.wait_for_version(final, timeout_s=timeout_s)
-            conn.send(("done", applied, receiver.version, digest(model, wire_dtype)))
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        report_failure(conn, f"receiver {name}")
+        want = 0
+        while not conn.poll():
+            try:
+                version = child.receiver.wait_for_version(want, timeout_s=0.2)
+            except WeightSyncTimeoutError:
+                continue
+            except WeightSyncClosedError:
+                break
+            applied.append((time.monotonic(), version))
+            want = version + 1
+        final = conn.recv()[1]
+        child.receiver.wait_for_version(final, timeout_s=args.timeout_s)
+        conn.send(("done", applied, child.receiver.version, digest(child.model, child.wire_dtype)))
 
 
 def run_interval_phase(
@@ -68,7 +59,7 @@ def run_interval_phase(
                       bucket_mb=bucket_mb, timeout_s=timeout_s) as sender, Children() as children:  # fmt: skip
         address = sender.store_address
         assert address is not None
-        conns = {n: children.start(_follower_main, (address, job, n, spec, dtype, apply, timeout_s),
+        conns = {n: children.start(_follower_main, (ReceiverArgs(address, job, n, spec, dtype, apply, timeout_s),),
                                    name=f"wsync-bench-{n}") for n in names}  # fmt: skip
         for n, conn in conns.items():
             receive(conn, timeout_s, f"receiver {n} to start")

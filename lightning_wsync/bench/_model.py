@@ -102,10 +102,11 @@ def build_model(spec: ModelSpec, *, seed: int | None) -> BenchModel:
 
 
 def mutate(model: nn.Module, version: int) -> None:
-    """Change every tensor in place, so each version has distinct bytes."""
+    """Change every tensor in place, deterministically, so each version has distinct bytes
+    (a step of 0.01 still moves bfloat16 values near 1)."""
     with torch.no_grad():
         for t in model.state_dict().values():
-            t.add_(1e-3 * version)
+            t.add_(0.01 * version if t.is_floating_point() else version)
 
 
 def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -115,7 +116,7 @@ def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def digest(model: nn.Module, wire_dtype: torch.dtype | None = None) -> str:
-    """xxh3-128 of every tensor's bytes, as cast to ``wire_dtype`` when given.
+    """xxh3-128 of every tensor's name and bytes (on any device), as cast to ``wire_dtype`` when given.
 
     A receiver's float32 module that got a bfloat16 push holds bfloat16 values
     exactly, so casting both sides to the wire dtype compares them bit for bit.
@@ -126,5 +127,5 @@ def digest(model: nn.Module, wire_dtype: torch.dtype | None = None) -> str:
         for chunk in _chunks(t):
             if wire_dtype is not None and chunk.is_floating_point() and chunk.dtype != wire_dtype:
                 chunk = chunk.to(wire_dtype)
-            h.update(chunk.contiguous().view(torch.uint8).numpy().data)
+            h.update(chunk.cpu().contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()

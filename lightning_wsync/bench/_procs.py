@@ -71,10 +71,15 @@ def receive(conn: Connection, timeout_s: float, what: str) -> tuple[object, ...]
 
 
 class Children:
-    """Processes started in a ``with`` block; joined (bounded) then killed by PID at its end."""
+    """Processes started in a ``with`` block; joined (bounded) then killed by PID at its end.
+
+    Also the tests' ``children`` fixture: processes started elsewhere (``subprocess``,
+    ``multiprocessing``) are registered with :meth:`track` and SIGKILLed by :meth:`stop`.
+    """
 
     def __init__(self, join_timeout_s: float = 10.0) -> None:
         self._procs: list[BaseProcess] = []
+        self._tracked: list[int] = []
         self._join_timeout_s = join_timeout_s
 
     def start(self, target: Callable[..., None], args: tuple[object, ...], name: str) -> Connection:
@@ -87,9 +92,14 @@ class Children:
         log.debug("started %s pid=%s", name, proc.pid)
         return parent
 
+    def track(self, pid: int) -> int:
+        """Kill ``pid`` at :meth:`stop` too (it is not joined: its starter reaps it)."""
+        self._tracked.append(pid)
+        return pid
+
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs if p.pid is not None] + self._tracked
 
     def stop(self) -> None:
         """Join each child until a shared deadline, then SIGKILL the rest by PID."""
@@ -104,7 +114,13 @@ class Children:
                 except ProcessLookupError:
                     pass
                 proc.join(timeout=5)
+        for pid in self._tracked:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._procs.clear()
+        self._tracked.clear()
 
     def __enter__(self) -> Children:
         return self

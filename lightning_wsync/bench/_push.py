@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
-from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
+from lightning_wsync._keys import ENV_HOST_ID
+from lightning_wsync.bench._memory import MemGrowth, MemSample, growth, reset_peak
 from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
 from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
 from lightning_wsync.config import SenderConfig
@@ -93,33 +95,59 @@ def receiver_model(spec: ModelSpec, wire: str | None) -> tuple[nn.Module, torch.
     return (model if wire_dtype is None else model.to(wire_dtype)), wire_dtype
 
 
-def _receiver_main(
-    conn: Connection, store: str, job: str, name: str, spec: ModelSpec, wire: str | None, apply: str,
-    timeout_s: float,
-) -> None:
+class ReceiverArgs(NamedTuple):
+    """What a bench receiver process is started with."""
+
+    store: str
+    job: str
+    name: str
+    spec: ModelSpec
+    wire: str | None
+    apply: str
+    timeout_s: float
+
+
+class ReceiverChild(NamedTuple):
+    model: nn.Module
+    wire_dtype: torch.dtype | None
+    receiver: WeightReceiver
+    memory: MemSample  # taken once the model was built: what the receiver itself adds grows from here
+
+
+@contextmanager
+def receiver_child(conn: Connection, args: ReceiverArgs) -> Iterator[ReceiverChild]:
+    """A bench receiver process: its model and its receiver (``ready`` sent to the parent);
+    a failure inside is reported to the parent, which raises it."""
     init_child()
     try:
-        model, wire_dtype = receiver_model(spec, wire)
-        base = reset_peak()
-        with WeightReceiver(model, store=store, job=job, name=name, timeout_s=timeout_s, apply=apply) as receiver:
+        model, wire_dtype = receiver_model(args.spec, args.wire)
+        memory = reset_peak()
+        with WeightReceiver(
+            model, store=args.store, job=args.job, name=args.name, timeout_s=args.timeout_s, apply=args.apply
+        ) as receiver:
             conn.send(("ready", os.getpid()))
-            want = 0
-            while True:
-                try:
-                    version = receiver.wait_for_version(want, timeout_s=timeout_s)
-                except WeightSyncClosedError:
-                    break
-                applied_at = time.monotonic()
-                conn.send(("applied", version, applied_at, growth(base).to_json()))
-                # Hash only once every receiver has applied: hashing now would steal CPU from
-                # receivers still copying and inflate the latency being measured.
-                if not conn.poll(timeout_s) or conn.recv() != ("digest",):
-                    raise BenchError(f"bench: receiver {name} got no digest request for version {version}")
-                conn.send(("digest", version, digest(model, wire_dtype)))
-                want = version + 1
-        conn.send(("closed",))
+            yield ReceiverChild(model, wire_dtype, receiver, memory)
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        report_failure(conn, f"receiver {name}")
+        report_failure(conn, f"receiver {args.name}")
+
+
+def _receiver_main(conn: Connection, args: ReceiverArgs) -> None:
+    with receiver_child(conn, args) as child:
+        want = 0
+        while True:
+            try:
+                version = child.receiver.wait_for_version(want, timeout_s=args.timeout_s)
+            except WeightSyncClosedError:
+                break
+            applied_at = time.monotonic()
+            conn.send(("applied", version, applied_at, growth(child.memory).to_json()))
+            # Hash only once every receiver has applied: hashing now would steal CPU from
+            # receivers still copying and inflate the latency being measured.
+            if not conn.poll(args.timeout_s) or conn.recv() != ("digest",):
+                raise BenchError(f"bench: receiver {args.name} got no digest request for version {version}")
+            conn.send(("digest", version, digest(child.model, child.wire_dtype)))
+            want = version + 1
+    conn.send(("closed",))  # after the receiver closed (after an error report too: the parent raised already)
 
 
 class Placement(NamedTuple):
@@ -130,12 +158,12 @@ class Placement(NamedTuple):
     host_id: str
 
 
-def _receiver_on_host(conn: Connection, netns: str, host_id: str, *args: Any) -> None:
+def _receiver_on_host(conn: Connection, netns: str, host_id: str, args: ReceiverArgs) -> None:
     from lightning_wsync.bench._hosts import enter_netns
 
-    os.environ["WSYNC_HOST_ID"] = host_id
+    os.environ[ENV_HOST_ID] = host_id
     enter_netns(netns)  # before any socket: the receiver's store client and links live there
-    _receiver_main(conn, *args)
+    _receiver_main(conn, args)
 
 
 class PushRun:
@@ -202,14 +230,14 @@ class PushRun:
             address = self._sender.store_address
             assert address is not None
             for n in self._names:
-                args = (address, job, n, self._spec, self._dtype, self._apply, self._timeout_s)
+                args = ReceiverArgs(address, job, n, self._spec, self._dtype, self._apply, self._timeout_s)
                 where = self._placement.get(n)
                 if where is not None:
                     self._conns[n] = self._children.start(
-                        _receiver_on_host, (where.netns, where.host_id, *args), name=f"wsync-bench-{n}"
+                        _receiver_on_host, (where.netns, where.host_id, args), name=f"wsync-bench-{n}"
                     )
                 else:
-                    self._conns[n] = self._children.start(_receiver_main, args, name=f"wsync-bench-{n}")
+                    self._conns[n] = self._children.start(_receiver_main, (args,), name=f"wsync-bench-{n}")
             # Many receivers importing torch at once on a few cores start slowly: bound the
             # start-up by the receiver count, not by timeout_s alone.
             startup_s = self._timeout_s * max(1.0, len(self._names) / 4)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from lightning_wsync._manifest import Layout
+from lightning_wsync._manifest import Manifest
 
 
 class ApplyTarget(Protocol):
@@ -46,10 +46,10 @@ class TargetTensors:
         self.target = target
         self._include = tuple(include)
         self._exclude = tuple(exclude)
-        self._layout: Layout | None = None
+        self._layout: Manifest | None = None
         self._tensors: dict[str, torch.Tensor] = {}
 
-    def tensors_for(self, layout: Layout) -> dict[str, torch.Tensor]:
+    def tensors_for(self, layout: Manifest) -> dict[str, torch.Tensor]:
         """Tensors shaped like ``layout``'s selected entries (reused while the layout is the same)."""
         if layout != self._layout:
             self._tensors = {

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -41,6 +41,7 @@ import torch
 from typing_extensions import Self
 
 from lightning_wsync import errors
+from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.errors import WeightSyncError
 
 if TYPE_CHECKING:
@@ -178,8 +179,9 @@ class VllmWeightSync:
         store: ``"host:port"`` of the job's store. Default ``$WSYNC_STORE``.
         job: the job's name on the store. Default ``$WSYNC_JOB``.
         name: receivers appear as ``{name}-w{worker rank}`` in push reports.
-        timeout_s, secret, verify, include, exclude: as for :class:`WeightReceiver`
-            (``secret`` default ``$WSYNC_SECRET``, read in the workers).
+        options: :class:`~lightning_wsync.ReceiverConfig` fields (``timeout_s``, ``secret``,
+            ``verify``, ``include``, ``exclude``), as for :class:`WeightReceiver` (``secret``
+            default ``$WSYNC_SECRET``, read in the workers).
     """
 
     def __init__(
@@ -189,21 +191,15 @@ class VllmWeightSync:
         job: str | None = None,
         *,
         name: str | None = None,
-        timeout_s: float = 30.0,
-        secret: str | None = None,
-        verify: bool = False,
-        include: Sequence[str] = (),
-        exclude: Sequence[str] = (),
+        **options: object,
     ) -> None:
+        # Validated here, before any worker starts: bad input fails in the caller's process.
+        values = config_values(ReceiverConfig, None, {"name": name, **options}, owner="VllmWeightSync")
         self._llm = cast(_Engine, llm)
-        self.timeout_s = timeout_s
+        self.timeout_s = ReceiverConfig(**values).timeout_s
         self.version: int | None = None
-        options: dict[str, Any] = {
-            "name": name, "timeout_s": timeout_s, "secret": secret, "verify": verify,
-            "include": list(include), "exclude": list(exclude),
-        }  # fmt: skip
         try:
-            self.names: list[str] = self._llm.collective_rpc("wsync_start", args=(store, job, options))
+            self.names: list[str] = self._llm.collective_rpc("wsync_start", args=(store, job, values))
         except Exception as exc:
             raise WeightSyncError(
                 f"VllmWeightSync: could not start a receiver in the engine's workers "

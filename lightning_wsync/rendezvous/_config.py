@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+# Exported to every worker of both jobs (workers inherit the agent's environment).
+from lightning_wsync._keys import ENV_JOB, ENV_ROLE, ENV_SECRET, ENV_STORE
+
 __all__ = [
     "ENV_JOB",
     "ENV_ROLE",
@@ -25,11 +28,6 @@ __all__ = [
 Role = Literal["trainer", "rollout"]
 VALID_ROLES: tuple[Role, ...] = get_args(Role)
 
-# Exported to every worker of both jobs (workers inherit the agent's environment).
-ENV_STORE = "WSYNC_STORE"  # "host:port" of the shared control-plane TCPStore
-ENV_JOB = "WSYNC_JOB"  # the --rdzv-id, shared by the trainer and rollout jobs
-ENV_ROLE = "WSYNC_ROLE"  # "trainer" or "rollout"
-ENV_SECRET = "WSYNC_SECRET"  # the job's shared secret; signs the rendezvous state
 
 # torchrun always injects this legacy key (its --rdzv-timeout, default 900); the
 # c10d backend ignores it, and so do we.

@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from typing_extensions import override
 
+from lightning_wsync import _keys as keys
 from lightning_wsync.rendezvous._config import (
     ENV_JOB,
     ENV_ROLE,
@@ -106,10 +107,10 @@ class WsyncRendezvousHandler(RendezvousHandler):
         self._min_nodes = min_nodes
         self._max_nodes = max_nodes
         self._local_addr = local_addr
-        self._epoch_key = f"wsync.rdzv/{job}/{config.role}/epoch"
+        self._epoch_key = keys.rdzv_epoch(job, config.role)
         self._epoch = int(store.add(self._epoch_key, 0))
         # Agents of this job (both roles) using the store, for the host's linger.
-        self._agents_key = f"wsync.rdzv/{job}/agents"
+        self._agents_key = keys.rdzv_agents(job)
         store.add(self._agents_key, 1)
         self._counted = True
         self._inner = self._create_inner(self._epoch)

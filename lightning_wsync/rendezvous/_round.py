@@ -18,12 +18,11 @@ from datetime import timedelta
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
+from lightning_wsync import _keys as keys
+from lightning_wsync._control import tcp_store
+
 __all__ = ["RoundStore"]
 
-# Written by each round's rank 0 in the inner handler's round-scoped store.
-_BOOTSTRAP_KEY = "WSYNC_BOOTSTRAP"
-# Keys of torchrun's agent on the round's store, apart from the workers' "default_pg/".
-_AGENT_KEY_PREFIX = "wsync.agent"
 
 
 class RoundStore:
@@ -59,29 +58,21 @@ class RoundStore:
             assert inner is not None, "DynamicRendezvousHandler returns bootstrap info"
             addr, port = inner.master_addr, inner.master_port
             if use_agent_store:
-                server = TCPStore(
-                    addr,
-                    0,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=self._timeout,
-                )
+                server = tcp_store(addr, 0, serve=True, timeout_s=self._timeout.total_seconds())
                 self._store, port = server, server.port
-            round_store.set(_BOOTSTRAP_KEY, json.dumps({"addr": addr, "port": port}))
+            round_store.set(keys.ROUND_BOOTSTRAP, json.dumps({"addr": addr, "port": port}))
             # Unblocks a joining node whose inner handler waits for the stock keys.
             round_store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr)
             round_store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port))
         else:
-            published = json.loads(round_store.get(_BOOTSTRAP_KEY))
+            published = json.loads(round_store.get(keys.ROUND_BOOTSTRAP))
             addr, port = str(published["addr"]), int(published["port"])
             if use_agent_store:
-                self._store = TCPStore(
-                    addr, port, is_master=False, timeout=self._timeout
-                )
+                self._store = tcp_store(addr, port, serve=False, timeout_s=self._timeout.total_seconds())
         bootstrap = RendezvousStoreInfo(master_addr=addr, master_port=port)
         if self._store is None:
             return bootstrap, round_store
-        return bootstrap, PrefixStore(_AGENT_KEY_PREFIX, self._store)
+        return bootstrap, PrefixStore(keys.AGENT_PREFIX, self._store)
 
     def release(self) -> None:
         """Stop hosting (or drop the connection to) the current round's store."""

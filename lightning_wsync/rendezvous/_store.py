@@ -15,7 +15,6 @@ import logging
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 # torch.distributed re-exports these without marking them public; mypy --strict wants
@@ -30,6 +29,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from typing_extensions import override
 
+from lightning_wsync import _keys as keys
+from lightning_wsync._control import tcp_store
 from lightning_wsync.rendezvous._config import WsyncRendezvousConfig
 
 __all__ = [
@@ -173,7 +174,6 @@ def open_store(
         RendezvousConnectionError: the store cannot be hosted (``is_host=true`` and the
             port is taken) or reached within ``join_timeout``.
     """
-    read_timeout = timedelta(seconds=config.read_timeout_s)
     if config.is_host is not None:
         wants_host = config.is_host
     else:
@@ -182,14 +182,7 @@ def open_store(
         wants_host = config.hosts_by_default and names_this_machine(health.host)
     if wants_host:
         try:
-            store = TCPStore(
-                health.host,
-                health.port,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                timeout=read_timeout,
-            )
+            store = tcp_store(health.host, health.port, serve=True, timeout_s=config.read_timeout_s)
         except (RuntimeError, ValueError) as exc:
             if config.is_host:
                 raise RendezvousConnectionError(
@@ -209,9 +202,7 @@ def open_store(
             return store, True
     health.wait_listening(config.join_timeout_s)
     try:
-        store = TCPStore(
-            health.host, health.port, is_master=False, timeout=read_timeout
-        )
+        store = tcp_store(health.host, health.port, serve=False, timeout_s=config.read_timeout_s)
     except (RuntimeError, ValueError) as exc:
         raise RendezvousConnectionError(
             f"wsync rendezvous: cannot connect to the store at {health.address}: {exc}. "
@@ -267,7 +258,7 @@ class GuardedC10dBackend(C10dRendezvousBackend):
     ) -> None:
         self._health = health
         self._secret = secret
-        self._state_key = "torch.rendezvous." + run_id
+        self._state_key = keys.rdzv_state(run_id)
         health.check()
         super().__init__(store, run_id)
 

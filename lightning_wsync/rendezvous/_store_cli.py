@@ -16,7 +16,6 @@ import logging
 import signal
 import sys
 import threading
-from datetime import timedelta
 from types import FrameType
 
 __all__ = ["add_arguments", "run"]
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 0 after a signal, 1 when the port cannot be bound.
     """
-    from torch._C._distributed_c10d import TCPStore
+    from lightning_wsync._control import tcp_store
 
     host: str = args.host
     port: int = args.port
@@ -63,14 +62,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         try:
-            store = TCPStore(
-                host,
-                port,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=60),
-            )
+            store = tcp_store(host, port, serve=True, timeout_s=60)
         except RuntimeError as exc:
             print(
                 f"lightning-wsync store: cannot listen on {host}:{port}: {exc}",

@@ -1,4 +1,4 @@
-"""Lossless deltas between two versions of one :class:`~lightning_wsync._manifest.Layout`.
+"""Lossless deltas between two versions of one :class:`~lightning_wsync._manifest.Manifest`.
 
 A delta turns the receiver's copy of version ``base`` into version ``v``, bucket by
 bucket, so buckets can be encoded, sent, relayed and decoded as a pipeline. The buffer
@@ -35,7 +35,7 @@ import torch
 import xxhash
 import zstandard
 
-from lightning_wsync._manifest import Layout
+from lightning_wsync._manifest import Manifest
 from lightning_wsync.errors import WeightSyncError
 
 __all__ = [
@@ -77,7 +77,7 @@ def base_digest(sums: Sequence[int]) -> int:
     return int(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(sums)}Q", *(s & (2**64 - 1) for s in sums))))
 
 
-def word_bytes_for(layout: Layout) -> int:
+def word_bytes_for(layout: Manifest) -> int:
     """The element width that covers most of the layout's bytes (2 for a bf16 wire dtype)."""
     by_width: dict[int, int] = {}
     for e in layout.entries:
@@ -115,7 +115,7 @@ class DeltaHeader:
             raise DeltaError(f"delta header starts with {magic!r}, expected {_MAGIC!r} (not a delta, or corrupted)")
         return cls(version, base_version, digest, word, n_buckets, total)
 
-    def check(self, layout: Layout, held_version: int | None, held_digest: int | None) -> None:
+    def check(self, layout: Manifest, held_version: int | None, held_digest: int | None) -> None:
         """Raise unless this delta applies to ``layout`` and to the version held (its digest)."""
         if self.word_bytes not in _WORD_DTYPES:
             raise DeltaError(f"delta word size {self.word_bytes!r} is not one of {sorted(_WORD_DTYPES)}")
@@ -157,7 +157,7 @@ class DeltaEncoder:
     sparse bucket seen, grown on demand (at 5% of bf16 words changed, 0.2x the bucket).
     """
 
-    def __init__(self, layout: Layout, *, word_bytes: int | None = None, level: int = 1) -> None:
+    def __init__(self, layout: Manifest, *, word_bytes: int | None = None, level: int = 1) -> None:
         self.layout = layout
         self.word_bytes = word_bytes_for(layout) if word_bytes is None else word_bytes
         if self.word_bytes not in _WORD_DTYPES:
@@ -248,7 +248,7 @@ class DeltaDecoder:
     """
 
     def __init__(
-        self, layout: Layout, header: DeltaHeader, *, held_version: int | None, held_digest: int | None
+        self, layout: Manifest, header: DeltaHeader, *, held_version: int | None, held_digest: int | None
     ) -> None:
         header.check(layout, held_version, held_digest)
         self.layout = layout

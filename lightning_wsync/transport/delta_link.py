@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.config import DELTA_MODES
 from lightning_wsync.transport.delta import (
     BucketDelta,
@@ -62,7 +62,7 @@ class Held(NamedTuple):
     digest: int
 
     def to_words(self) -> list[int]:
-        return [self.version, _signed(self.digest)]
+        return [self.version, to_int64(self.digest)]
 
     @staticmethod
     def from_words(words: list[int]) -> Held | None:
@@ -109,7 +109,7 @@ class DeltaStats:
 class EncoderPool:
     """A few :class:`DeltaEncoder` (each with its own scratch), so buckets encode in parallel."""
 
-    def __init__(self, layout: Layout, workers: int) -> None:
+    def __init__(self, layout: Manifest, workers: int) -> None:
         self.layout = layout
         self._free = [DeltaEncoder(layout) for _ in range(max(1, workers))]
         self.workers = len(self._free)
@@ -239,7 +239,7 @@ class DeltaStream:
 class DeltaStreams:
     """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
 
-    def __init__(self, layout: Layout, *, keep: int = 2, workers: int = 2) -> None:
+    def __init__(self, layout: Manifest, *, keep: int = 2, workers: int = 2) -> None:
         self._pool = EncoderPool(layout, workers)
         self._streams: dict[tuple[int, int], DeltaStream] = {}
         self._lock = threading.Lock()
@@ -346,7 +346,7 @@ class Received(NamedTuple):
 
 
 def recv_records(
-    pg: PeerGroup, layout: Layout, *, held: Held | None, base: torch.Tensor | None, out: torch.Tensor,
+    pg: PeerGroup, layout: Manifest, *, held: Held | None, base: torch.Tensor | None, out: torch.Tensor,
 ) -> Received:
     """Receive a delta and rebuild it into ``out`` from ``base`` (may be ``out`` itself).
 
@@ -388,7 +388,7 @@ def recv_records(
             error, decoder = str(exc), None
             continue
         a, b = layout.buckets[i]
-        sums.append(_signed(checksum(out, a, b)))
+        sums.append(to_int64(checksum(out, a, b)))
         stats.decode_s += time.perf_counter() - start
     if error is None and base is None:
         error = "no base buffer to rebuild from"
@@ -397,5 +397,5 @@ def recv_records(
     return Received(None if error else sums, error, stats)
 
 
-def _signed(u: int) -> int:
+def to_int64(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u

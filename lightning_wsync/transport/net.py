@@ -28,8 +28,9 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
-from lightning_wsync._control import Control, group_keys
-from lightning_wsync._manifest import Layout, checksum
+from lightning_wsync import _keys as keys
+from lightning_wsync._control import Control
+from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.errors import WeightSyncStoreError
 from lightning_wsync.transport.delta import base_digest
 from lightning_wsync.transport.delta_link import (
@@ -142,7 +143,7 @@ class LinkSilent(Exception):
     """The peer wrote no announcement within ``timeout_s`` while a newer version was out."""
 
 
-def _shutdown(pg: PeerGroup | None) -> None:
+def shutdown_group(pg: PeerGroup | None) -> None:
     if pg is None:
         return
     try:
@@ -151,21 +152,17 @@ def _shutdown(pg: PeerGroup | None) -> None:
         pass
 
 
-def group_prefix(epoch: int, rid: int, gen: int) -> str:
-    return f"pg/{epoch}/{rid}/{gen}/"
-
-
-def _signed(u: int) -> int:
+def to_int64(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-_MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
+MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
 
 
 def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int]) -> list[int]:
     """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
     message = f"{epoch}/{rid}/{version}/{seq}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
-    return list(struct.unpack(f"<{_MAC_WORDS}q", ctl.mac_bytes(message)))
+    return list(struct.unpack(f"<{MAC_WORDS}q", ctl.mac_bytes(message)))
 
 
 class NetSendLink:
@@ -207,7 +204,7 @@ class NetSendLink:
 
     def _run(self) -> None:
         ctl = self._control.clone()
-        prefix = group_prefix(self._epoch, self.rid, self.gen)
+        prefix = keys.link_prefix(self._epoch, self.rid, self.gen)
         pg: Interruptible | None = None
         n = 0
         try:
@@ -218,7 +215,7 @@ class NetSendLink:
             while not self._stop.is_set():
                 # The receiver says when its staging buffer is free: a send it cannot keep
                 # until update() takes it would only be overwritten by the next.
-                ready = prefix + f"ready/{n}"
+                ready = keys.ready(prefix, n)
                 while not ctl.has(ready):
                     if self._stop.wait(_POLL_S):
                         return
@@ -234,7 +231,7 @@ class NetSendLink:
                 if lease is None:
                     return
                 try:
-                    self._send(pg, ctl, prefix + f"ann/{n}", lease)
+                    self._send(pg, ctl, keys.announcement(prefix, n), lease)
                 finally:
                     lease.release()
                 n += 1
@@ -247,7 +244,7 @@ class NetSendLink:
                 self.error = error
                 log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
         finally:
-            _shutdown(pg)
+            shutdown_group(pg)
             forget_notes(ctl, prefix, n)
 
     def _delta_base(self, lease: Lease) -> tuple[DeltaStream, Lease] | None:
@@ -330,7 +327,7 @@ class NetSendLink:
         intact = sums is not None and lease.intact() and base_intact
         if not intact:
             self.superseded += 1
-        words = [_signed(s) for s in (sums or [0] * len(layout.buckets))]
+        words = [to_int64(s) for s in (sums or [0] * len(layout.buckets))]
         mac = trailer_mac(ctl, self._epoch, self.rid, version, seq, words)
         trailer = torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)
         pg.send([trailer.to(device)], 1, 0).wait()
@@ -359,8 +356,8 @@ class NetSendLink:
 
 def forget_notes(ctl: Control, prefix: str, n: int) -> None:
     """Delete what a link that ended at its ``n``-th version may have left on the store."""
-    for key in (f"ready/{n}", f"ann/{n}"):
-        ctl.delete(prefix + key)
+    for key in (keys.ready(prefix, n), keys.announcement(prefix, n)):
+        ctl.delete(key)
 
 
 class NetReceiveLink:
@@ -369,7 +366,7 @@ class NetReceiveLink:
     def __init__(
         self,
         control: Control,
-        layout: Layout,
+        layout: Manifest,
         *,
         epoch: int,
         rid: int,
@@ -402,7 +399,6 @@ class NetReceiveLink:
         self._held: Held | None = None
         self._held_buffer: torch.Tensor | None = None
         self._decode_s: float | None = None
-        self.deltas_applied = 0
         self._newest = newest  # the newest version published, as the watcher last read it
         self._seen: int | None = None  # the newest version whose header arrived, on any generation
         self._n = 0  # the announcement the current generation waits for
@@ -449,11 +445,11 @@ class NetReceiveLink:
         ctl = self._control.clone()
         while not self._stop.is_set():
             try:
-                gen = ctl.add(f"member/{self._rid}/net", 1)
+                gen = ctl.add(keys.member_link(self._rid), 1)
             except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
                 self._stop.wait(_STORE_RETRY_S)
                 continue
-            prefix = group_prefix(self.epoch, self._rid, gen)
+            prefix = keys.link_prefix(self.epoch, self._rid, gen)
             pg: Interruptible | None = None
             self._n = 0
             try:
@@ -465,9 +461,9 @@ class NetReceiveLink:
                     log.info("network link gen=%d ended (%s); rebuilding", gen, str(exc).strip()[:200])
                     self._stop.wait(_REBUILD_PAUSE_S)
             finally:
-                _shutdown(pg)
+                shutdown_group(pg)
                 forget_notes(ctl, prefix, self._n)
-                for key in group_keys(self.epoch, self._rid, gen):  # spent, or never to be joined
+                for key in keys.group_keys(prefix):  # spent, or never to be joined
                     ctl.delete(key)
 
     def _silent(self, waited_s: float) -> bool:
@@ -490,8 +486,8 @@ class NetReceiveLink:
                 # pushes faster than a send, each version received is then applied.
                 self._taken.wait(self._hold_s)
             held = self._held if self._held_buffer is not None and self.device.type != "cuda" else None
-            ctl.set_text(prefix + f"ready/{n}", ready_note(held, self._decode_s))
-            ann = prefix + f"ann/{n}"
+            ctl.set_text(keys.ready(prefix, n), ready_note(held, self._decode_s))
+            ann = keys.announcement(prefix, n)
             waiting_since = time.monotonic()
             while not ctl.has(ann):
                 if self._stop.wait(_POLL_S):
@@ -527,8 +523,8 @@ class NetReceiveLink:
                 for (a, b), work in zip(self.layout.buckets, works):
                     work.wait()
                     if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
-                        sums.append(_signed(checksum(staging, a, b)))
-            trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64, device=device)
+                        sums.append(to_int64(checksum(staging, a, b)))
+            trailer = torch.empty(1 + nb + MAC_WORDS, dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
             values = trailer.cpu().tolist()
@@ -537,8 +533,8 @@ class NetReceiveLink:
                 continue
             sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
             if not hmac.compare_digest(
-                struct.pack(f"<{_MAC_WORDS}q", *mac),
-                struct.pack(f"<{_MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, seq, sent_sums)),
+                struct.pack(f"<{MAC_WORDS}q", *mac),
+                struct.pack(f"<{MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, seq, sent_sums)),
             ):
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue
@@ -558,7 +554,6 @@ class NetReceiveLink:
                 self._taken.clear()
             if not staging.is_cuda:
                 self._held, self._held_buffer = held_of(version, [s & (2**64 - 1) for s in sent_sums]), staging
-            self.deltas_applied += bool(is_delta)
             self._hold_s = time.monotonic() - started
             self._on_staged(version)
 

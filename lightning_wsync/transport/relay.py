@@ -23,8 +23,8 @@
   chunk time per hop. Each hop is its own two-rank gloo group under
   ``relay/<epoch>/pg/<gen>/<rid>/``, so a failed hop fails only itself.
 - **Checks at every hop.** Each leader hashes every bucket as it arrives and accepts a
-  version only when the trailer's generation says the trainer's snapshot was not
-  overwritten mid-send, its MAC (the job secret, over epoch, version, generation and
+  version only when the trailer's snapshot sequence says the trainer's snapshot was not
+  overwritten mid-send, its MAC (the job secret, over epoch, version, snapshot sequence and
   checksums) verifies, and every checksum matches. A leader forwards the trailer as it
   got it, so the hosts behind check the trainer's signature, not their upstream's word.
 - **Failure.** A hop that dies fails at once; one that stalls fails at the group
@@ -57,15 +57,15 @@ import torch
 import xxhash
 
 from lightning_wsync._control import Control, pid_alive
-from lightning_wsync._manifest import Layout, entry_views
+from lightning_wsync._manifest import Manifest, entry_views
 from lightning_wsync._source import Reject, SharedMemorySource, SumsLookup
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.transport.net import (
-    _MAC_WORDS,
+    MAC_WORDS,
     PeerGroup,
-    _shutdown,
-    _signed,
     make_group,
+    shutdown_group,
+    to_int64,
     trailer_mac,
 )
 from lightning_wsync.transport.ring import SnapshotRing
@@ -106,7 +106,7 @@ def hop_prefix(epoch: int, gen: int, rid: int) -> str:
     return f"relay/{epoch}/pg/{gen}/{rid}/"
 
 
-def chunks(layout: Layout) -> list[tuple[int, int, int]]:
+def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
     """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket."""
     out = []
     for i, (a, b) in enumerate(layout.buckets):
@@ -225,7 +225,7 @@ class RelayHead:
                     while not self._stop.is_set() and not self._changed.wait(_CHAIN_POLL_S):
                         pass  # the same generation's hop cannot be joined again: wait for the re-formed chain
             finally:
-                _shutdown(pg)
+                shutdown_group(pg)
 
     def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
         ring, layout = self._ring, self._ring.layout
@@ -247,7 +247,7 @@ class RelayHead:
                     work.wait()
                     lease.touch()
                 intact = sums is not None and lease.intact()
-                words = [_signed(x) for x in (sums or [0] * len(layout.buckets))]
+                words = [to_int64(x) for x in (sums or [0] * len(layout.buckets))]
                 mac = trailer_mac(ctl, self._epoch, _RELAY_RID, version, seq, words)
                 pg.send([torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)], 1, 0).wait()
                 sent, n = version, n + 1
@@ -264,7 +264,7 @@ class RelayHead:
 class HostSegment:
     """The host's ring of verified versions, read as same-host receivers read the trainer's."""
 
-    def __init__(self, epoch: int, layout: Layout, ordered: list[torch.Tensor], name: str) -> None:
+    def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], name: str) -> None:
         self.epoch = epoch
         self.layout = layout
         self._ordered = ordered
@@ -317,7 +317,7 @@ class RelayMember:
     """
 
     def __init__(
-        self, control: Control, layout: Layout, segment: HostSegment, *, epoch: int, rid: int, host: str, job: str,
+        self, control: Control, layout: Manifest, segment: HostSegment, *, epoch: int, rid: int, host: str, job: str,
         backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
     ) -> None:  # fmt: skip
@@ -447,7 +447,7 @@ class RelayMember:
                 self._stop.wait(_CHAIN_POLL_S)
         finally:
             down.close()
-            _shutdown(pg)
+            shutdown_group(pg)
 
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: _Downstream) -> None:
         layout = self.layout
@@ -471,7 +471,7 @@ class RelayMember:
             ctl.delete(ann)
             header = torch.empty(4, dtype=torch.int64)
             pg.recv([header], 0, 0).wait()
-            version, gen, total, count = (int(x) for x in header)
+            version, seq, total, count = (int(x) for x in header)
             if total != layout.total_bytes or count != len(pieces):
                 raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {count} chunks)")
             forward = down.begin(header)
@@ -486,26 +486,26 @@ class RelayMember:
                 # the next chunks back from the next hop (xxh3 streamed equals xxh3 in one go).
                 hasher.update(staging[a:b].numpy().data)
                 if last_piece[bucket] == i:
-                    sums.append(_signed(hasher.intdigest()))
+                    sums.append(to_int64(hasher.intdigest()))
                     hasher = xxhash.xxh3_64()
-            trailer = torch.empty(1 + nb + _MAC_WORDS, dtype=torch.int64)
+            trailer = torch.empty(1 + nb + MAC_WORDS, dtype=torch.int64)
             pg.recv([trailer], 0, 0).wait()
             if forward:
                 down.send(trailer)
             n += 1
-            self._accept(ctl, version, gen, trailer.tolist(), sums, staging)
+            self._accept(ctl, version, seq, trailer.tolist(), sums, staging)
             down.finish()
 
     def _accept(
-        self, ctl: Control, version: int, gen: int, values: list[int], sums: list[int], staging: torch.Tensor
+        self, ctl: Control, version: int, seq: int, values: list[int], sums: list[int], staging: torch.Tensor
     ) -> None:
         nb = len(self.layout.buckets)
-        if values[0] != gen:
+        if values[0] != seq:
             log.debug("relay: version %d was overwritten on the trainer during its send", version)
             return
         sent, mac = values[1 : 1 + nb], values[1 + nb :]
-        expected = trailer_mac(ctl, self._epoch, _RELAY_RID, version, gen, sent)
-        if not hmac.compare_digest(struct.pack(f"<{_MAC_WORDS}q", *mac), struct.pack(f"<{_MAC_WORDS}q", *expected)):
+        expected = trailer_mac(ctl, self._epoch, _RELAY_RID, version, seq, sent)
+        if not hmac.compare_digest(struct.pack(f"<{MAC_WORDS}q", *mac), struct.pack(f"<{MAC_WORDS}q", *expected)):
             self._on_rejected(version, "relayed trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
             return
         bad = [i for i, (x, y) in enumerate(zip(sums, sent)) if x != y]
@@ -620,7 +620,7 @@ class _Downstream:
         self._closed.set()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
-        _shutdown(self._pg)
+        shutdown_group(self._pg)
 
 
 def leader_record(ctl: Control, epoch: int, host: str) -> dict[str, object] | None:
@@ -658,7 +658,7 @@ class RelaySource:
 
 
 def open_relay_source(
-    control: Control, layout: Layout, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
+    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
     rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
 ) -> RelaySource:  # fmt: skip

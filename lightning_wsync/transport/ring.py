@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
+from lightning_wsync._manifest import Manifest, checksum, copy_tensors, entry_views
 from lightning_wsync.transport.shm import PinBoard, ShmSegment, SlotRef
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _WAIT_POLL_S = 0.001
 
 
-def bucket_checksums(buffer: torch.Tensor, layout: Layout) -> list[int]:
+def bucket_checksums(buffer: torch.Tensor, layout: Manifest) -> list[int]:
     """xxh3-64 of every bucket of a CPU buffer."""
     return [checksum(buffer, a, b) for a, b in layout.buckets]
 
@@ -58,7 +58,7 @@ class SnapshotRing:
     """``slots`` preallocated flat buffers; in shared memory when ``segment`` is given."""
 
     def __init__(
-        self, layout: Layout, *, segment: ShmSegment | None, device: torch.device, slots: int = 2, lease_s: float
+        self, layout: Manifest, *, segment: ShmSegment | None, device: torch.device, slots: int = 2, lease_s: float
     ) -> None:
         self.layout = layout
         self.segment = segment

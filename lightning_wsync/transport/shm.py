@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control import open_segment, pid_alive
-from lightning_wsync._manifest import Layout, checksum, copy_tensors, entry_views
+from lightning_wsync._manifest import Manifest, checksum, copy_tensors, entry_views
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ class ReaderPin:
 class ShmReader:
     """A receiver's access to a sender's (or host leader's) ring on this host."""
 
-    def __init__(self, segment_name_: str, layout: Layout) -> None:
+    def __init__(self, segment_name_: str, layout: Manifest) -> None:
         self._segment = ShmSegment(segment_name_, layout.total_bytes, create=False)
         self._layout = layout
         self._views = [entry_views(layout, data) for data in self._segment.data]

@@ -3,7 +3,6 @@ receivers keep their version meanwhile and afterwards receive only higher versio
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import time
@@ -12,16 +11,9 @@ import pytest
 import torch
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError, WeightSyncTimeoutError
+from lightning_wsync.bench._model import digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def test_trainer_restart_from_checkpoint(tmp_path, port, jobs, events):
@@ -53,4 +45,4 @@ def test_trainer_restart_from_checkpoint(tmp_path, port, jobs, events):
     assert starts[1]["restart"] == "1" and starts[1]["resume"] is not None
     assert applied == sorted(set(applied)), applied  # only ever higher versions
     assert applied[-1] == done["step"] == 60
-    assert _digest(policy) == done["digest"]
+    assert digest(policy) == done["digest"]

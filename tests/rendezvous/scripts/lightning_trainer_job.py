@@ -9,7 +9,6 @@ digest of the trained weights.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import time
 from pathlib import Path
 
@@ -20,14 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_wsync import WeightSyncCallback
-
-
-def digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+from lightning_wsync.bench._model import digest
 
 
 class Noise(IterableDataset[torch.Tensor]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_wsync._manifest import build_layout, copy_out, copy_tensors, entry_views
+from lightning_wsync._manifest import build_manifest, copy_out, copy_tensors, entry_views
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -19,7 +19,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def test_fused_copies_cast_and_round_trip_every_dtype_and_stride():
     src = _tensors()
-    layout = build_layout(src, torch.bfloat16, 1 << 20)
+    layout = build_manifest(src, torch.bfloat16, 1 << 20)
     buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     copy_tensors(entry_views(layout, buffer), list(src.values()))
     dst = {k: torch.zeros_like(v) for k, v in src.items()}  # "t" stays non-contiguous

@@ -10,7 +10,7 @@ from lightning_wsync.sender import PushHandle, PushReport
 log = logging.getLogger(__name__)
 
 
-class PushReports:
+class ReportWaiter:
     """Awaits push reports off the training thread, newest push first.
 
     A receiver holding a newer version counts as delivered for every older one, so
