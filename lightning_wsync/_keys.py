@@ -13,7 +13,7 @@ key (under ``wsync/<job>/``)    kind    what
 sender/epoch                    count   each WeightSender takes the next epoch
 sender/current                  JSON    ``{epoch}`` of the newest sender
 sender/<epoch>                  JSON    sender record (host, pid, transport, backend, shm, addr,
-                                        relay, heartbeat_timeout_s)
+                                        relay, heartbeat_timeout_s, timeout_s)
 layout/<epoch>                  JSON    the manifest: tensor table and buckets of that epoch
 latest                          JSON    ``{version, epoch}`` of the newest published version
 v/<version>                     JSON    ``{version, epoch}`` of a published version (newest few)
@@ -22,7 +22,7 @@ closed/<epoch>                  JSON    ``{final}``, set by WeightSender.close()
                                         the sender left without finishing (exception, SIGTERM)
 members/next                    count   each WeightReceiver takes the next rid
 members/low                     JSON    every rid below it is gone and its keys deleted
-member/<rid>                    JSON    member record (name, host, pid, verify)
+member/<rid>                    JSON    member record (name, host, pid, PID namespace, verify)
 member/<rid>/hb                 count   heartbeat
 member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
 member/<rid>/state              JSON    ``{acked, error}``: newest version held, last rejection
@@ -40,7 +40,7 @@ channel/<name>/queue            queue   experience items, MAC-prefixed when a se
 
 Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
-is in use or replaced, ``v/<version>*`` beyond the newest few, and the records of sender
+is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it, ``v/<version>*`` beyond the newest few, and the records of sender
 epochs two or more behind the current one.
 
 Outside any job, the rendezvous backend keeps on the shared store

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_wsync import _keys as keys
-from lightning_wsync._control import Control
+from lightning_wsync._control import Control, pid_namespace
 from lightning_wsync._membership import Membership, MemberState, Rejection, StateReport, decode_state
 
 HOST = "host-a"
@@ -23,7 +23,8 @@ def register(ctl: Control, name: str, *, host: str = HOST, pid: int | None = Non
     """What a WeightReceiver writes when it joins."""
     rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
     ctl.add(keys.member_heartbeat(rid), 1)
-    ctl.set_json(keys.member(rid), {"name": name, "host": host, "pid": os.getpid() if pid is None else pid})
+    record = {"name": name, "host": host, "pid": os.getpid() if pid is None else pid, "pidns": pid_namespace()}
+    ctl.set_json(keys.member(rid), record)
     return rid
 
 
