@@ -35,6 +35,7 @@ from lightning_wsync.transport.delta import (
     DeltaHeader,
     base_digest,
 )
+from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,9 @@ class DeltaStreams:
     """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
 
     def __init__(self, layout: Layout, *, keep: int = 2, workers: int = 2) -> None:
-        self._pool = EncoderPool(layout, workers)
+        self._layout = layout
+        self._workers = workers
+        self._pool: EncoderPool | None = None  # scratch allocated with the first delta
         self._streams: dict[tuple[int, int], DeltaStream] = {}
         self._lock = threading.Lock()
         self._keep = keep
@@ -252,6 +255,8 @@ class DeltaStreams:
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.failed:  # a failed encoding is not served again
+                if self._pool is None:
+                    self._pool = EncoderPool(self._layout, self._workers)
                 stream = self._streams[key] = DeltaStream(
                     self._pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
                 )
@@ -308,6 +313,60 @@ class AutoPolicy:
             self._observed = {v for v in self._observed if v > version - 8} | {version}
             if stats.full_bytes and stats.wire_bytes > AUTO_MAX_WIRE_SHARE * stats.full_bytes:
                 self._full_left = _AUTO_BACKOFF
+
+
+def delta_base(
+    ring: SnapshotRing, deltas: DeltaStreams | None, policy: AutoPolicy, held: Held | None, lease: Lease,
+    peer: str,
+) -> tuple[DeltaStream, Lease] | None:
+    """The delta of ``lease``'s version against what ``peer`` holds, and a lease on that base.
+
+    None (a full version goes out) when deltas are off or not worth it now, the peer
+    holds nothing or something newer, or the ring no longer holds the exact bytes it
+    holds. A peer that holds ``lease``'s version itself gets an empty delta.
+    """  # fmt: skip
+    version = lease.ref.version
+    if deltas is None or held is None or held.version > version or lease.buffer.is_cuda:
+        return None
+    if not policy.want_delta(version):
+        return None
+    ref = ring.find(held.version)
+    base = ring.acquire(ref) if ref is not None else None
+    if base is None:
+        log.debug("version %d to %s in full: base %d no longer in the ring (%s)", version, peer, held.version,
+                  ring.describe())  # fmt: skip
+        return None
+    base_sums = ring.checksums(base)
+    if base_sums is None or base_digest(base_sums) != held.digest:  # same number, other bytes (a restart)
+        log.debug("version %d to %s in full: its %d is other bytes", version, peer, held.version)
+        base.release()
+        return None
+    stream = deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,
+                        base_sums=base_sums)  # fmt: skip
+    return stream, base
+
+
+def send_delta(
+    pg: PeerGroup, ring: SnapshotRing, lease: Lease, stream: DeltaStream, base: Lease, name: str
+) -> list[int] | None:
+    """Send ``stream`` (``base`` to ``lease``'s version); return the full version's checksums for the trailer.
+
+    None when either slot was overwritten meanwhile (the trailer then marks the version
+    superseded). The checksums are computed by a helper thread while the records go out.
+    """
+    def progress() -> None:
+        lease.touch()
+        base.touch()
+
+    hashed: list[list[int] | None] = []
+    hasher = threading.Thread(target=lambda: hashed.append(ring.checksums(lease)), name=f"wsync-hash-{name}",
+                              daemon=True)  # fmt: skip
+    hasher.start()
+    try:
+        send_records(pg, stream, len(ring.layout.buckets), lease.buffer.device, progress=progress)
+    finally:
+        hasher.join()
+    return hashed[0] if hashed and base.intact() else None
 
 
 def send_records(
