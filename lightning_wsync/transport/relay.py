@@ -299,8 +299,7 @@ class RelayHead:
         sent: int | None = None
         n = 0
         while not self._superseded():
-            # Waited for without a bound while there is nothing new to send.
-            held = wait_ready(ctl, prefix + f"ready/{n}", float("inf"), self._superseded, f"leader rid={first}")
+            held = self._wait_ready(ctl, prefix + f"ready/{n}", sent, first)
             lease = None
             while lease is None and not self._superseded():
                 lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
@@ -316,6 +315,24 @@ class RelayHead:
             finally:
                 lease.release()
             sent, n = lease.ref.version, n + 1
+
+    def _wait_ready(self, ctl: Control, key: str, sent: int | None, first: int) -> Held | None:
+        """The first leader's ``ready`` note: waited for without a bound while there is nothing
+        new to send, for ``timeout_s`` once there is (a leader stalled that long fails its hop)."""
+        pending_since: float | None = None
+
+        def abandon() -> bool:
+            nonlocal pending_since
+            newest = self._ring.newest()
+            if newest is not None and (sent is None or newest.version > sent):
+                now = time.monotonic()
+                pending_since = now if pending_since is None else pending_since
+                if now - pending_since > self._timeout_s:
+                    raise TimeoutError(f"leader rid={first} not ready for version {newest.version} "
+                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
+            return self._superseded()
+
+        return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
 
     def _send(
         self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None

@@ -257,7 +257,8 @@ class RelayMember:
             self._on_rejected(msg.version, reason)
         if not accepted:
             return
-        self._receipts[msg.version] = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
+        row = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
+        self._receipts.setdefault(msg.version, row)  # a resend after a chain change keeps the first receipt
         for old in sorted(self._receipts)[:-_RECEIPTS]:
             del self._receipts[old]
         ctl.set_json(received_key(self._epoch, self._rid), {str(v): row for v, row in self._receipts.items()})
