@@ -206,7 +206,7 @@ class WeightSender:
         lease_s = min(cfg.timeout_s, cfg.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
         self._ring = SnapshotRing(self.layout, segment=segment, device=device, slots=2, lease_s=lease_s)
         self._backend = "nccl" if use_device else "gloo"
-        # Deltas between ring slots, for network receivers and the relay (scratch made with the first delta).
+        # Deltas between ring slots, for network receivers and the relay (scratch made with the first peer).
         self._deltas = DeltaStreams(self.layout) if cfg.delta != "off" and not use_device else None
         self._delta_policy = AutoPolicy(cfg.delta)
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s, epoch=self.epoch)
@@ -342,6 +342,8 @@ class WeightSender:
             if member.link is not None:
                 member.link.close(timeout_s=0)
                 self._closed_superseded += member.link.superseded
+            if self._deltas is not None:
+                self._deltas.prepare()
             member.link = NetSendLink(
                 self._ctl, self._ring, epoch=self.epoch, rid=member.rid, gen=gen,
                 backend=self._backend, addr=self._addr, timeout_s=self.config.timeout_s,

@@ -243,20 +243,27 @@ class DeltaStreams:
     def __init__(self, layout: Layout, *, keep: int = 2, workers: int = 2) -> None:
         self._layout = layout
         self._workers = workers
-        self._pool: EncoderPool | None = None  # scratch allocated with the first delta
+        self._pool: EncoderPool | None = None  # scratch allocated with the first network peer
         self._streams: dict[tuple[int, int], DeltaStream] = {}
         self._lock = threading.Lock()
         self._keep = keep
 
+    def prepare(self) -> None:
+        """Allocate (and fault in) the encoders' scratch now: called when a network peer appears,
+        so the first delta does not pay for it."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = EncoderPool(self._layout, self._workers)
+
     def get(
         self, *, version: int, base_version: int, base: torch.Tensor, new: torch.Tensor, base_sums: list[int]
     ) -> DeltaStream:
+        self.prepare()
         key = (base_version, version)
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.failed:  # a failed encoding is not served again
-                if self._pool is None:
-                    self._pool = EncoderPool(self._layout, self._workers)
+                assert self._pool is not None
                 stream = self._streams[key] = DeltaStream(
                     self._pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
                 )

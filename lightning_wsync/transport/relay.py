@@ -294,6 +294,8 @@ class RelayHead:
 
     def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
         ring = self._ring
+        if self._deltas is not None:
+            self._deltas.prepare()
         first = chain.rids[0]
         prefix = hop_prefix(self._epoch, chain.gen, first)
         sent: int | None = None

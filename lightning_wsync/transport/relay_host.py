@@ -257,7 +257,7 @@ class RelayMember:
             self._on_rejected(msg.version, reason)
         if not accepted:
             return
-        row = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
+        row: list[object] = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
         self._receipts.setdefault(msg.version, row)  # a resend after a chain change keeps the first receipt
         for old in sorted(self._receipts)[:-_RECEIPTS]:
             del self._receipts[old]
