@@ -5,7 +5,7 @@ bucket, and any number of links read the records as they appear, so the first li
 send of bucket ``i`` overlaps the encoding of bucket ``i + 1``. On the wire a delta
 follows the full version's header and precedes its trailer:
 
-    per bucket: int64 [record bytes], then the record's bytes (uint8)
+    per bucket: int64 [record bytes], then the record's bytes (uint8, in pieces of 512 KiB)
 
 The receiver rebuilds each bucket as it arrives (into the buffer that holds the base,
 or into another one), hashes it, and the full version's trailer decides, exactly as
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # version's bytes; above it, full versions for _AUTO_BACKOFF pushes, then it tries again.
 AUTO_MAX_WIRE_SHARE = 0.5
 _AUTO_BACKOFF = 8
+RECORD_PIECE_BYTES = 1 << 19  # as the relay's chunks
 
 
 class _Work(Protocol):
@@ -386,21 +387,30 @@ def send_records(
     """  # fmt: skip
     header = torch.frombuffer(bytearray(stream.header.pack()), dtype=torch.uint8)
     pg.send([header.to(device)], 1, 0).wait()
-    pending: list[_Work] = []
+    in_flight: list[list[_Work]] = []
     for i in range(n_buckets):
         record = stream.record(i)
         size = torch.tensor([len(record.payload)], dtype=torch.int64)
-        body = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8)
-        pending.append(pg.send([size.to(device)], 1, 0))
-        pending.append(pg.send([body.to(device)], 1, 0))
-        while len(pending) > 4:  # bounded: at most two buckets in flight
-            pending.pop(0).wait()
+        body = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8).to(device)
+        works = [pg.send([size.to(device)], 1, 0)]
+        works += [pg.send([body[a:b]], 1, 0) for a, b in record_pieces(body.numel())]
+        in_flight.append(works)
+        while len(in_flight) > 2:  # bounded: at most two buckets in flight
+            for work in in_flight.pop(0):
+                work.wait()
             if progress is not None:
                 progress()
-    for work in pending:
-        work.wait()
+    for works in in_flight:
+        for work in works:
+            work.wait()
     if progress is not None:
         progress()
+
+
+def record_pieces(n: int) -> list[tuple[int, int]]:
+    """A record's bytes travel in pieces of at most RECORD_PIECE_BYTES: a relay leader forwards
+    each piece as it arrives, so a large record (a literal bucket) pipelines across hops."""
+    return [(a, min(n, a + RECORD_PIECE_BYTES)) for a in range(0, n, RECORD_PIECE_BYTES)]
 
 
 class Received(NamedTuple):
@@ -440,7 +450,8 @@ def recv_records(
         if not 0 < n <= layout.buckets[i][1] - layout.buckets[i][0] + 64:  # a literal record: bucket + header
             raise RuntimeError(f"delta record {i} claims {n} bytes; the link is out of step")
         body = torch.empty(n, dtype=torch.uint8)
-        pg.recv([body], 0, 0).wait()
+        for work in [pg.recv([body[a:b]], 0, 0) for a, b in record_pieces(n)]:
+            work.wait()
         stats.wire_bytes += 8 + n
         if decoder is None or base is None:
             continue

@@ -29,7 +29,7 @@ import xxhash
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Layout, checksum
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaError, DeltaHeader
-from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note
+from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note, record_pieces
 from lightning_wsync.transport.net import _MAC_WORDS, PeerGroup, _shutdown, _signed, trailer_mac
 from lightning_wsync.transport.relay import (
     DELTA,
@@ -145,11 +145,15 @@ class HopReceiver:
             if not 0 < n <= b - a + 64:  # a literal record: the bucket and its record header
                 raise RuntimeError(f"version {version}: delta record {i} claims {n} bytes; the hop is out of step")
             body = torch.empty(n, dtype=torch.uint8)
-            pg.recv([body], 0, 0).wait()
-            stats.wire_bytes += 8 + n
+            pieces = record_pieces(n)
+            works = [pg.recv([body[pa:pb]], 0, 0) for pa, pb in pieces]
             if mode == DELTA:
                 down.send(size)
-                down.send(body)
+            for (pa, pb), work in zip(pieces, works):
+                work.wait()
+                if mode == DELTA:  # forwarded as it arrives: a large record pipelines across hops
+                    down.send(body[pa:pb])
+            stats.wire_bytes += 8 + n
             if decoder is not None:
                 start = time.perf_counter()
                 try:
