@@ -34,14 +34,18 @@ relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, term, shm}`` of the host's 
                                         of the host id, 16 hex digits); replaced by compare-and-set
 relay/<epoch>/chain             JSON    ``{gen, rids}``: the relay chain's generation and leader rids
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
-relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ann/<n>``, gloo's keys
+relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ready/<n>`` (downstream
+                                        leader: what it holds), ``ann/<n>``, gloo's keys
+relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions (delta or full,
+                                        bytes, decode seconds), for push reports
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
 ==============================  ======  =========================================================
 
 Deleted so the store stays bounded (see :mod:`lightning_wsync._membership`): a gone
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
-is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it, ``v/<version>*`` beyond the newest few, and the records of sender
-epochs two or more behind the current one.
+is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it,
+``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
+behind the current one.
 
 Outside any job, the rendezvous backend keeps on the shared store
 ``wsync.rdzv/<job>/<role>/epoch`` (count: the role's rendezvous epoch),
@@ -174,6 +178,11 @@ def relay_broken(epoch: int, rid: int) -> str:
 def relay_hop_prefix(epoch: int, chain: int, rid: int) -> str:
     """Prefix of the relay hop into leader ``rid`` (``chain``: the chain's generation)."""
     return f"relay/{epoch}/pg/{chain}/{rid}/"
+
+
+def relay_received(epoch: int, rid: int) -> str:
+    """How leader ``rid`` got its last few versions (delta or full, bytes, decode time): push reports."""
+    return f"relay/{epoch}/received/{rid}"
 
 
 def channel_queue(name: str) -> str:

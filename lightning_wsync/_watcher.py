@@ -33,7 +33,7 @@ from lightning_wsync.errors import (
     WeightSyncStoreError,
 )
 from lightning_wsync.transport.net import NetReceiveLink
-from lightning_wsync.transport.relay import open_relay_source
+from lightning_wsync.transport.relay_host import open_relay_source
 
 log = logging.getLogger("lightning_wsync.receiver")
 

@@ -75,7 +75,8 @@ class PushReport:
         dropped: the push found every snapshot slot being read (pushes faster than
             receivers copy) and was not published; the next push carries newer weights.
         delta_receivers: network receivers that got this version as a delta (only the
-            elements changed since the version they held); the others got it in full.
+            elements changed since the version they held; on a relay host: its leader
+            did); the others got it in full.
         delta_bytes: bytes of that delta on the wire (compare with ``bytes``); None when
             no receiver got a delta.
         delta_changed_share: share of the wire dtype's elements that changed.
@@ -193,14 +194,15 @@ class WeightSender:
         lease_s = min(cfg.timeout_s, cfg.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
         self._ring = SnapshotRing(self.layout, segment=segment, device=device, slots=2, lease_s=lease_s)
         self._backend = "nccl" if use_device else "gloo"
-        # Deltas between ring slots, for network receivers (made with the first link).
-        self._deltas: DeltaStreams | None = None
+        # Deltas between ring slots, for network receivers and the relay (scratch made with the first peer).
+        self._deltas = DeltaStreams(self.layout) if cfg.delta != "off" and not use_device else None
         self._delta_policy = AutoPolicy(cfg.delta)
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s, epoch=self.epoch)
         # Receivers on other hosts: one copy into each host, relayed host to host (transport/relay.py).
         self._relay = (
             RelayHead(self._ctl, self._ring, epoch=self.epoch, backend=self._backend, addr=self._addr,
-                      timeout_s=cfg.timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+                      timeout_s=cfg.timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s, deltas=self._deltas,
+                      policy=self._delta_policy)
             if cfg.transport == "auto" and cfg.cross_host == "relay" and not use_device
             else None
         )  # fmt: skip
@@ -329,8 +331,8 @@ class WeightSender:
             if member.link is not None:
                 member.link.close(timeout_s=0)
                 self._closed_superseded += member.link.superseded
-            if self._deltas is None and self.config.delta != "off" and self._backend == "gloo":
-                self._deltas = DeltaStreams(self.layout)
+            if self._deltas is not None:
+                self._deltas.prepare()
             member.link = NetSendLink(
                 self._ctl, self._ring, epoch=self.epoch, rid=member.rid, gen=gen,
                 backend=self._backend, addr=self._addr, timeout_s=self.config.timeout_s,
@@ -386,6 +388,11 @@ class WeightSender:
             time.sleep(min(_COLLECT_POLL_MAX_S, max(_COLLECT_POLL_MIN_S, elapsed / 100)))
         by_delta = [(m.label, m.link.delta_versions[handle.version]) for m in targets
                     if m.link is not None and handle.version in m.link.delta_versions]  # fmt: skip
+        if self._relay is not None and self._deltas is not None:  # relay hosts: how their leader got it
+            with self._report_lock:
+                receipts = self._relay.receipts(self._report_ctl, handle.version)
+            by_delta += [(m.label, receipts[m.host].decode_s) for m in targets
+                         if m.host in receipts and receipts[m.host].delta and m.label not in failed]  # fmt: skip
         stats = self._deltas.stats_for(handle.version) if self._deltas is not None and by_delta else None
         decode_times = [t for _, t in by_delta if t is not None]
         return PushReport(

@@ -92,6 +92,28 @@ def test_round_trip_is_bit_exact_for_every_wire_dtype_and_share(wire: torch.dtyp
         assert SPARSE in modes
 
 
+@pytest.mark.parametrize("word_bytes", [1, 2, 4, 8])
+@pytest.mark.parametrize("share", [0.002, 0.03, 0.2, 0.6])
+def test_changed_words_found_through_8_byte_groups_match_a_word_by_word_count(word_bytes: int, share: float) -> None:
+    """Sparse buckets are searched 8 bytes at a time, dense ones word by word: same changes either way."""
+    layout, tensors = _layout(torch.bfloat16)
+    base = _snapshot(layout, tensors)
+    g = torch.Generator().manual_seed(2)
+    new = base.clone()
+    hit = torch.rand(layout.total_bytes, generator=g) < share / word_bytes  # bytes hit: ~share of the words
+    new[hit] ^= torch.randint(1, 256, (int(hit.sum()),), dtype=torch.uint8, generator=g)
+    enc = DeltaEncoder(layout, word_bytes=word_bytes)
+    header = enc.header(version=2, base_version=1, base_sums=_sums(layout, base))
+    dec = DeltaDecoder(layout, header, held_version=1, held_digest=header.base_digest)
+    out = base.clone()
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word_bytes]
+    for record in enc.encode(base, new):
+        a, b = layout.buckets[record.bucket]
+        assert record.changed == int((base[a:b].view(dtype) != new[a:b].view(dtype)).sum())
+        dec.decode_bucket(record.payload, out, out)
+    assert torch.equal(out, new)
+
+
 def test_structured_changes_first_last_and_consecutive_words() -> None:
     layout, tensors = _layout(torch.bfloat16, bucket_bytes=1 << 20)
     assert len(layout.buckets) == 1

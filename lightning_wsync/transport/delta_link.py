@@ -5,7 +5,7 @@ bucket, and any number of links read the records as they appear, so the first li
 send of bucket ``i`` overlaps the encoding of bucket ``i + 1``. On the wire a delta
 follows the full version's header and precedes its trailer:
 
-    per bucket: int64 [record bytes], then the record's bytes (uint8)
+    per bucket: int64 [record bytes], then the record's bytes (uint8, in pieces of 512 KiB)
 
 The receiver rebuilds each bucket as it arrives (into the buffer that holds the base,
 or into another one), hashes it, and the full version's trailer decides, exactly as
@@ -35,6 +35,7 @@ from lightning_wsync.transport.delta import (
     DeltaHeader,
     base_digest,
 )
+from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 # version's bytes; above it, full versions for _AUTO_BACKOFF pushes, then it tries again.
 AUTO_MAX_WIRE_SHARE = 0.5
 _AUTO_BACKOFF = 8
+RECORD_PIECE_BYTES = 1 << 19  # as the relay's chunks
 
 
 class _Work(Protocol):
@@ -240,18 +242,29 @@ class DeltaStreams:
     """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
 
     def __init__(self, layout: Manifest, *, keep: int = 2, workers: int = 2) -> None:
-        self._pool = EncoderPool(layout, workers)
+        self._layout = layout
+        self._workers = workers
+        self._pool: EncoderPool | None = None  # scratch allocated with the first network peer
         self._streams: dict[tuple[int, int], DeltaStream] = {}
         self._lock = threading.Lock()
         self._keep = keep
 
+    def prepare(self) -> None:
+        """Allocate (and fault in) the encoders' scratch now: called when a network peer appears,
+        so the first delta does not pay for it."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = EncoderPool(self._layout, self._workers)
+
     def get(
         self, *, version: int, base_version: int, base: torch.Tensor, new: torch.Tensor, base_sums: list[int]
     ) -> DeltaStream:
+        self.prepare()
         key = (base_version, version)
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.failed:  # a failed encoding is not served again
+                assert self._pool is not None
                 stream = self._streams[key] = DeltaStream(
                     self._pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
                 )
@@ -310,6 +323,60 @@ class AutoPolicy:
                 self._full_left = _AUTO_BACKOFF
 
 
+def delta_base(
+    ring: SnapshotRing, deltas: DeltaStreams | None, policy: AutoPolicy, held: Held | None, lease: Lease,
+    peer: str,
+) -> tuple[DeltaStream, Lease] | None:
+    """The delta of ``lease``'s version against what ``peer`` holds, and a lease on that base.
+
+    None (a full version goes out) when deltas are off or not worth it now, the peer
+    holds nothing or something newer, or the ring no longer holds the exact bytes it
+    holds. A peer that holds ``lease``'s version itself gets an empty delta.
+    """  # fmt: skip
+    version = lease.ref.version
+    if deltas is None or held is None or held.version > version or lease.buffer.is_cuda:
+        return None
+    if not policy.want_delta(version):
+        return None
+    ref = ring.find(held.version)
+    base = ring.acquire(ref) if ref is not None else None
+    if base is None:
+        log.debug("version %d to %s in full: base %d no longer in the ring (%s)", version, peer, held.version,
+                  ring.describe())  # fmt: skip
+        return None
+    base_sums = ring.checksums(base)
+    if base_sums is None or base_digest(base_sums) != held.digest:  # same number, other bytes (a restart)
+        log.debug("version %d to %s in full: its %d is other bytes", version, peer, held.version)
+        base.release()
+        return None
+    stream = deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,
+                        base_sums=base_sums)  # fmt: skip
+    return stream, base
+
+
+def send_delta(
+    pg: PeerGroup, ring: SnapshotRing, lease: Lease, stream: DeltaStream, base: Lease, name: str
+) -> list[int] | None:
+    """Send ``stream`` (``base`` to ``lease``'s version); return the full version's checksums for the trailer.
+
+    None when either slot was overwritten meanwhile (the trailer then marks the version
+    superseded). The checksums are computed by a helper thread while the records go out.
+    """
+    def progress() -> None:
+        lease.touch()
+        base.touch()
+
+    hashed: list[list[int] | None] = []
+    hasher = threading.Thread(target=lambda: hashed.append(ring.checksums(lease)), name=f"wsync-hash-{name}",
+                              daemon=True)  # fmt: skip
+    hasher.start()
+    try:
+        send_records(pg, stream, len(ring.layout.buckets), lease.buffer.device, progress=progress)
+    finally:
+        hasher.join()
+    return hashed[0] if hashed and base.intact() else None
+
+
 def send_records(
     pg: PeerGroup, stream: DeltaStream, n_buckets: int, device: torch.device,
     progress: Callable[[], None] | None = None,
@@ -320,21 +387,30 @@ def send_records(
     """  # fmt: skip
     header = torch.frombuffer(bytearray(stream.header.pack()), dtype=torch.uint8)
     pg.send([header.to(device)], 1, 0).wait()
-    pending: list[_Work] = []
+    in_flight: list[list[_Work]] = []
     for i in range(n_buckets):
         record = stream.record(i)
         size = torch.tensor([len(record.payload)], dtype=torch.int64)
-        body = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8)
-        pending.append(pg.send([size.to(device)], 1, 0))
-        pending.append(pg.send([body.to(device)], 1, 0))
-        while len(pending) > 4:  # bounded: at most two buckets in flight
-            pending.pop(0).wait()
+        body = torch.frombuffer(bytearray(record.payload), dtype=torch.uint8).to(device)
+        works = [pg.send([size.to(device)], 1, 0)]
+        works += [pg.send([body[a:b]], 1, 0) for a, b in record_pieces(body.numel())]
+        in_flight.append(works)
+        while len(in_flight) > 2:  # bounded: at most two buckets in flight
+            for work in in_flight.pop(0):
+                work.wait()
             if progress is not None:
                 progress()
-    for work in pending:
-        work.wait()
+    for works in in_flight:
+        for work in works:
+            work.wait()
     if progress is not None:
         progress()
+
+
+def record_pieces(n: int) -> list[tuple[int, int]]:
+    """A record's bytes travel in pieces of at most RECORD_PIECE_BYTES: a relay leader forwards
+    each piece as it arrives, so a large record (a literal bucket) pipelines across hops."""
+    return [(a, min(n, a + RECORD_PIECE_BYTES)) for a in range(0, n, RECORD_PIECE_BYTES)]
 
 
 class Received(NamedTuple):
@@ -374,7 +450,8 @@ def recv_records(
         if not 0 < n <= layout.buckets[i][1] - layout.buckets[i][0] + 64:  # a literal record: bucket + header
             raise RuntimeError(f"delta record {i} claims {n} bytes; the link is out of step")
         body = torch.empty(n, dtype=torch.uint8)
-        pg.recv([body], 0, 0).wait()
+        for work in [pg.recv([body[a:b]], 0, 0) for a, b in record_pieces(n)]:
+            work.wait()
         stats.wire_bytes += 8 + n
         if decoder is None or base is None:
             continue

@@ -9,7 +9,7 @@ import os
 import torch
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError
-from lightning_wsync.bench._model import build_model, digest, spec_for_size
+from lightning_wsync.bench._model import ModelSpec, build_model, digest, spec_for_size
 
 
 def emit(path: str, **fields: object) -> None:
@@ -20,6 +20,20 @@ def emit(path: str, **fields: object) -> None:
         os.close(fd)
 
 
+def corrupt_rebuilt(version: int) -> None:
+    """Flip one bit of the first bucket this process rebuilds for ``version`` (as wire corruption would)."""
+    from lightning_wsync.transport import relay_hop
+
+    class Corrupting(relay_hop.DeltaDecoder):
+        def decode_bucket(self, payload, base, out):  # type: ignore[no-untyped-def]
+            decoded = super().decode_bucket(payload, base, out)
+            if self.header.version == version and decoded.bucket == 0:
+                out[self.layout.buckets[0][0]] ^= 0x10
+            return decoded
+
+    relay_hop.DeltaDecoder = Corrupting  # type: ignore[misc]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
@@ -28,9 +42,17 @@ def main() -> int:
     parser.add_argument("--size-mb", type=float, required=True)
     parser.add_argument("--events", required=True)
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--spec", default=None, help="d_model,vocab,layers (instead of --size-mb)")
+    parser.add_argument("--wire-dtype", default=None, help="digest as cast to this dtype (the sender's dtype=)")
+    parser.add_argument("--corrupt-version", type=int, default=None,
+                        help="as a host leader, flip a bit of this version while rebuilding it from a delta")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = build_model(spec_for_size(args.size_mb), seed=None)
+    if args.corrupt_version is not None:
+        corrupt_rebuilt(args.corrupt_version)
+    spec = spec_for_size(args.size_mb) if args.spec is None else ModelSpec(*(int(x) for x in args.spec.split(",")))
+    model = build_model(spec, seed=None)
+    wire = None if args.wire_dtype is None else getattr(torch, args.wire_dtype)
     with WeightReceiver(
         model, store=args.store, job=args.job, name=args.name, timeout_s=args.timeout_s
     ) as receiver:
@@ -48,7 +70,7 @@ def main() -> int:
             except WeightSyncClosedError:
                 return 0
             emit(args.events, event="applied", name=args.name, pid=os.getpid(), version=held,
-                 digest=digest(model, None))  # fmt: skip
+                 digest=digest(model, wire))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,320 @@
+"""A host leader's hops: receive each version from upstream, rebuild and verify it, forward it downstream.
+
+The leader's staging buffer holds the version being received and, between messages, the
+last version it accepted: the base of the next delta, rebuilt in place (no second copy).
+What goes downstream is decided per message from the next leader's ``ready`` note:
+
+- a full version arrives: forwarded chunk by chunk as it arrives;
+- a delta arrives and the next leader holds its base: the records are forwarded as they
+  arrive, before this leader decodes them, so a delta crosses the chain about as fast
+  as one record per hop;
+- a delta arrives and the next leader holds anything else: each bucket is forwarded as
+  soon as it is rebuilt here, as a full version. When this leader cannot rebuild it,
+  the trailer it forwards says so (first word -1) and the next leader drops the version
+  without a rejection; the trailer's signed words are forwarded as they came.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import struct
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+import xxhash
+
+from lightning_wsync import _keys as keys
+from lightning_wsync._control import Control
+from lightning_wsync._manifest import Manifest, checksum
+from lightning_wsync.transport.delta import DeltaDecoder, DeltaError, DeltaHeader
+from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note, record_pieces
+from lightning_wsync.transport.net import MAC_WORDS, PeerGroup, shutdown_group, to_int64, trailer_mac
+from lightning_wsync.transport.relay import (
+    DELTA,
+    FULL,
+    HEADER_WORDS,
+    RELAY_RID,
+    Chain,
+    Superseded,
+    chunks,
+    error_text,
+    hop_header,
+    join_hop,
+    read_chain,
+    wait_ready,
+)
+
+log = logging.getLogger(__name__)
+
+_DOWNSTREAM_CONNECT_S = 2.0  # a version arriving before the next hop is connected waits this long for it
+
+
+class Message(NamedTuple):
+    """One version as it came in on a hop, before its checks."""
+
+    version: int
+    seq: int
+    delta: bool
+    trailer: list[int]
+    sums: list[int] | None  # checksums of the buckets as received or rebuilt; None: not rebuilt
+    error: str | None  # why a delta was not rebuilt
+    stats: DeltaStats
+
+
+class HopReceiver:
+    """A leader's receiving side: stages, rebuilds, forwards and checks one version at a time."""
+
+    def __init__(self, layout: Manifest) -> None:
+        self.layout = layout
+        self.staging = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # touched now, not mid-receive
+        self.held: Held | None = None  # what staging holds intact between messages
+        self._pieces = chunks(layout)
+        self._bucket_pieces: list[list[tuple[int, int]]] = [[] for _ in layout.buckets]
+        for a, b, bucket in self._pieces:
+            self._bucket_pieces[bucket].append((a, b))
+
+    def ready_note(self) -> str:
+        return ready_note(self.held, None)
+
+    def receive(self, pg: PeerGroup, down: Downstream) -> Message:
+        """Receive one announced version, forwarding it as it comes; raises when the hop is out of step."""
+        layout = self.layout
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        pg.recv([header], 0, 0).wait()
+        version, seq, total, pieces, kind = (int(x) for x in header)
+        want = len(self._pieces) if kind == FULL else len(layout.buckets)
+        if kind not in (FULL, DELTA) or total != layout.total_bytes or pieces != want:
+            raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {pieces} pieces, kind {kind})")
+        if kind == FULL:
+            return self._receive_full(pg, version, seq, down.begin(version, seq, None, None), down)
+        raw = torch.empty(DeltaHeader.SIZE, dtype=torch.uint8)
+        pg.recv([raw], 0, 0).wait()
+        try:
+            delta: DeltaHeader | None = DeltaHeader.unpack(raw.numpy().tobytes())
+            error = None
+        except DeltaError as exc:
+            delta, error = None, str(exc)
+        mode = down.begin(version, seq, delta, raw)
+        return self._receive_delta(pg, version, seq, delta, error, mode, down)
+
+    def _receive_full(self, pg: PeerGroup, version: int, seq: int, mode: int | None, down: Downstream) -> Message:
+        staging, layout = self.staging, self.layout
+        self.held = None  # rewritten from here on
+        works = [pg.recv([staging[a:b]], 0, 0) for a, b, _ in self._pieces]
+        sums: list[int] = []
+        hasher = xxhash.xxh3_64()
+        last = {bucket: i for i, (_, _, bucket) in enumerate(self._pieces)}
+        for i, ((a, b, bucket), work) in enumerate(zip(self._pieces, works)):
+            work.wait()
+            if mode is not None:
+                down.send(staging[a:b])
+            # Hash chunk by chunk after forwarding it: a whole bucket hashed at once would hold
+            # the next chunks back from the next hop (xxh3 streamed equals xxh3 in one go).
+            hasher.update(staging[a:b].numpy().data)
+            if last[bucket] == i:
+                sums.append(to_int64(hasher.intdigest()))
+                hasher = xxhash.xxh3_64()
+        trailer = self._trailer(pg, down, mode, rebuilt=True)
+        stats = DeltaStats(changed_share=1.0, wire_bytes=layout.total_bytes, full_bytes=layout.total_bytes)
+        return Message(version, seq, False, trailer, sums, None, stats)
+
+    def _receive_delta(
+        self, pg: PeerGroup, version: int, seq: int, delta: DeltaHeader | None, error: str | None,
+        mode: int | None, down: Downstream,
+    ) -> Message:  # fmt: skip
+        staging, layout, held = self.staging, self.layout, self.held
+        stats = DeltaStats(wire_bytes=DeltaHeader.SIZE, full_bytes=layout.total_bytes)
+        decoder: DeltaDecoder | None = None
+        if delta is not None:
+            try:
+                decoder = DeltaDecoder(layout, delta, held_version=None if held is None else held.version,
+                                       held_digest=None if held is None else held.digest)  # fmt: skip
+                self.held = None  # rebuilt in place from here on
+            except DeltaError as exc:  # nothing written: staging still holds what it held
+                error = str(exc)
+        sums: list[int] = []
+        changed = 0
+        for i, (a, b) in enumerate(layout.buckets):
+            size = torch.empty(1, dtype=torch.int64)
+            pg.recv([size], 0, 0).wait()
+            n = int(size[0])
+            if not 0 < n <= b - a + 64:  # a literal record: the bucket and its record header
+                raise RuntimeError(f"version {version}: delta record {i} claims {n} bytes; the hop is out of step")
+            body = torch.empty(n, dtype=torch.uint8)
+            pieces = record_pieces(n)
+            works = [pg.recv([body[pa:pb]], 0, 0) for pa, pb in pieces]
+            if mode == DELTA:
+                down.send(size)
+            for (pa, pb), work in zip(pieces, works):
+                work.wait()
+                if mode == DELTA:  # forwarded as it arrives: a large record pipelines across hops
+                    down.send(body[pa:pb])
+            stats.wire_bytes += 8 + n
+            if decoder is not None:
+                start = time.perf_counter()
+                try:
+                    decoded = decoder.decode_bucket(body.numpy().data, staging, staging)
+                    if decoded.bucket != i:
+                        raise DeltaError(f"delta record {i} names bucket {decoded.bucket}")
+                    changed += decoded.changed
+                    sums.append(to_int64(checksum(staging, a, b)))
+                except DeltaError as exc:
+                    error, decoder = str(exc), None
+                stats.decode_s += time.perf_counter() - start
+            if mode == FULL:
+                for pa, pb in self._bucket_pieces[i]:
+                    down.send(staging[pa:pb])
+        if delta is not None:
+            stats.changed_share = changed / max(1, layout.total_bytes // delta.word_bytes)
+        trailer = self._trailer(pg, down, mode, rebuilt=decoder is not None)
+        return Message(version, seq, True, trailer, None if decoder is None else sums, error, stats)
+
+    def _trailer(self, pg: PeerGroup, down: Downstream, mode: int | None, *, rebuilt: bool) -> list[int]:
+        trailer = torch.empty(1 + len(self.layout.buckets) + MAC_WORDS, dtype=torch.int64)
+        pg.recv([trailer], 0, 0).wait()
+        if mode is not None:
+            out = trailer
+            if mode == FULL and not rebuilt:  # what went down is not this version: the next leader drops it
+                out = trailer.clone()
+                out[0] = -1
+            down.send(out)
+        return [int(x) for x in trailer.tolist()]
+
+    def check(self, ctl: Control, epoch: int, msg: Message) -> tuple[bool, str | None]:
+        """Accept ``msg`` (staging then holds it) or say why not: (accepted, rejection reason or None)."""
+        nb = len(self.layout.buckets)
+        values = msg.trailer
+        if values[0] != msg.seq:
+            log.debug("relay: version %d was overwritten on the trainer during its send, or not rebuilt upstream",
+                      msg.version)  # fmt: skip
+            return False, None
+        sent, mac = values[1 : 1 + nb], values[1 + nb :]
+        expected = trailer_mac(ctl, epoch, RELAY_RID, msg.version, msg.seq, sent)
+        if not hmac.compare_digest(struct.pack(f"<{MAC_WORDS}q", *mac), struct.pack(f"<{MAC_WORDS}q", *expected)):
+            return False, "relayed trailer not signed with this job's secret (secret= / WSYNC_SECRET)"
+        if msg.error is not None or msg.sums is None:
+            return False, f"delta not applied on the relay ({msg.error}); the next version comes in full"
+        bad = [i for i, (x, y) in enumerate(zip(msg.sums, sent)) if x != y]
+        if bad:
+            a, b = self.layout.buckets[bad[0]]
+            return False, f"checksum mismatch on the relay in {len(bad)} bucket(s), first bytes [{a}, {b})"
+        self.held = held_of(msg.version, [s & (2**64 - 1) for s in sent])
+        return True, None
+
+
+class Downstream:
+    """This leader's hop to the next one in the chain: connected in the background, never waited on long."""
+
+    def __init__(
+        self, ctl: Control, epoch: int, chain: Chain, pos: int, layout: Manifest, backend: str, addr: str,
+        timeout_s: float,
+    ) -> None:  # fmt: skip
+        self._ctl = ctl
+        self._epoch = epoch
+        self._layout = layout
+        self._timeout_s = timeout_s
+        self._rid = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
+        self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.gen, self._rid)
+        self._pg: PeerGroup | None = None
+        self._works: list[object] = []
+        self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
+        self._n = 0  # messages announced on this hop
+        self._broken = False
+        self._ready = threading.Event()
+        self._closed = threading.Event()
+        self._gen = chain.gen
+        self._connector: threading.Thread | None = None
+        if self._rid is not None:
+            self._connector = threading.Thread(
+                target=self._connect, args=(backend, addr), name=f"wsync-relay-down-{self._rid}", daemon=True
+            )
+            self._connector.start()
+
+    def _connect(self, backend: str, addr: str) -> None:
+        assert self._prefix is not None
+        ctl = self._ctl.clone()
+
+        def superseded() -> bool:
+            current = read_chain(ctl, self._epoch)
+            return self._closed.is_set() or current is None or current.gen != self._gen
+
+        try:
+            self._pg = join_hop(ctl, self._prefix, 0, backend, addr, self._timeout_s, superseded)
+        except Superseded:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the next leader never came: drop it from the chain
+            self._fail(exc)
+        finally:
+            self._ready.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._broken and self._rid is not None:
+            self._broken = True
+            log.warning("relay: hop to leader rid=%d failed: %s", self._rid, error_text(exc))
+            try:
+                self._ctl.set_text(keys.relay_broken(self._epoch, self._rid), "1")
+            except RuntimeError:
+                pass
+
+    def begin(self, version: int, seq: int, delta: DeltaHeader | None, raw: torch.Tensor | None) -> int | None:
+        """Announce ``version`` downstream; how it goes (FULL, DELTA), or None when there is no usable next hop.
+
+        A delta goes on as a delta only when the next leader holds its exact base.
+        """
+        if self._rid is None or self._broken:
+            return None
+        if not self._ready.wait(_DOWNSTREAM_CONNECT_S) or self._pg is None:
+            return None
+        assert self._prefix is not None
+        try:
+            held = wait_ready(self._ctl, keys.ready(self._prefix, self._n), self._timeout_s, self._closed.is_set,
+                              f"leader rid={self._rid}")  # fmt: skip
+            kind = FULL
+            if delta is not None and raw is not None and held == Held(delta.base_version, delta.base_digest):
+                kind = DELTA
+            self._ctl.set_text(keys.announcement(self._prefix, self._n), "1")
+            self._n += 1
+            header = hop_header(version, seq, self._layout, kind)
+            self._works, self._sending = [], []
+            self.send(header)
+            if kind == DELTA:
+                assert raw is not None
+                self.send(raw)
+            log.debug("relay: version %d on to rid=%d %s", version, self._rid, "as a delta" if kind else "in full")
+            return kind
+        except Superseded:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return None
+
+    def send(self, piece: torch.Tensor) -> None:
+        if self._broken or self._pg is None:
+            return
+        try:
+            self._works.append(self._pg.send([piece], 1, 0))
+            self._sending.append(piece)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def finish(self) -> None:
+        """Wait for this version's sends (bounded by the group timeout)."""
+        works, self._works = self._works, []
+        try:
+            for work in works:
+                try:
+                    work.wait()  # type: ignore[attr-defined]
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(exc)
+                    return
+        finally:
+            self._sending = []
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._connector is not None:
+            self._connector.join(timeout=1.0)
+        shutdown_group(self._pg)
