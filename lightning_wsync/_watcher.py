@@ -49,6 +49,13 @@ class Published(NamedTuple):
     epoch: int
 
 
+class PublishedSums(NamedTuple):
+    """A published version's bucket checksums, fetched for ``update()`` with ``verify``."""
+
+    version: int
+    sums: list[int]
+
+
 class ReceiverWatcher:
     """The watcher thread's steps, over the state a :class:`WeightReceiver` holds."""
 
@@ -69,7 +76,7 @@ class ReceiverWatcher:
     _latest: Published | None
     _error: WeightSyncError | None
     _last_refusal: str
-    _sums: tuple[int, list[int]] | None
+    _sums: PublishedSums | None
     _store_lost_since: float | None
     _rejected_version: int
     _refused_epochs: set[int]
@@ -175,16 +182,16 @@ class ReceiverWatcher:
 
     def _published_sums(self, version: int) -> list[int] | None:
         held = self._sums
-        return held[1] if held is not None and held[0] == version else None
+        return held.sums if held is not None and held.version == version else None
 
     def _follow_sums(self, ctl: Control) -> None:
         """With ``verify``, fetch the checksums of the newest shared version for update()."""
-        latest = self._latest
-        if not self.config.verify or latest is None or (self._sums is not None and self._sums[0] == latest.version):
+        latest, held = self._latest, self._sums
+        if not self.config.verify or latest is None or (held is not None and held.version == latest.version):
             return
         record = ctl.get_json(keys.version_sums(latest.version))
         if record is not None and int(record["version"]) == latest.version:
-            self._sums = (latest.version, [int(s) for s in record["sums"]])
+            self._sums = PublishedSums(latest.version, [int(s) for s in record["sums"]])
             with self._cond:
                 self._cond.notify_all()
 

@@ -40,7 +40,7 @@ from lightning_wsync._control import (
 from lightning_wsync._manifest import select_tensors
 from lightning_wsync._membership import StateReport
 from lightning_wsync._source import ReceiveSource
-from lightning_wsync._watcher import SLOW_POLL_S, Published, ReceiverWatcher
+from lightning_wsync._watcher import SLOW_POLL_S, Published, PublishedSums, ReceiverWatcher
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._target import ApplyTarget, TargetTensors
 from lightning_wsync.errors import (
@@ -103,7 +103,7 @@ class WeightReceiver(ReceiverWatcher):
         self._latest: Published | None = None  # the newest version announced on the store
         self._error: WeightSyncError | None = None
         self._last_refusal = ""
-        self._sums: tuple[int, list[int]] | None = None  # (version, checksums) with verify
+        self._sums: PublishedSums | None = None  # with verify
         self._store_lost_since: float | None = None
         self._rejected_version = -2
         self._refused_epochs: set[int] = set()

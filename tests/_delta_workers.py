@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_wsync._manifest import Manifest, build_manifest, checksum
 from lightning_wsync.transport.delta_link import Held, held_of, recv_records
-from lightning_wsync.transport.net import make_group
+from lightning_wsync.transport.group import make_group
 
 
 def sums(layout: Manifest, buffer: torch.Tensor) -> list[int]:

@@ -24,12 +24,11 @@ from lightning_wsync.transport.delta_link import (
     DeltaStreams,
     EncoderPool,
     Held,
-    PeerGroup,
     parse_ready_note,
     ready_note,
     send_records,
 )
-from lightning_wsync.transport.net import make_group
+from lightning_wsync.transport.group import PeerGroup, make_group
 
 pytestmark = pytest.mark.timeout(90)
 CTX = mp.get_context("spawn")

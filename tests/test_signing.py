@@ -12,7 +12,7 @@ from lightning_wsync import WeightSyncAuthError
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter
-from lightning_wsync.transport.net import trailer_mac
+from lightning_wsync.transport.group import trailer_mac
 
 
 def _control(store: dist.Store, secret: bytes | None, job: str = "j") -> Control:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +35,7 @@ from lightning_wsync.transport.delta import (
     DeltaHeader,
     base_digest,
 )
+from lightning_wsync.transport.group import PeerGroup, Work, to_int64
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 log = logging.getLogger(__name__)
@@ -46,33 +47,11 @@ _AUTO_BACKOFF = 8
 RECORD_PIECE_BYTES = 1 << 19  # as the relay's chunks
 
 
-class _Work(Protocol):
-    def wait(self) -> bool: ...
-
-
-class PeerGroup(Protocol):
-    """What a link uses of a standalone two-rank gloo group."""
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _Work: ...
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work: ...
-
-
 class Held(NamedTuple):
     """The version a receiver holds intact, named by number and by its bucket checksums' digest."""
 
     version: int
     digest: int
-
-    def to_words(self) -> list[int]:
-        return [self.version, to_int64(self.digest)]
-
-    @staticmethod
-    def from_words(words: list[int]) -> Held | None:
-        return None if words[0] < 0 else Held(int(words[0]), int(words[1]) & (2**64 - 1))
-
-    @staticmethod
-    def none_words() -> list[int]:
-        return [-1, 0]
 
 
 def held_of(version: int, sums: list[int]) -> Held:
@@ -387,7 +366,7 @@ def send_records(
     """  # fmt: skip
     header = torch.frombuffer(bytearray(stream.header.pack()), dtype=torch.uint8)
     pg.send([header.to(device)], 1, 0).wait()
-    in_flight: list[list[_Work]] = []
+    in_flight: list[list[Work]] = []
     for i in range(n_buckets):
         record = stream.record(i)
         size = torch.tensor([len(record.payload)], dtype=torch.int64)
@@ -473,6 +452,3 @@ def recv_records(
         stats.changed_share = changed / max(1, layout.total_bytes // decoder.header.word_bytes)
     return Received(None if error else sums, error, stats)
 
-
-def to_int64(u: int) -> int:
-    return u - (1 << 64) if u >= (1 << 63) else u

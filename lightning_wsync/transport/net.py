@@ -22,27 +22,33 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Protocol, cast
 
 import torch
-import torch.distributed as dist
 
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.errors import WeightSyncStoreError
-from lightning_wsync.transport.delta import base_digest
 from lightning_wsync.transport.delta_link import (
     AutoPolicy,
     DeltaStream,
     DeltaStreams,
     Held,
+    delta_base,
     held_of,
     parse_ready_note,
     ready_note,
     recv_records,
     send_records,
+)
+from lightning_wsync.transport.group import (
+    MAC_WORDS,
+    Interruptible,
+    PeerGroup,
+    make_group,
+    shutdown_group,
+    to_int64,
+    trailer_mac,
 )
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 
@@ -53,116 +59,8 @@ _REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing a
 _STORE_RETRY_S = 1.0
 
 
-class _Work(Protocol):
-    def wait(self) -> bool: ...
-
-
-class _TimedWork(Protocol):
-    def wait(self, timeout: timedelta) -> bool: ...
-
-
-class PeerGroup(Protocol):
-    """What this module uses of a standalone gloo/NCCL backend object."""
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _Work: ...
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work: ...
-    def abort(self) -> None: ...
-
-
-def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s: float) -> PeerGroup:
-    """A standalone two-rank group; blocks (GIL released) until the peer joins or timeout."""
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from stubs
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
-        return cast(PeerGroup, dist.ProcessGroupGloo(store, rank, 2, opts))
-    if backend == "nccl":
-        nccl_opts = dist.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timeout
-        return cast(PeerGroup, dist.ProcessGroupNCCL(store, rank, 2, nccl_opts))
-    raise ValueError(f"unknown network backend {backend!r}; expected 'gloo' or 'nccl'")
-
-
-class Interruptible:
-    """A peer group whose blocked waits another thread can end.
-
-    gloo's ``abort()`` wakes no waiter; a wait that times out closes the pair, and that
-    wakes every wait on it. :meth:`interrupt` does so, so a link stops at once on close
-    instead of at ``timeout_s`` (one stalled peer each, in turn, was N x timeout_s).
-    """
-
-    def __init__(self, pg: PeerGroup, backend: str) -> None:
-        self._pg = pg
-        self._gloo = backend == "gloo"  # NCCL's timed wait is not known to end only this pair: left alone
-        self._waiting: set[_Work] = set()
-        self._lock = threading.Lock()
-        self._interrupted = False
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _Work:
-        return _Tracked(self, self._pg.send(tensors, dst_rank, tag))
-
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work:
-        return _Tracked(self, self._pg.recv(tensors, src_rank, tag))
-
-    def abort(self) -> None:
-        self._pg.abort()
-
-    def interrupt(self) -> None:
-        with self._lock:
-            self._interrupted = True
-            waiting = list(self._waiting) if self._gloo else []
-        for work in waiting:
-            try:
-                cast(_TimedWork, work).wait(timedelta(milliseconds=1))
-            except (RuntimeError, TypeError):  # the expected timeout; TypeError: a wrapper without timeout=
-                pass
-
-    def _wait(self, work: _Work) -> bool:
-        with self._lock:
-            if self._interrupted:
-                raise RuntimeError("link closed")
-            self._waiting.add(work)
-        try:
-            return work.wait()
-        finally:
-            with self._lock:
-                self._waiting.discard(work)
-
-
-class _Tracked:
-    def __init__(self, owner: Interruptible, work: _Work) -> None:
-        self._owner = owner
-        self._work = work
-
-    def wait(self) -> bool:
-        return self._owner._wait(self._work)
-
-
 class LinkSilent(Exception):
     """The peer wrote no announcement within ``timeout_s`` while a newer version was out."""
-
-
-def shutdown_group(pg: PeerGroup | None) -> None:
-    if pg is None:
-        return
-    try:
-        pg.abort()
-    except RuntimeError:
-        pass
-
-
-def to_int64(u: int) -> int:
-    return u - (1 << 64) if u >= (1 << 63) else u
-
-
-MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
-
-
-def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int]) -> list[int]:
-    """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
-    message = f"{epoch}/{rid}/{version}/{seq}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
-    return list(struct.unpack(f"<{MAC_WORDS}q", ctl.mac_bytes(message)))
 
 
 class NetSendLink:
@@ -247,34 +145,8 @@ class NetSendLink:
             shutdown_group(pg)
             forget_notes(ctl, prefix, n)
 
-    def _delta_base(self, lease: Lease) -> tuple[DeltaStream, Lease] | None:
-        """The delta of ``lease``'s version against what the receiver holds, and a lease on that base.
-
-        None (a full version goes out) when deltas are off or not worth it now, the
-        receiver holds nothing, or the ring no longer holds the exact bytes it holds.
-        """
-        held, version = self._held, lease.ref.version
-        if self._deltas is None or held is None or held.version >= version or lease.buffer.is_cuda:
-            return None
-        if not self._policy.want_delta(version):
-            return None
-        ref = self._ring.find(held.version)
-        base = self._ring.acquire(ref) if ref is not None else None
-        if base is None:
-            log.debug("version %d to rid=%d in full: base %d no longer in the ring (%s)", version, self.rid,
-                      held.version, self._ring.describe())  # fmt: skip
-            return None
-        base_sums = self._ring.checksums(base)
-        if base_sums is None or base_digest(base_sums) != held.digest:  # same number, other bytes (a restart)
-            log.debug("version %d to rid=%d in full: the receiver's %d is other bytes", version, self.rid, held.version)
-            base.release()
-            return None
-        stream = self._deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,
-                                  base_sums=base_sums)  # fmt: skip
-        return stream, base
-
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
-        delta = self._delta_base(lease)
+        delta = delta_base(self._ring, self._deltas, self._policy, self._held, lease, f"rid={self.rid}")
         try:
             self._send_version(pg, ctl, ann_key, lease, delta)
         finally:

@@ -74,7 +74,7 @@ from lightning_wsync.transport.delta_link import (
     parse_ready_note,
     send_delta,
 )
-from lightning_wsync.transport.net import PeerGroup, make_group, shutdown_group, to_int64, trailer_mac
+from lightning_wsync.transport.group import PeerGroup, make_group, shutdown_group, to_int64, trailer_mac
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaError, DeltaHeader
 from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note, record_pieces
-from lightning_wsync.transport.net import MAC_WORDS, PeerGroup, shutdown_group, to_int64, trailer_mac
+from lightning_wsync.transport.group import MAC_WORDS, PeerGroup, shutdown_group, to_int64, trailer_mac
 from lightning_wsync.transport.relay import (
     DELTA,
     FULL,

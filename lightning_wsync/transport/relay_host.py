@@ -19,7 +19,7 @@ from lightning_wsync._control import Control, pid_alive
 from lightning_wsync._manifest import Manifest, entry_views
 from lightning_wsync._source import Reject, SharedMemorySource, SumsLookup
 from lightning_wsync.errors import WeightSyncError
-from lightning_wsync.transport.net import PeerGroup, shutdown_group
+from lightning_wsync.transport.group import PeerGroup, shutdown_group
 from lightning_wsync.transport.relay import (
     CHAIN_POLL_S,
     POLL_S,
@@ -101,7 +101,6 @@ class RelayMember:
     ) -> None:  # fmt: skip
         self.layout = layout
         self.segment = segment
-        self.is_leader = False
         self.published_version: int | None = None
         self._control = control
         self._epoch = epoch
@@ -174,7 +173,6 @@ class RelayMember:
                     self._hop = HopReceiver(self.layout)
                 self.segment.follow(None if record is None else str(record["shm"]))
                 if leading:
-                    self.is_leader = True
                     self._lead(ctl)  # returns when the chain changes, a hop fails, or leadership is lost
                 else:
                     self._step_down()
@@ -186,7 +184,6 @@ class RelayMember:
         self._step_down()
 
     def _step_down(self) -> None:
-        self.is_leader = False
         if self._own is not None:
             self.segment.follow(None)
             self._own.close()
