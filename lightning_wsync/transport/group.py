@@ -8,8 +8,10 @@ stalls fails only its own group.
 
 from __future__ import annotations
 
+import hmac
 import struct
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol, cast
 
@@ -125,3 +127,18 @@ def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums
     """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
     message = f"{epoch}/{rid}/{version}/{seq}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
     return list(struct.unpack(f"<{MAC_WORDS}q", ctl.mac_bytes(message)))
+
+
+def trailer_signed(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int], mac: list[int]) -> bool:
+    """Whether ``mac`` is :func:`trailer_mac` of the rest of a received trailer (compared in constant time)."""
+    expected = trailer_mac(ctl, epoch, rid, version, seq, sums)
+    return hmac.compare_digest(struct.pack(f"<{MAC_WORDS}q", *mac), struct.pack(f"<{MAC_WORDS}q", *expected))
+
+
+def sums_mismatch(buckets: Sequence[tuple[int, int]], got: list[int], sent: list[int], where: str = "") -> str | None:
+    """What differs between the checksums computed here and those the trailer carries (None: all match)."""
+    bad = [i for i, (x, y) in enumerate(zip(got, sent)) if x != y]
+    if not bad:
+        return None
+    a, b = buckets[bad[0]]
+    return f"checksum mismatch{where} in {len(bad)} bucket(s), first bytes [{a}, {b})"

@@ -16,9 +16,7 @@ header's and, on CPU, every bucket's xxh3 checksum matches.
 
 from __future__ import annotations
 
-import hmac
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -47,8 +45,10 @@ from lightning_wsync.transport.group import (
     PeerGroup,
     make_group,
     shutdown_group,
+    sums_mismatch,
     to_int64,
     trailer_mac,
+    trailer_signed,
 )
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 
@@ -404,22 +404,16 @@ class NetReceiveLink:
                 log.debug("version %d was overwritten during its send; waiting for the next", version)
                 continue
             sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
-            if not hmac.compare_digest(
-                struct.pack(f"<{MAC_WORDS}q", *mac),
-                struct.pack(f"<{MAC_WORDS}q", *trailer_mac(ctl, self.epoch, self._rid, version, seq, sent_sums)),
-            ):
+            if not trailer_signed(ctl, self.epoch, self._rid, version, seq, sent_sums, mac):
                 self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
                 continue
             if delta_error is not None:
                 self._on_rejected(version, f"delta not applied ({delta_error}); the next version comes in full")
                 continue
             if not staging.is_cuda:
-                bad = [i for i, (x, y) in enumerate(zip(sums, sent_sums)) if x != y]
-                if bad:
-                    a, b = self.layout.buckets[bad[0]]
-                    self._on_rejected(
-                        version, f"checksum mismatch in {len(bad)} bucket(s), first bytes [{a}, {b})"
-                    )
+                mismatch = sums_mismatch(self.layout.buckets, sums, sent_sums)
+                if mismatch is not None:
+                    self._on_rejected(version, mismatch)
                     continue
             with self.lock:
                 self.staged_version = version

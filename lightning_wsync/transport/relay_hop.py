@@ -16,9 +16,7 @@ What goes downstream is decided per message from the next leader's ``ready`` not
 
 from __future__ import annotations
 
-import hmac
 import logging
-import struct
 import threading
 import time
 from typing import NamedTuple
@@ -31,7 +29,14 @@ from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaError, DeltaHeader
 from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note, record_pieces
-from lightning_wsync.transport.group import MAC_WORDS, PeerGroup, shutdown_group, to_int64, trailer_mac
+from lightning_wsync.transport.group import (
+    MAC_WORDS,
+    PeerGroup,
+    shutdown_group,
+    sums_mismatch,
+    to_int64,
+    trailer_signed,
+)
 from lightning_wsync.transport.relay import (
     DELTA,
     FULL,
@@ -192,15 +197,13 @@ class HopReceiver:
                       msg.version)  # fmt: skip
             return False, None
         sent, mac = values[1 : 1 + nb], values[1 + nb :]
-        expected = trailer_mac(ctl, epoch, RELAY_RID, msg.version, msg.seq, sent)
-        if not hmac.compare_digest(struct.pack(f"<{MAC_WORDS}q", *mac), struct.pack(f"<{MAC_WORDS}q", *expected)):
+        if not trailer_signed(ctl, epoch, RELAY_RID, msg.version, msg.seq, sent, mac):
             return False, "relayed trailer not signed with this job's secret (secret= / WSYNC_SECRET)"
         if msg.error is not None or msg.sums is None:
             return False, f"delta not applied on the relay ({msg.error}); the next version comes in full"
-        bad = [i for i, (x, y) in enumerate(zip(msg.sums, sent)) if x != y]
-        if bad:
-            a, b = self.layout.buckets[bad[0]]
-            return False, f"checksum mismatch on the relay in {len(bad)} bucket(s), first bytes [{a}, {b})"
+        mismatch = sums_mismatch(self.layout.buckets, msg.sums, sent, where=" on the relay")
+        if mismatch is not None:
+            return False, mismatch
         self.held = held_of(msg.version, [s & (2**64 - 1) for s in sent])
         return True, None
 
