@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _netns import ROOT, run_scenario, skip_without_netns
@@ -46,6 +47,50 @@ def test_relay_sends_one_copy_per_push_and_delivers_bit_exact() -> None:
         assert sample["digest_ok"] and not sample["failed"]
     assert relay["egress_models_per_push"] <= 1.25, relay
     assert relay["latency_vs_wire_bound"] <= 1.5, relay
+
+
+def _bench_hosts(args: list[str], timeout_s: float) -> dict[str, Any]:
+    """``lightning-wsync bench --hosts ... --json`` in its own session; its JSON output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", "lightning_wsync.cli", "bench", *args, "--json"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        pytest.fail(f"bench {' '.join(args)} ran past {timeout_s} s")
+    assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+@pytest.mark.timeout(150)
+def test_relay_delta_bench_pushes_adamw_versions_as_deltas_bit_exact() -> None:
+    """``bench --hosts --delta``: the same AdamW versions through the relay, full and as deltas, on shaped links."""
+    skip_without_netns()
+    result = _bench_hosts(["--hosts", "2", "--receivers-per-host", "1", "--link", "700mbit", "--delta",
+                           "--dtype", "bfloat16", "--lr", "1e-6", "--size-mb", "16", "--pushes", "3",
+                           "--timeout-s", "60"], timeout_s=120)  # fmt: skip
+    assert result["ok"] and result["config"]["delta_mode"] == "auto"
+    full_bytes = result["model"]["full_bytes"]
+    assert [p["version"] for p in result["pushes"]] == [2, 3, 4]
+    for push in result["pushes"]:
+        full, delta = push["full"], push["delta"]
+        assert full["bit_exact"] and delta["bit_exact"] and not full["failed"] and not delta["failed"], push
+        assert full["delta_receivers"] == [] and full["delta_bytes"] is None, push
+        assert delta["delta_receivers"] == ["h1r0", "h2r0"], push
+        assert 0 < delta["delta_bytes"] < 0.25 * full_bytes, push
+        assert 0 < delta["delta_changed_share"] < 0.25 and delta["delta_encode_s"] > 0, push
+        assert len(full["hop_bytes"]) == len(delta["hop_bytes"]) == 2, push
+        for full_hop, delta_hop in zip(full["hop_bytes"], delta["hop_bytes"]):
+            assert full_hop >= full_bytes > 4 * delta_hop >= 4 * delta["delta_bytes"], push  # each hop carried it once
+        assert delta["egress_bytes"] < full["egress_bytes"] < 1.25 * full_bytes, push
+        assert full["latency_s"] > 0 and delta["latency_s"] > 0, push
+    medians = result["medians"]
+    assert medians["latency_ratio"] == medians["full_latency_s"] / medians["delta_latency_s"]
+    assert medians["delta_hop_bytes"] < 0.25 * medians["full_hop_bytes"]
 
 
 @pytest.mark.timeout(400)

@@ -57,11 +57,13 @@ log = logging.getLogger(__name__)
 _COMPARE = ("torchrl",)
 _PROCESS_BYTES = 300 * 2**20  # a spawned process with torch imported
 _HEADROOM_BYTES = 4 * 2**30  # left to the rest of a shared machine
+_DEFAULT_SIZE_MB = 256.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the ``bench`` subcommand's flags on ``parser``."""
-    parser.add_argument("--size-mb", type=float, default=256.0, help="float32 model size in MiB (default 256)")
+    parser.add_argument("--size-mb", type=float, default=None,
+                        help="float32 model size in MiB (default 256; with --delta: GPT-2's 124M parameters)")
     parser.add_argument("--receivers", type=int, default=4, help="receiver processes on this host (default 4)")
     parser.add_argument("--transport", choices=("auto", "shm", "gloo"), default="auto", help="sender transport")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
@@ -81,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _hostbench.add_arguments(parser)
     parser.add_argument("--delta", action="store_true",
                         help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
-                             "(changed share, delta bytes vs full push, encode/decode time); ignores --size-mb")
+                             "(changed share, delta bytes vs full push, encode/decode time); with --hosts: "
+                             "full versions against deltas through the relay")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate for --delta (default 1e-6)")
     parser.add_argument("--delta-mode", choices=DELTA_MODES, default="auto",
                         help="with --delta --transport gloo: the delta sender's delta= (the other sends full versions)")
@@ -89,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the report; return the exit status."""
+    if args.size_mb is None and not args.delta:
+        args.size_mb = _DEFAULT_SIZE_MB
     try:
         _validate(args)
         if args.hosts is not None:
@@ -125,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_delta(args: argparse.Namespace) -> int:
     from lightning_wsync.bench._delta import (
         codec_result,
+        delta_spec,
         format_codec,
         format_links,
         links_result,
@@ -135,16 +141,17 @@ def _run_delta(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        samples, model = measure_codec(lr=args.lr, dtype=None if args.dtype is None else getattr(torch, args.dtype),
-                                       pushes=args.pushes, bucket_bytes=int(args.bucket_mb * 2**20),
-                                       seed=args.seed)  # fmt: skip
+        spec = delta_spec(args.size_mb)
+        wire = None if args.dtype is None else getattr(torch, args.dtype)
+        samples, model = measure_codec(spec=spec, lr=args.lr, dtype=wire, pushes=args.pushes,
+                                       bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
         links = None
         if args.transport == "gloo":
             restore_signals = _exit_on_sigterm()
             try:
-                pairs = measure_links(lr=args.lr, dtype=args.dtype, pushes=args.pushes, bucket_mb=args.bucket_mb,
-                                      n_receivers=args.receivers, timeout_s=args.timeout_s, seed=args.seed,
-                                      mode=args.delta_mode)  # fmt: skip
+                pairs = measure_links(spec=spec, lr=args.lr, dtype=args.dtype, pushes=args.pushes,
+                                      bucket_mb=args.bucket_mb, n_receivers=args.receivers,
+                                      timeout_s=args.timeout_s, seed=args.seed, mode=args.delta_mode)  # fmt: skip
             except (BenchError, WeightSyncError, OSError) as exc:
                 print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
                 return 1
@@ -154,9 +161,10 @@ def _run_delta(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     result = codec_result(samples, model, lr=args.lr)
-    result["config"] = {"lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb, "pushes": args.pushes,
-                        "transport": args.transport, "receivers": args.receivers, "delta_mode": args.delta_mode,
-                        "torch": torch.__version__, "cpus": os.cpu_count(), "threads_per_process": 1}  # fmt: skip
+    result["config"] = {"size_mb": args.size_mb, "lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+                        "pushes": args.pushes, "transport": args.transport, "receivers": args.receivers,
+                        "delta_mode": args.delta_mode, "torch": torch.__version__, "cpus": os.cpu_count(),
+                        "threads_per_process": 1}  # fmt: skip
     if links is not None:
         result["links"] = links
         result["ok"] = bool(result["ok"]) and bool(links["ok"])
@@ -312,7 +320,7 @@ def _available_bytes() -> int:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if not args.size_mb >= 1:
+    if args.size_mb is not None and not args.size_mb >= 1:
         raise ValueError(f"--size-mb={args.size_mb!r} must be >= 1 (MiB of float32 weights), e.g. --size-mb 256")
     if args.receivers < 1:
         raise ValueError(f"--receivers={args.receivers!r} must be >= 1, e.g. --receivers 4")

@@ -29,12 +29,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lightning_wsync._manifest import build_manifest, checksum, copy_into, select_tensors
-from lightning_wsync.bench._model import ModelSpec
+from lightning_wsync.bench._model import ModelSpec, spec_for_size
 from lightning_wsync.bench._push import PushRun, PushSample
 from lightning_wsync.bench._steps import GPT2_SPEC, Trainer
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaEncoder, DeltaHeader
 
 WIRE_SHARE_TARGET = 0.10  # issue 13: at lr 1e-6 in bf16, a delta push moves at most 10% of the full push
+
+
+def delta_spec(size_mb: float | None) -> ModelSpec:
+    """GPT-2's dimensions, or (``--size-mb``, for quick runs) the benchmark model of that size."""
+    return GPT2_SPEC if size_mb is None else spec_for_size(size_mb)
 
 
 @dataclass(frozen=True)
@@ -180,8 +185,8 @@ class LinkPair:
     delta: PushSample
 
 
-def _keep(model: torch.nn.Module, version: int) -> None:
-    """The trainer made this version already (an optimizer step)."""
+def keep_weights(model: torch.nn.Module, version: int) -> None:
+    """``PushRun``'s ``change``: the trainer made this version already (an optimizer step)."""
 
 
 def measure_links(
@@ -191,7 +196,7 @@ def measure_links(
     """Push ``pushes`` AdamW versions (after one warm-up) with and without deltas, alternating."""
     trainer = Trainer(spec, lr=lr, seed=seed)
     common = {"n_receivers": n_receivers, "transport": "gloo", "dtype": dtype, "bucket_mb": bucket_mb,
-              "apply": "copy", "timeout_s": timeout_s, "change": _keep}  # fmt: skip
+              "apply": "copy", "timeout_s": timeout_s, "change": keep_weights}  # fmt: skip
     full = PushRun(trainer.model, spec, sender_options={"delta": "off"}, **common)  # type: ignore[arg-type]
     delta = PushRun(trainer.model, spec, sender_options={"delta": mode}, **common)  # type: ignore[arg-type]
     pairs: list[LinkPair] = []

@@ -3,6 +3,7 @@
 ::
 
     lightning-wsync bench --hosts 8 --receivers-per-host 2 --link 700mbit --size-mb 64
+    lightning-wsync bench --hosts 2 --receivers-per-host 1 --link 700mbit --delta --dtype bfloat16  # see _hostdelta
 
 The trainer (this process) runs on host 0; ``H`` rollout hosts each run ``R`` receiver
 processes. Every host's link is shaped both ways to ``--link`` with ``tc tbf`` (which
@@ -33,6 +34,7 @@ import sys
 import torch
 
 from lightning_wsync._keys import ENV_HOST_ID
+from lightning_wsync.bench import _hostdelta
 from lightning_wsync.bench._hosts import (
     SimHosts,
     in_session,
@@ -89,15 +91,20 @@ def run(args: argparse.Namespace) -> int:
     except (BenchError, WeightSyncError, OSError, RuntimeError) as exc:
         print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    table = _hostdelta.format_table(result) if args.delta else format_table(result)
+    print(json.dumps(result, indent=2) if args.json else table, flush=True)
     return 0 if result["ok"] else 1
 
 
 def _run_isolated(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "lightning_wsync.cli", "bench", "--hosts", str(args.hosts),
             "--receivers-per-host", str(args.receivers_per_host), "--link", args.link,
-            "--size-mb", str(args.size_mb), "--pushes", str(args.pushes), "--timeout-s", str(args.timeout_s),
+            "--pushes", str(args.pushes), "--timeout-s", str(args.timeout_s),
             "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed)]  # fmt: skip
+    if args.size_mb is not None:
+        argv += ["--size-mb", str(args.size_mb)]
+    if args.delta:
+        argv += ["--delta", "--lr", str(args.lr), "--delta-mode", args.delta_mode]
     for topology in args.topology or ():
         argv += ["--topology", topology]
     if args.dtype is not None:
@@ -123,28 +130,39 @@ def _run_isolated(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace) -> dict[str, object]:
     torch.set_num_threads(1)
-    spec = spec_for_size(args.size_mb)
-    model = build_model(spec, seed=args.seed)
     rate = link_bits_per_s(args.link)
-    topologies = args.topology or list(_TOPOLOGIES)
-    phases: dict[str, dict[str, object]] = {}
+    config = {"hosts": args.hosts, "receivers_per_host": args.receivers_per_host, "link": args.link,
+              "link_bits_per_s": rate, "size_mb": args.size_mb, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+              "pushes": args.pushes, "cpus": os.cpu_count(), "torch": torch.__version__}  # fmt: skip
     with SimHosts(args.hosts + 1) as hosts:
         for i in range(hosts.n):
             hosts.shape(i, args.link)
         os.environ[ENV_HOST_ID] = hosts.name(0)
         hosts.enter(0)  # this thread is the trainer on host 0; the store is hosted at its address
-        if not args.no_reference and args.hosts > 1:
-            phases["one_host"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=topologies[0])
-        for topology in topologies:
-            phases[topology] = _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology=topology)
+        if args.delta:
+            result = _hostdelta.measure(args, hosts, placements(hosts, args.hosts, args.receivers_per_host))
+            return {"config": {**config, "lr": args.lr, "delta_mode": args.delta_mode}, **result}
+        return _measure_phases(args, hosts, rate, config)
+
+
+def _measure_phases(
+    args: argparse.Namespace, hosts: SimHosts, rate: float, config: dict[str, object]
+) -> dict[str, object]:
+    """The topologies asked for (and the one-host reference) with a random model."""
+    spec = spec_for_size(args.size_mb)
+    model = build_model(spec, seed=args.seed)
+    topologies = args.topology or list(_TOPOLOGIES)
+    phases: dict[str, dict[str, object]] = {}
+    if not args.no_reference and args.hosts > 1:
+        phases["one_host"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=topologies[0])
+    for topology in topologies:
+        phases[topology] = _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology=topology)
     reference = phases.get("one_host")
     for name, phase in phases.items():
         if reference is not None and name != "one_host":
             phase["latency_vs_one_host"] = _ratio(phase["latency_s"], reference["latency_s"])
     return {
-        "config": {"hosts": args.hosts, "receivers_per_host": args.receivers_per_host, "link": args.link,
-                   "link_bits_per_s": rate, "size_mb": args.size_mb, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
-                   "pushes": args.pushes, "cpus": os.cpu_count(), "torch": torch.__version__},
+        "config": config,
         "phases": phases,
         "ok": all(bool(p["ok"]) for p in phases.values()),
     }
@@ -154,15 +172,17 @@ def _ratio(a: object, b: object) -> float | None:
     return a / b if isinstance(a, float) and isinstance(b, float) and b > 0 else None
 
 
+def placements(hosts: SimHosts, n_hosts: int, per_host: int) -> list[Placement]:
+    """``per_host`` receivers on each of rollout hosts 1..``n_hosts`` (host 0 is the trainer's)."""
+    return [Placement(f"h{h}r{j}", hosts.netns_path(h), hosts.name(h))
+            for h in range(1, n_hosts + 1) for j in range(per_host)]  # fmt: skip
+
+
 def _phase(
     model: torch.nn.Module, spec: ModelSpec, hosts: SimHosts, args: argparse.Namespace, rate: float, *,
     n_hosts: int, topology: str,
 ) -> dict[str, object]:  # fmt: skip
-    placement = [
-        Placement(f"h{h}r{j}", hosts.netns_path(h), hosts.name(h))
-        for h in range(1, n_hosts + 1)
-        for j in range(args.receivers_per_host)
-    ]
+    placement = placements(hosts, n_hosts, args.receivers_per_host)
     run = PushRun(model, spec, n_receivers=len(placement), transport="auto", dtype=args.dtype,
                   bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, store_host=hosts.address(0),
                   placement=placement, cross_host=topology)  # fmt: skip
