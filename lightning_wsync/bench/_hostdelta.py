@@ -19,14 +19,14 @@ import statistics
 
 from lightning_wsync.bench._delta import delta_spec, keep_weights
 from lightning_wsync.bench._hosts import SimHosts
-from lightning_wsync.bench._push import Placement, PushRun, PushSample
+from lightning_wsync.bench._push import Placement, PushRun
 from lightning_wsync.bench._steps import Trainer
 
 
 def _pushed(run: PushRun, hosts: SimHosts, version: int, *, warmup: bool = False) -> dict[str, object]:
     """Push ``version`` through ``run``; the sample with the trainer's egress and each hop's bytes."""
     before = [hosts.counters(i) for i in range(hosts.n)]
-    sample: PushSample = run.push(version, warmup=warmup)
+    sample = run.push(version, warmup=warmup)
     after = [hosts.counters(i) for i in range(hosts.n)]
     return {
         "latency_s": sample.latency_s, "egress_bytes": after[0][0] - before[0][0],
@@ -84,6 +84,7 @@ def summarize(rows: list[dict[str, object]]) -> dict[str, object]:
 
 
 def format_table(result: dict[str, object]) -> str:
+    """The human-readable table of ``bench --hosts --delta``'s result."""
     cfg, model, med, rows = result["config"], result["model"], result["medians"], result["pushes"]
     assert isinstance(cfg, dict) and isinstance(model, dict) and isinstance(med, dict) and isinstance(rows, list)
     mib = 2**20
