@@ -200,9 +200,10 @@ class RelayMember:
     def _lead(self, ctl: Control) -> None:
         chain = read_chain(ctl, self._epoch)
         if chain is None or self._rid not in chain.rids or chain.gen == self._failed_gen:
-            # A failed hop's group cannot be joined again (its store keys name the old peer,
-            # which may be stalled: joining would block for timeout_s). The side that sent to
-            # it marked the failure, so the sender re-forms the chain under a new generation.
+            # A hop whose group was built and then failed cannot be joined again (its store
+            # keys name the old peer, which may be stalled: joining would block for timeout_s).
+            # The side that sent to it marked the failure, so the sender re-forms the chain
+            # under a new generation. A hop whose peer never came is simply joined again.
             self._stop.wait(CHAIN_POLL_S)
             return
         pos = chain.rids.index(self._rid)
@@ -220,7 +221,8 @@ class RelayMember:
         except Superseded:
             return
         except Exception as exc:  # noqa: BLE001 - rebuild with the next chain
-            self._failed_gen = chain.gen
+            if pg is not None:  # a group was built: its keys now name a peer that failed
+                self._failed_gen = chain.gen
             if not self._stop.is_set():
                 log.info("relay: rid=%d hop from upstream ended (%s)", self._rid, error_text(exc)[:200])
                 self._stop.wait(CHAIN_POLL_S)
