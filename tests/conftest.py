@@ -6,8 +6,10 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from lightning_wsync.bench._procs import Children
 
@@ -21,6 +23,14 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+@pytest.fixture
+def server(port: int) -> Iterator[dist.TCPStore]:
+    """A TCPStore hosted by the test itself at ``port`` (the control plane a sender joins)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield store
+    del store
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -18,13 +17,6 @@ from lightning_wsync import WeightReceiver, WeightSender
 
 pytestmark = pytest.mark.timeout(120)
 CTX = mp.get_context("spawn")
-
-
-@pytest.fixture
-def server(port):
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    yield store
-    del store
 
 
 def test_reserved_id_without_record_does_not_hide_later_receivers(server, port, children):

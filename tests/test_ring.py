@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
 import torch
 
-from lightning_wsync._manifest import build_manifest
-from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync._control import check_segment_name
+from lightning_wsync._manifest import build_manifest
 from lightning_wsync.errors import WeightSyncConfigError
+from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync.transport.shm import ShmReader, ShmSegment, SlotRef, remove_stale_segments
 
 
@@ -167,8 +168,6 @@ def _create_named_after_self() -> None:
 
 def _close_under_readers(name: str, rounds: int) -> None:
     """Close a reader while another thread reads its header, ``rounds`` times (a SIGSEGV fails the test)."""
-    import threading
-
     layout = _layout()
     for _ in range(rounds):
         reader = ShmReader(name, layout)

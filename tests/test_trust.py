@@ -7,7 +7,6 @@ import multiprocessing as mp
 import os
 import signal
 import struct
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -27,13 +26,6 @@ from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 
 pytestmark = pytest.mark.timeout(90)
 CTX = mp.get_context("spawn")
-
-
-@pytest.fixture
-def server(port):
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    yield store
-    del store
 
 
 def _raw(port: int, job: str) -> dist.Store:

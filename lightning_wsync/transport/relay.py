@@ -260,8 +260,7 @@ class RelayHead:
                 if not self._superseded():
                     log.warning("relay: hop to leader rid=%d failed: %s", first, error_text(exc))
                     ctl.set_text(keys.relay_broken(self._epoch, first), "1")
-                    while not self._stop.is_set() and not self._changed.wait(CHAIN_POLL_S):
-                        pass  # the same generation's hop cannot be joined again: wait for the re-formed chain
+                    self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
                 shutdown_group(pg)
 
