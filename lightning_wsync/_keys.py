@@ -35,7 +35,7 @@ relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, term, shm}`` of the host's 
 relay/<epoch>/chain             JSON    ``{gen, rids}``: the relay chain's generation and leader rids
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
 relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ready/<n>`` (downstream
-                                        leader: what it holds), ``ann/<n>``, gloo's keys
+                                        leader: what it holds), gloo's keys
 relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions (delta or full,
                                         bytes, decode seconds), for push reports
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set

@@ -285,7 +285,7 @@ class RelayHead:
             try:
                 delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
                 try:
-                    self._send(pg, ctl, keys.announcement(prefix, n), lease, delta)
+                    self._send(pg, ctl, lease, delta)
                 finally:
                     if delta is not None:
                         delta[1].release()
@@ -311,12 +311,9 @@ class RelayHead:
 
         return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
 
-    def _send(
-        self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None
-    ) -> None:
+    def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
         ring, layout = self._ring, self._ring.layout
         buffer, (_, seq, version) = lease.buffer, lease.ref
-        ctl.set_text(ann_key, "1")
         pg.send([hop_header(version, seq, layout, FULL if delta is None else DELTA)], 1, 0).wait()
         if delta is None:
             works = [pg.send([buffer[a:b]], 1, 0) for a, b, _ in self._pieces]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -28,19 +30,29 @@ from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaError, DeltaHeader
-from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note, record_pieces
+from lightning_wsync.transport.delta_link import (
+    DeltaStats,
+    Held,
+    held_of,
+    parse_ready_note,
+    ready_note,
+    record_pieces,
+)
 from lightning_wsync.transport.group import (
     MAC_WORDS,
     PeerGroup,
+    Work,
     shutdown_group,
     sums_mismatch,
     to_int64,
     trailer_signed,
 )
 from lightning_wsync.transport.relay import (
+    CHAIN_POLL_S,
     DELTA,
     FULL,
     HEADER_WORDS,
+    POLL_S,
     RELAY_RID,
     Chain,
     Superseded,
@@ -49,12 +61,17 @@ from lightning_wsync.transport.relay import (
     hop_header,
     join_hop,
     read_chain,
-    wait_ready,
 )
 
 log = logging.getLogger(__name__)
 
+
+
 _DOWNSTREAM_CONNECT_S = 2.0  # a version arriving before the next hop is connected waits this long for it
+_NOTE_FAST_S = 5.0  # after a ready note, the next is polled every POLL_S this long, then every _NOTE_IDLE_POLL_S
+_NOTE_IDLE_POLL_S = 0.02
+_RECV_WINDOW = 8  # chunk receives posted ahead of the one being waited for (4 MiB)
+_UNSENT = -7  # a header word no sent header has (its byte count): the header has not landed
 
 
 class Message(NamedTuple):
@@ -77,6 +94,8 @@ class HopReceiver:
         self.staging = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # touched now, not mid-receive
         self.held: Held | None = None  # what staging holds intact between messages
         self._pieces = chunks(layout)
+        self._header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        self._header_work: Work | None = None
         self._bucket_pieces: list[list[tuple[int, int]]] = [[] for _ in layout.buckets]
         for a, b, bucket in self._pieces:
             self._bucket_pieces[bucket].append((a, b))
@@ -84,17 +103,41 @@ class HopReceiver:
     def ready_note(self) -> str:
         return ready_note(self.held, None)
 
+    def expect(self, pg: PeerGroup) -> None:
+        """Post the next message's header receive, before the upstream side sends it.
+
+        The hop needs no announcement on the store: the upstream side sends once this
+        side's ``ready`` note is there, and its header lands here without a round trip
+        through the store, whose replies queue behind the busy links of a push. Nothing
+        waits on the receive (a wait would end at the group timeout while the chain is
+        idle): :meth:`arrived` watches the buffer instead.
+        """
+        self._header = torch.full((HEADER_WORDS,), _UNSENT, dtype=torch.int64)  # kept alive with the group
+        self._header_work = pg.recv([self._header], 0, 0)
+
+    def arrived(self) -> bool:
+        """Whether the expected header has started to land (:meth:`receive` waits for all of it)."""
+        return int(self._header[2]) != _UNSENT
+
     def receive(self, pg: PeerGroup, down: Downstream) -> Message:
-        """Receive one announced version, forwarding it as it comes; raises when the hop is out of step."""
+        """Receive the expected version, forwarding it as it comes; raises when the hop is out of step."""
         layout = self.layout
-        header = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        pg.recv([header], 0, 0).wait()
+        assert self._header_work is not None, "expect() first"
+        self._header_work.wait()
+        self._header_work = None
+        header = self._header
         version, seq, total, pieces, kind = (int(x) for x in header)
         want = len(self._pieces) if kind == FULL else len(layout.buckets)
         if kind not in (FULL, DELTA) or total != layout.total_bytes or pieces != want:
             raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {pieces} pieces, kind {kind})")
         if kind == FULL:
-            return self._receive_full(pg, version, seq, down.begin(version, seq, None, None), down)
+            # The first chunks' receives are posted before the hop downstream is started: the
+            # upstream side streams while this side deals with its own next hop. The rest
+            # are posted a window ahead as chunks land (posting all 128 of a 64 MiB version
+            # at once held the first chunk, and the next hop's header, back by ~40 ms here).
+            self.held = None  # rewritten from here on
+            works = deque(self._post(pg, i) for i in range(min(_RECV_WINDOW, len(self._pieces))))
+            return self._receive_full(pg, works, version, seq, down.begin(version, seq, None, None), down)
         raw = torch.empty(DeltaHeader.SIZE, dtype=torch.uint8)
         pg.recv([raw], 0, 0).wait()
         try:
@@ -105,15 +148,21 @@ class HopReceiver:
         mode = down.begin(version, seq, delta, raw)
         return self._receive_delta(pg, version, seq, delta, error, mode, down)
 
-    def _receive_full(self, pg: PeerGroup, version: int, seq: int, mode: int | None, down: Downstream) -> Message:
-        staging, layout = self.staging, self.layout
-        self.held = None  # rewritten from here on
-        works = [pg.recv([staging[a:b]], 0, 0) for a, b, _ in self._pieces]
+    def _post(self, pg: PeerGroup, i: int) -> Work:
+        a, b, _ = self._pieces[i]
+        return pg.recv([self.staging[a:b]], 0, 0)
+
+    def _receive_full(
+        self, pg: PeerGroup, works: deque[Work], version: int, seq: int, mode: int | None, down: Downstream
+    ) -> Message:
+        staging, layout, pieces = self.staging, self.layout, self._pieces
         sums: list[int] = []
         hasher = xxhash.xxh3_64()
-        last = {bucket: i for i, (_, _, bucket) in enumerate(self._pieces)}
-        for i, ((a, b, bucket), work) in enumerate(zip(self._pieces, works)):
-            work.wait()
+        last = {bucket: i for i, (_, _, bucket) in enumerate(pieces)}
+        for i, (a, b, bucket) in enumerate(pieces):
+            works.popleft().wait()
+            if i + len(works) + 1 < len(pieces):
+                works.append(self._post(pg, i + len(works) + 1))
             if mode is not None:
                 down.send(staging[a:b])
             # Hash chunk by chunk after forwarding it: a whole bucket hashed at once would hold
@@ -224,10 +273,13 @@ class Downstream:
         self._pg: PeerGroup | None = None
         self._works: list[object] = []
         self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
-        self._n = 0  # messages announced on this hop
+        self._n = 0  # messages started on this hop
         self._broken = False
         self._ready = threading.Event()
         self._closed = threading.Event()
+        self._notes: dict[int, Held | None] = {}  # n -> what the next leader holds, read ahead of message n
+        self._notes_end: BaseException | None = None  # why no more notes come
+        self._notes_cv = threading.Condition()
         self._gen = chain.gen
         self._connector: threading.Thread | None = None
         if self._rid is not None:
@@ -252,6 +304,53 @@ class Downstream:
             self._fail(exc)
         finally:
             self._ready.set()
+        if self._pg is not None:
+            self._read_notes(ctl, superseded)
+
+    def _read_notes(self, ctl: Control, superseded: Callable[[], bool]) -> None:
+        """Read the next leader's ``ready`` notes as it writes them, so that forwarding a
+        version costs no store round trip (the store's replies queue behind a busy link)."""
+        assert self._prefix is not None
+        n, last = 0, time.monotonic()
+        next_check = 0.0
+        end: BaseException = Superseded(self._prefix)
+        try:
+            while not self._closed.is_set():
+                key = keys.ready(self._prefix, n)
+                if ctl.has(key):
+                    held, _ = parse_ready_note(ctl.get_raw(key).decode())
+                    ctl.delete(key)
+                    with self._notes_cv:
+                        self._notes[n] = held
+                        self._notes_cv.notify_all()
+                    n, last = n + 1, time.monotonic()
+                    continue
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + CHAIN_POLL_S
+                    if superseded():
+                        break
+                # A note comes soon after the previous version: watched closely then, lightly when idle.
+                self._closed.wait(POLL_S if now - last < _NOTE_FAST_S else _NOTE_IDLE_POLL_S)
+        except Exception as exc:  # noqa: BLE001 - store trouble: the next begin() reports it
+            end = exc
+        with self._notes_cv:
+            self._notes_end = end
+            self._notes_cv.notify_all()
+
+    def _next_note(self) -> Held | None:
+        """What the next leader holds before message ``self._n``; raises past ``timeout_s``."""
+        deadline = time.monotonic() + self._timeout_s
+        with self._notes_cv:
+            while self._n not in self._notes:
+                if self._notes_end is not None:
+                    raise self._notes_end
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"leader rid={self._rid} not ready for the next version "
+                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
+                self._notes_cv.wait(min(left, CHAIN_POLL_S))
+            return self._notes.pop(self._n)
 
     def _fail(self, exc: BaseException) -> None:
         if not self._broken and self._rid is not None:
@@ -263,7 +362,7 @@ class Downstream:
                 pass
 
     def begin(self, version: int, seq: int, delta: DeltaHeader | None, raw: torch.Tensor | None) -> int | None:
-        """Announce ``version`` downstream; how it goes (FULL, DELTA), or None when there is no usable next hop.
+        """Start ``version`` downstream; how it goes (FULL, DELTA), or None when there is no usable next hop.
 
         A delta goes on as a delta only when the next leader holds its exact base.
         """
@@ -273,12 +372,10 @@ class Downstream:
             return None
         assert self._prefix is not None
         try:
-            held = wait_ready(self._ctl, keys.ready(self._prefix, self._n), self._timeout_s, self._closed.is_set,
-                              f"leader rid={self._rid}")  # fmt: skip
+            held = self._next_note()
             kind = FULL
             if delta is not None and raw is not None and held == Held(delta.base_version, delta.base_digest):
                 kind = DELTA
-            self._ctl.set_text(keys.announcement(self._prefix, self._n), "1")
             self._n += 1
             header = hop_header(version, seq, self._layout, kind)
             self._works, self._sending = [], []
@@ -318,6 +415,8 @@ class Downstream:
 
     def close(self) -> None:
         self._closed.set()
+        with self._notes_cv:
+            self._notes_cv.notify_all()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
         shutdown_group(self._pg)

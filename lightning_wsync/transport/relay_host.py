@@ -237,8 +237,8 @@ class RelayMember:
         next_check = 0.0
         while not self._stop.is_set():
             ctl.set_text(keys.ready(prefix, n), hop.ready_note())  # what a delta may be made against
-            ann = keys.announcement(prefix, n)
-            while not ctl.has(ann):
+            hop.expect(pg)
+            while not hop.arrived():
                 if self._stop.wait(POLL_S):
                     return
                 now = time.monotonic()
@@ -247,7 +247,6 @@ class RelayMember:
                     current = read_chain(ctl, self._epoch)
                     if current is None or current.gen != chain.gen or not self._still_leader(ctl):
                         return
-            ctl.delete(ann)
             msg = hop.receive(pg, down)
             n += 1
             self._accept(ctl, hop, msg)
