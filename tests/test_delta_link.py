@@ -14,8 +14,9 @@ import torch.distributed as dist
 from _delta_workers import sums, versions
 from conftest import Children
 
-from lightning_wsync._manifest import Manifest
+from lightning_wsync._manifest import Manifest, entry_views
 from lightning_wsync.config import CallbackConfig, SenderConfig
+from lightning_wsync.transport.delta import base_digest, sampled_changed_share
 from lightning_wsync.transport.delta_link import (
     AUTO_MAX_WIRE_SHARE,
     AutoPolicy,
@@ -24,11 +25,13 @@ from lightning_wsync.transport.delta_link import (
     DeltaStreams,
     EncoderPool,
     Held,
+    delta_base,
     parse_ready_note,
     ready_note,
     send_records,
 )
 from lightning_wsync.transport.group import PeerGroup, make_group
+from lightning_wsync.transport.ring import Lease, SnapshotRing
 
 pytestmark = pytest.mark.timeout(90)
 CTX = mp.get_context("spawn")
@@ -188,3 +191,33 @@ def test_ring_finds_a_complete_version_by_number() -> None:
     ring.write(3, [torch.full((100,), 3.0)])  # into the oldest slot: version 1 is gone
     assert ring.find(1) is None and ring.find(2) == second and ring.find(3) is not None
     ring.close()
+
+
+def _ring_with(layout: Manifest, *buffers: torch.Tensor) -> tuple[SnapshotRing, list[Lease]]:
+    ring = SnapshotRing(layout, segment=None, device=torch.device("cpu"), slots=len(buffers), lease_s=30)
+    leases = []
+    for version, buffer in enumerate(buffers, start=1):
+        ring.write(version, entry_views(layout, buffer))
+        lease = ring.acquire_newer(version - 1, 0)
+        assert lease is not None
+        leases.append(lease)
+    return ring, leases
+
+
+def test_auto_sends_in_full_without_encoding_when_most_words_changed() -> None:
+    layout, base, new = versions(n_changed=500)
+    assert sampled_changed_share(base, base.clone(), 2) == 0.0
+    everywhere = base.clone()
+    everywhere.view(torch.int16).add_(1)  # fp32 weights after an optimizer step change almost everywhere
+    assert sampled_changed_share(base, everywhere, 2) == 1.0
+    deltas = DeltaStreams(layout)
+    for changed, policy, want in ((new, "auto", True), (everywhere, "auto", False), (everywhere, "always", True)):
+        ring, (old, current) = _ring_with(layout, base, changed)
+        held = Held(1, base_digest(sums(layout, old.buffer)))
+        got = delta_base(ring, deltas, AutoPolicy(policy), held, current, "peer")
+        assert (got is not None) is want, (policy, want)
+        if got is not None:
+            got[1].release()
+        old.release()
+        current.release()
+    deltas.close()

@@ -201,3 +201,35 @@ def test_closing_a_reader_under_a_concurrent_header_read_never_crashes(ring):
         proc.kill()
         pytest.fail("reader close loop ran past 120 s")
     assert proc.exitcode == 0, f"reader process died with exit code {proc.exitcode} (negative: signal)"
+
+
+def test_a_draft_is_never_readable_until_committed_and_a_discarded_one_never(ring):
+    """A relay leader receives a version straight into a slot (a draft): readers see the
+    slot only once it is committed; a discarded draft (a version that failed its checks)
+    stays unreadable, the version before it stays the newest, and the slot is claimed again."""
+    ring_, layout, name = ring
+    reader = ShmReader(name, layout)
+    try:
+        v1 = ring_.write(1, _fill(1.0))
+        draft = ring_.draft()
+        assert draft is not None and draft.slot != v1.slot
+        draft.buffer[: layout.total_bytes].view(torch.float32)[:1024] = 2.0  # written in place
+        assert reader.newest() == v1  # half-written: not visible
+        draft.discard()
+        assert reader.newest() == v1 and ring_.seq(draft.slot) % 2 == 1
+        again = ring_.draft()  # the discarded slot is taken again and stays marked while written
+        assert again is not None and again.slot == draft.slot and ring_.seq(again.slot) % 2 == 1
+        again.buffer[: layout.total_bytes].view(torch.float32)[:1024] = 3.0
+        v3 = again.commit(3)
+        assert reader.newest() == v3 and v3.seq % 2 == 0
+        out = [torch.zeros(1024)]
+        assert reader.pin(v3)
+        reader.copy_to(v3, out)
+        assert reader.unpin(v3) and torch.equal(out[0], _fill(3.0)[0])
+        # An older version committed after a newer one (a resend) does not become the newest.
+        older = ring_.draft()
+        assert older is not None and older.slot == v1.slot
+        older.commit(2)
+        assert reader.newest() == v3 and ring_.newest() == v3
+    finally:
+        reader.close()

@@ -47,6 +47,8 @@ __all__ = [
     "DeltaError",
     "DeltaHeader",
     "base_digest",
+    "delta_hopeless",
+    "sampled_changed_share",
     "word_bytes_for",
 ]
 
@@ -62,6 +64,7 @@ _NP_WORDS: dict[int, type[np.unsignedinteger[Any]]] = {1: np.uint8, 2: np.uint16
 # sparse coding: its runs and XORs (>= 1 + word bytes per change before compression)
 # would not be clearly smaller than the bucket.
 _LITERAL_SHARE = 0.5
+_SAMPLE_STRIDE = 4096  # bytes between the words sampled by sampled_changed_share
 # Above this share of changed 8-byte groups, changed words are found word by word (one
 # pass fewer than through the groups when most groups changed anyway).
 _DENSE_GROUPS = 0.25
@@ -78,6 +81,22 @@ class DeltaBaseMismatch(DeltaError):
 def base_digest(sums: Sequence[int]) -> int:
     """Digest of a version's per-bucket checksums: names the exact bytes a delta was made against."""
     return int(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(sums)}Q", *(s & (2**64 - 1) for s in sums))))
+
+
+def sampled_changed_share(base: torch.Tensor, new: torch.Tensor, word_bytes: int) -> float:
+    """The share of words that differ between two flat byte buffers, from one word in every
+    ``_SAMPLE_STRIDE`` bytes (16K words of a 64 MiB version: well under a millisecond)."""
+    n = min(base.numel(), new.numel()) // word_bytes * word_bytes
+    step = max(1, _SAMPLE_STRIDE // word_bytes)
+    a = base[:n].view(_WORD_DTYPES[word_bytes])[::step]
+    b = new[:n].view(_WORD_DTYPES[word_bytes])[::step]
+    return float((a != b).sum()) / a.numel() if a.numel() else 0.0
+
+
+def delta_hopeless(base: torch.Tensor, new: torch.Tensor, word_bytes: int) -> bool:
+    """Whether so many words changed that every bucket would go out raw (fp32 weights after
+    an optimizer step): a full version is then sent without encoding a delta first."""
+    return sampled_changed_share(base, new, word_bytes) > _LITERAL_SHARE
 
 
 def word_bytes_for(layout: Manifest) -> int:

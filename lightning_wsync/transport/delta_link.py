@@ -34,6 +34,8 @@ from lightning_wsync.transport.delta import (
     DeltaError,
     DeltaHeader,
     base_digest,
+    delta_hopeless,
+    word_bytes_for,
 )
 from lightning_wsync.transport.group import PeerGroup, Work, to_int64
 from lightning_wsync.transport.ring import Lease, SnapshotRing
@@ -326,6 +328,10 @@ def delta_base(
     base_sums = ring.checksums(base)
     if base_sums is None or base_digest(base_sums) != held.digest:  # same number, other bytes (a restart)
         log.debug("version %d to %s in full: its %d is other bytes", version, peer, held.version)
+        base.release()
+        return None
+    if policy.mode == "auto" and delta_hopeless(base.buffer, lease.buffer, word_bytes_for(ring.layout)):
+        log.debug("version %d to %s in full: most words changed since %d", version, peer, held.version)
         base.release()
         return None
     stream = deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,

@@ -62,6 +62,7 @@ from lightning_wsync.transport.relay import (
     join_hop,
     read_chain,
 )
+from lightning_wsync.transport.ring import Draft, SnapshotRing
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,14 @@ class Message(NamedTuple):
 class HopReceiver:
     """A leader's receiving side: stages, rebuilds, forwards and checks one version at a time."""
 
-    def __init__(self, layout: Manifest) -> None:
+    def __init__(self, layout: Manifest, ring: SnapshotRing | None = None) -> None:
         self.layout = layout
         self.staging = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # touched now, not mid-receive
-        self.held: Held | None = None  # what staging holds intact between messages
+        self.held: Held | None = None  # what ``_base`` holds intact between messages
+        self.draft: Draft | None = None  # the host ring's slot the current message is written into
+        self._ring = ring
+        self._base = self.staging  # holds ``held``: the last version accepted (a slot of the ring, or staging)
+        self._target = self.staging  # where the current message is written
         self._pieces = chunks(layout)
         self._header = torch.empty(HEADER_WORDS, dtype=torch.int64)
         self._header_work: Work | None = None
@@ -120,7 +125,12 @@ class HopReceiver:
         return int(self._header[2]) != _UNSENT
 
     def receive(self, pg: PeerGroup, down: Downstream) -> Message:
-        """Receive the expected version, forwarding it as it comes; raises when the hop is out of step."""
+        """Receive the expected version, forwarding it as it comes; raises when the hop is out of step.
+
+        The version is written into :attr:`draft` (a free slot of the host ring: once
+        verified it is published there with no copy) or, when every slot is held, into the
+        private staging buffer. The caller commits or discards the draft after :meth:`check`.
+        """
         layout = self.layout
         assert self._header_work is not None, "expect() first"
         self._header_work.wait()
@@ -130,12 +140,16 @@ class HopReceiver:
         want = len(self._pieces) if kind == FULL else len(layout.buckets)
         if kind not in (FULL, DELTA) or total != layout.total_bytes or pieces != want:
             raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {pieces} pieces, kind {kind})")
+        held = self.held
+        self.draft = None if self._ring is None else self._ring.draft()
+        self._target = self.staging if self.draft is None else self.draft.buffer
+        if self._target.data_ptr() == self._base.data_ptr():
+            self.held = None  # rewritten in place from here on
         if kind == FULL:
             # The first chunks' receives are posted before the hop downstream is started: the
             # upstream side streams while this side deals with its own next hop. The rest
             # are posted a window ahead as chunks land (posting all 128 of a 64 MiB version
             # at once held the first chunk, and the next hop's header, back by ~40 ms here).
-            self.held = None  # rewritten from here on
             works = deque(self._post(pg, i) for i in range(min(_RECV_WINDOW, len(self._pieces))))
             return self._receive_full(pg, works, version, seq, down.begin(version, seq, None, None), down)
         raw = torch.empty(DeltaHeader.SIZE, dtype=torch.uint8)
@@ -146,16 +160,16 @@ class HopReceiver:
         except DeltaError as exc:
             delta, error = None, str(exc)
         mode = down.begin(version, seq, delta, raw)
-        return self._receive_delta(pg, version, seq, delta, error, mode, down)
+        return self._receive_delta(pg, version, seq, held, delta, error, mode, down)
 
     def _post(self, pg: PeerGroup, i: int) -> Work:
         a, b, _ = self._pieces[i]
-        return pg.recv([self.staging[a:b]], 0, 0)
+        return pg.recv([self._target[a:b]], 0, 0)
 
     def _receive_full(
         self, pg: PeerGroup, works: deque[Work], version: int, seq: int, mode: int | None, down: Downstream
     ) -> Message:
-        staging, layout, pieces = self.staging, self.layout, self._pieces
+        staging, layout, pieces = self._target, self.layout, self._pieces
         sums: list[int] = []
         hasher = xxhash.xxh3_64()
         last = {bucket: i for i, (_, _, bucket) in enumerate(pieces)}
@@ -176,18 +190,18 @@ class HopReceiver:
         return Message(version, seq, False, trailer, sums, None, stats)
 
     def _receive_delta(
-        self, pg: PeerGroup, version: int, seq: int, delta: DeltaHeader | None, error: str | None,
-        mode: int | None, down: Downstream,
+        self, pg: PeerGroup, version: int, seq: int, held: Held | None, delta: DeltaHeader | None,
+        error: str | None, mode: int | None, down: Downstream,
     ) -> Message:  # fmt: skip
-        staging, layout, held = self.staging, self.layout, self.held
+        """Rebuild a delta from ``_base`` (holding ``held``) into ``_target`` (may be the same buffer)."""
+        out, base, layout = self._target, self._base, self.layout
         stats = DeltaStats(wire_bytes=DeltaHeader.SIZE, full_bytes=layout.total_bytes)
         decoder: DeltaDecoder | None = None
         if delta is not None:
             try:
                 decoder = DeltaDecoder(layout, delta, held_version=None if held is None else held.version,
                                        held_digest=None if held is None else held.digest)  # fmt: skip
-                self.held = None  # rebuilt in place from here on
-            except DeltaError as exc:  # nothing written: staging still holds what it held
+            except DeltaError as exc:
                 error = str(exc)
         sums: list[int] = []
         changed = 0
@@ -210,17 +224,17 @@ class HopReceiver:
             if decoder is not None:
                 start = time.perf_counter()
                 try:
-                    decoded = decoder.decode_bucket(body.numpy().data, staging, staging)
+                    decoded = decoder.decode_bucket(body.numpy().data, base, out)
                     if decoded.bucket != i:
                         raise DeltaError(f"delta record {i} names bucket {decoded.bucket}")
                     changed += decoded.changed
-                    sums.append(to_int64(checksum(staging, a, b)))
+                    sums.append(to_int64(checksum(out, a, b)))
                 except DeltaError as exc:
                     error, decoder = str(exc), None
                 stats.decode_s += time.perf_counter() - start
             if mode == FULL:
                 for pa, pb in self._bucket_pieces[i]:
-                    down.send(staging[pa:pb])
+                    down.send(out[pa:pb])
         if delta is not None:
             stats.changed_share = changed / max(1, layout.total_bytes // delta.word_bytes)
         trailer = self._trailer(pg, down, mode, rebuilt=decoder is not None)
@@ -238,7 +252,8 @@ class HopReceiver:
         return [int(x) for x in trailer.tolist()]
 
     def check(self, ctl: Control, epoch: int, msg: Message) -> tuple[bool, str | None]:
-        """Accept ``msg`` (staging then holds it) or say why not: (accepted, rejection reason or None)."""
+        """Accept ``msg`` (the buffer it was written into then holds it) or say why not:
+        (accepted, rejection reason or None)."""
         nb = len(self.layout.buckets)
         values = msg.trailer
         if values[0] != msg.seq:
@@ -254,6 +269,7 @@ class HopReceiver:
         if mismatch is not None:
             return False, mismatch
         self.held = held_of(msg.version, [s & (2**64 - 1) for s in sent])
+        self._base = self._target
         return True, None
 
 

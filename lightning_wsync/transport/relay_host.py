@@ -170,7 +170,7 @@ class RelayMember:
                     segment = ShmSegment(str(record["shm"]), self.layout.total_bytes, create=True, slots=2)
                     self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
                                              lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
-                    self._hop = HopReceiver(self.layout)
+                    self._hop = HopReceiver(self.layout, self._own)
                 self.segment.follow(None if record is None else str(record["shm"]))
                 if leading:
                     self._lead(ctl)  # returns when the chain changes, a hop fails, or leadership is lost
@@ -254,9 +254,12 @@ class RelayMember:
 
     def _accept(self, ctl: Control, hop: HopReceiver, msg: Message) -> None:
         accepted, reason = hop.check(ctl, self._epoch, msg)
+        draft, hop.draft = hop.draft, None
         if reason is not None:
             self._on_rejected(msg.version, reason)
         if not accepted:
+            if draft is not None:
+                draft.discard()
             return
         row: list[object] = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
         self._receipts.setdefault(msg.version, row)  # a resend after a chain change keeps the first receipt
@@ -265,13 +268,18 @@ class RelayMember:
         ctl.set_json(keys.relay_received(self._epoch, self._rid), {str(v): row for v, row in self._receipts.items()})
         own = self._own
         version = msg.version
-        if own is None or (self.published_version is not None and version <= self.published_version):
+        newer = self.published_version is None or version > self.published_version
+        if draft is not None:
+            draft.commit(version)  # received straight into the host ring: published with no copy
+        elif own is None or not newer:
             return
-        # Into a slot no host-mate holds; when both are held (a stalled reader, within its
-        # lease) the version is skipped here, and the next one is published instead.
-        if own.write(version, entry_views(self.layout, hop.staging)) is None:
+        # Every slot was held when the version came (a stalled reader, within its lease): it
+        # was received into staging and is copied into a slot free now, or skipped here.
+        elif own.write(version, entry_views(self.layout, hop.staging)) is None:
             log.warning("relay: version %d not published on this host: every slot of its ring is held", version)
             return
+        if not newer:
+            return  # a resend after a chain change: host-mates hold it already
         self.published_version = version
         self._on_published(version)
 

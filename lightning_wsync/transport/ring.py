@@ -54,6 +54,28 @@ class Lease:
         self.ring._release(self)
 
 
+@dataclass
+class Draft:
+    """A claimed slot, marked as being written, that its writer fills in place (a relay
+    leader receives a version straight into its host ring: no copy once it is verified)."""
+
+    ring: SnapshotRing
+    slot: int
+    before: int  # the slot's sequence when claimed
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.ring.buffers[self.slot]
+
+    def commit(self, version: int) -> SlotRef:
+        """Publish what the buffer now holds as ``version``."""
+        return self.ring._end_write(self.slot, self.before, version)
+
+    def discard(self) -> None:
+        """Give the slot up unpublished: it stays marked as being written, so no reader ever
+        takes what is in it, and the next claim may take it again."""
+
+
 class SnapshotRing:
     """``slots`` preallocated flat buffers; in shared memory when ``segment`` is given."""
 
@@ -105,15 +127,26 @@ class SnapshotRing:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
             event.synchronize()
+        return self._end_write(slot, before, version)
+
+    def draft(self) -> Draft | None:
+        """A free slot to be written in place and then committed or discarded; None when every slot is held."""
+        claimed = self._claim()
+        return None if claimed is None else Draft(self, *claimed)
+
+    def _end_write(self, slot: int, before: int, version: int) -> SlotRef:
         with self._cond:
             if self.segment is not None:
                 seq = self.segment.end_write(slot, version)
             else:
                 self._versions[slot] = version
-                seq = self._seqs[slot] = before + 2
-            self._published = SlotRef(slot, seq, version)
+                seq = self._seqs[slot] = (before | 1) + 1
+            ref = SlotRef(slot, seq, version)
+            current = self._published
+            if current is None or current.slot == slot or version >= current.version:
+                self._published = ref  # a relay leader may commit a resent, older version: newest stays newest
             self._cond.notify_all()
-        return self._published
+        return ref
 
     def _claim(self) -> tuple[int, int] | None:
         """A slot nobody holds, now marked as being written, and its sequence before."""
@@ -128,7 +161,7 @@ class SnapshotRing:
                 if any(now - le.progress_ns <= lease_ns for le in held):
                     continue
                 if self.segment is None:
-                    self._seqs[slot] = seq + 1
+                    self._seqs[slot] = seq | 1  # odd: being written (still so after a discarded draft)
                     return slot, seq
                 before = self.segment.begin_write(slot)
                 assert self._board is not None

@@ -148,10 +148,14 @@ class ShmSegment:
         return int(self.header[_SLOT_BASE + 2 * slot + 1])
 
     def begin_write(self, slot: int) -> int:
-        """Mark ``slot`` as being written; returns the sequence it had (for :meth:`abort_write`)."""
+        """Mark ``slot`` as being written; returns the sequence it had (for :meth:`abort_write`).
+
+        A slot whose last write was abandoned (a discarded draft) is still marked: it stays so.
+        """
         before = self.seq(slot)
-        self.header[_SLOT_BASE + 2 * slot] = before + 1
-        _fence()
+        if before % 2 == 0:
+            self.header[_SLOT_BASE + 2 * slot] = before + 1
+            _fence()
         return before
 
     def abort_write(self, slot: int, before: int) -> None:
