@@ -69,8 +69,11 @@ log = logging.getLogger(__name__)
 
 
 _DOWNSTREAM_CONNECT_S = 2.0  # a version arriving before the next hop is connected waits this long for it
-_NOTE_FAST_S = 5.0  # after a ready note, the next is polled every POLL_S this long, then every _NOTE_IDLE_POLL_S
-_NOTE_IDLE_POLL_S = 0.02
+# The next leader's ready note is polled every POLL_S for _NOTE_HURRY_S after a version
+# went down (it writes the note once it has taken that version in) and while begin()
+# waits for it, else every CHAIN_POLL_S: fast polls throughout a push cost the store
+# thousands of requests a second at 8 hosts.
+_NOTE_HURRY_S = 0.5
 _RECV_WINDOW = 8  # chunk receives posted ahead of the one being waited for (4 MiB)
 _UNSENT = -7  # a header word no sent header has (its byte count): the header has not landed
 
@@ -296,6 +299,8 @@ class Downstream:
         self._notes: dict[int, Held | None] = {}  # n -> what the next leader holds, read ahead of message n
         self._notes_end: BaseException | None = None  # why no more notes come
         self._notes_cv = threading.Condition()
+        self._hurry_until = time.monotonic() + _NOTE_HURRY_S  # poll the next note fast until then
+        self._wake = threading.Event()  # cuts a slow poll short (begin() waits, or close())
         self._gen = chain.gen
         self._connector: threading.Thread | None = None
         if self._rid is not None:
@@ -327,7 +332,7 @@ class Downstream:
         """Read the next leader's ``ready`` notes as it writes them, so that forwarding a
         version costs no store round trip (the store's replies queue behind a busy link)."""
         assert self._prefix is not None
-        n, last = 0, time.monotonic()
+        n = 0
         next_check = 0.0
         end: BaseException = Superseded(self._prefix)
         try:
@@ -339,15 +344,15 @@ class Downstream:
                     with self._notes_cv:
                         self._notes[n] = held
                         self._notes_cv.notify_all()
-                    n, last = n + 1, time.monotonic()
+                    n += 1
                     continue
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + CHAIN_POLL_S
                     if superseded():
                         break
-                # A note comes soon after the previous version: watched closely then, lightly when idle.
-                self._closed.wait(POLL_S if now - last < _NOTE_FAST_S else _NOTE_IDLE_POLL_S)
+                self._wake.wait(POLL_S if now < self._hurry_until else CHAIN_POLL_S)
+                self._wake.clear()
         except Exception as exc:  # noqa: BLE001 - store trouble: the next begin() reports it
             end = exc
         with self._notes_cv:
@@ -358,6 +363,9 @@ class Downstream:
         """What the next leader holds before message ``self._n``; raises past ``timeout_s``."""
         deadline = time.monotonic() + self._timeout_s
         with self._notes_cv:
+            if self._n not in self._notes:
+                self._hurry_until = float("inf")
+                self._wake.set()
             while self._n not in self._notes:
                 if self._notes_end is not None:
                     raise self._notes_end
@@ -366,6 +374,7 @@ class Downstream:
                     raise TimeoutError(f"leader rid={self._rid} not ready for the next version "
                                        f"within timeout_s={self._timeout_s}")  # fmt: skip
                 self._notes_cv.wait(min(left, CHAIN_POLL_S))
+            self._hurry_until = 0.0
             return self._notes.pop(self._n)
 
     def _fail(self, exc: BaseException) -> None:
@@ -428,9 +437,11 @@ class Downstream:
                     return
         finally:
             self._sending = []
+            self._hurry_until = time.monotonic() + _NOTE_HURRY_S
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         with self._notes_cv:
             self._notes_cv.notify_all()
         if self._connector is not None:
