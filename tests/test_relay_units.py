@@ -11,7 +11,7 @@ from lightning_wsync import WeightSender
 from lightning_wsync._manifest import build_manifest
 from lightning_wsync.bench._pushmodel import Link, depth, fit, push_time
 from lightning_wsync.config import SenderConfig
-from lightning_wsync.transport.relay import CHUNK_BYTES, chunks
+from lightning_wsync.transport.relay import CHUNK_BYTES, TAIL_BYTES, chunks
 
 
 def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
@@ -23,6 +23,7 @@ def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
     for a, b, bucket in pieces:
         ba, bb = layout.buckets[bucket]
         assert ba <= a < b <= bb and b - a <= CHUNK_BYTES
+    assert pieces[-1][1] - pieces[-1][0] <= TAIL_BYTES  # the last piece crosses each hop quickly
 
 
 def test_push_time_model() -> None:

@@ -80,6 +80,7 @@ from lightning_wsync.transport.ring import Lease, SnapshotRing
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 19  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
+TAIL_BYTES = 1 << 16  # the size the version's last chunk is halved down to
 POLL_S = 0.002
 CHAIN_POLL_S = 0.05
 RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded down the chain
@@ -91,11 +92,23 @@ HEADER_WORDS = 5
 
 
 def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
-    """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket."""
+    """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket.
+
+    The version's last chunk is split into pieces that halve down to TAIL_BYTES: the last
+    byte reaches the H-th host one wire time after the first left the trainer plus H - 1
+    times the last piece's wire time, so small last pieces save ~5 ms per hop at 700 Mbit/s.
+    """
     out = []
     for i, (a, b) in enumerate(layout.buckets):
         for start in range(a, b, CHUNK_BYTES):
             out.append((start, min(b, start + CHUNK_BYTES), i))
+    if out:
+        start, end, bucket = out.pop()
+        while end - start > TAIL_BYTES:
+            half = start + (end - start) // 2
+            out.append((start, half, bucket))
+            start = half
+        out.append((start, end, bucket))
     return out
 
 
