@@ -32,6 +32,7 @@ log = logging.getLogger("lightning_wsync.receiver")
 
 _SHARED_ATTEMPTS = 8
 _PIN_ATTEMPTS = 64  # a pin fails while a push lands on that slot; each failure is a header read
+_WOKEN_POLL_S = 0.02  # a reader the writer wakes still reads the header this often (a lost wake-up)
 
 
 class ReceiveSource(Protocol):
@@ -123,11 +124,13 @@ class SharedMemorySource:
         return ref is not None and (held is None or ref.version > held) and ref.version != self._rejected
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
-        """Read the ring's header every millisecond (~3% of a core while waiting)."""
+        """Wait on the writer's wake-up, reading the ring's header after each and every
+        _WOKEN_POLL_S; without a wake-up socket, read it every ``_poll_s`` (1 ms: ~3% of a core)."""
         try:
             seen = self._reader.change_marker()
+            poll_s = max(self._poll_s, _WOKEN_POLL_S) if self._reader.woken else self._poll_s
             while time.monotonic() < until and not give_up():
-                time.sleep(self._poll_s)
+                self._reader.wait(min(poll_s, max(0.0, until - time.monotonic())))
                 if self._reader.change_marker() != seen:
                     break
         except (AttributeError, ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 
@@ -231,5 +232,32 @@ def test_a_draft_is_never_readable_until_committed_and_a_discarded_one_never(rin
         assert older is not None and older.slot == v1.slot
         older.commit(2)
         assert reader.newest() == v3 and ring_.newest() == v3
+    finally:
+        reader.close()
+
+
+def test_the_writer_wakes_waiting_readers_and_clears_dead_ones(ring):
+    """Readers wait on a wake-up socket instead of polling the header: a version landing
+    ends a 30 s wait at once; a dead reader's socket file is removed by the next write."""
+    ring_, layout, name = ring
+    reader = ShmReader(name, layout)
+    try:
+        assert reader.woken
+        stale = os.path.join(ring_.segment.pin_dir, "wake-999999-0")
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        dead.bind(stale)
+        dead.close()  # bound, then gone without unlinking: what a SIGKILLed reader leaves
+        woke = threading.Event()
+
+        def waiter() -> None:
+            reader.wait(30.0)
+            woke.set()
+
+        thread = threading.Thread(target=waiter, name="test-wake-waiter")
+        thread.start()
+        ring_.write(1, _fill(1.0))
+        assert woke.wait(10.0), "the write did not wake the waiting reader"
+        thread.join(5)
+        assert not os.path.exists(stale)
     finally:
         reader.close()

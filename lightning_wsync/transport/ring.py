@@ -20,6 +20,7 @@ import torch
 
 from lightning_wsync._manifest import Manifest, checksum, copy_tensors, entry_views
 from lightning_wsync.transport.shm import PinBoard, ShmSegment, SlotRef
+from lightning_wsync.transport.wake import Waker
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class SnapshotRing:
             self.buffers = [torch.empty(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self._views = [entry_views(layout, b) for b in self.buffers]
         self._board = PinBoard(segment) if segment is not None else None
+        self._waker = Waker(segment.pin_dir) if segment is not None else None
         self._seqs = [0] * len(self.buffers)  # private rings: the slot words live here
         self._versions = [-1] * len(self.buffers)
         self._cond = threading.Condition()
@@ -146,6 +148,8 @@ class SnapshotRing:
             if current is None or current.slot == slot or version >= current.version:
                 self._published = ref  # a relay leader may commit a resent, older version: newest stays newest
             self._cond.notify_all()
+        if self._waker is not None:
+            self._waker.wake()  # same-host readers wait on their wake-up sockets
         return ref
 
     def _claim(self) -> tuple[int, int] | None:
@@ -244,3 +248,5 @@ class SnapshotRing:
             self._cond.notify_all()
         if self._board is not None:
             self._board.close()
+        if self._waker is not None:
+            self._waker.close()

@@ -33,6 +33,7 @@ import torch
 from lightning_wsync._control import open_segment, pid_alive
 from lightning_wsync._manifest import Manifest, checksum, copy_tensors, entry_views
 from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.transport.wake import WakeSocket
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,19 @@ class ShmReader:
         self._layout = layout
         self._views = [entry_views(layout, data) for data in self._segment.data]
         self._pin = ReaderPin(self._segment)
+        self._wake = WakeSocket.bind(self._segment.pin_dir)
+
+    @property
+    def woken(self) -> bool:
+        """Whether the writer wakes this reader when a version lands (else it must poll)."""
+        return self._wake is not None
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the writer wakes this reader, or ``timeout_s``."""
+        if self._wake is not None:
+            self._wake.wait(timeout_s)
+        else:
+            time.sleep(timeout_s)
 
     def newest(self) -> SlotRef | None:
         return self._segment.newest()
@@ -386,4 +400,6 @@ class ShmReader:
     def close(self) -> None:
         self._views = []  # views pin the mapping
         self._pin.close()
+        if self._wake is not None:
+            self._wake.close()
         self._segment.close()
