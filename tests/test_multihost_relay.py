@@ -150,3 +150,13 @@ def test_leader_stalled_mid_version_is_replaced_and_follows_after_resume(tmp_pat
     applied = result["applied"]
     assert applied and all(a["exact"] for a in applied), [a for a in applied if not a["exact"]]
     assert {a["name"] for a in applied if a["version"] == result["resumed"]["version"]} == set(names)
+
+
+def test_a_hop_that_connects_after_a_version_went_by_gets_it_resent(tmp_path: Path) -> None:
+    """Every leader connects its hop downstream 1.5 s late and forwards without waiting for
+    it: each version still reaches every host bit-exact, with no further push."""
+    result = run_scenario("relay_slow_connect.py", str(tmp_path), timeout_s=240)
+    applied = {(r["name"], r["version"]): r["exact"] for r in result["applied"]}
+    for name in ("h1r0", "h2r0", "h3r0"):
+        for version in (1, 2, 3):
+            assert applied.get((name, version)) is True, (name, version, result["applied"])

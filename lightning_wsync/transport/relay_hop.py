@@ -101,6 +101,7 @@ class HopReceiver:
         self._ring = ring
         self._base = self.staging  # holds ``held``: the last version accepted (a slot of the ring, or staging)
         self._target = self.staging  # where the current message is written
+        self._accepted: tuple[int, int, list[int]] | None = None  # version, seq, trailer of what _base holds
         self._pieces = chunks(layout)
         self._header = torch.empty(HEADER_WORDS, dtype=torch.int64)
         self._header_work: Work | None = None
@@ -273,7 +274,26 @@ class HopReceiver:
             return False, mismatch
         self.held = held_of(msg.version, [s & (2**64 - 1) for s in sent])
         self._base = self._target
+        self._accepted = (msg.version, msg.seq, values)
         return True, None
+
+    def resend(self, down: Downstream) -> bool:
+        """Send the version this leader holds on to a next leader that connected after that
+        version went by (a chain re-formed under load); False when there is none to send.
+
+        The trainer's trailer goes with it as it came, so the next leader checks the
+        trainer's signature and checksums as for any version.
+        """
+        if self.held is None or self._accepted is None or self._accepted[0] != self.held.version:
+            return False
+        version, seq, trailer = self._accepted
+        if down.begin(version, seq, None, None) != FULL:
+            return False
+        for a, b, _ in self._pieces:
+            down.send(self._base[a:b])
+        down.send(torch.tensor(trailer, dtype=torch.int64))
+        log.info("relay: version %d resent to a next leader that connected after it went by", version)
+        return True
 
 
 class Downstream:
@@ -302,6 +322,7 @@ class Downstream:
         self._hurry_until = time.monotonic() + _NOTE_HURRY_S  # poll the next note fast until then
         self._wake = threading.Event()  # cuts a slow poll short (begin() waits, or close())
         self._gen = chain.gen
+        self.missed = False  # a version went by while this hop was still connecting
         self._connector: threading.Thread | None = None
         if self._rid is not None:
             self._connector = threading.Thread(
@@ -394,7 +415,9 @@ class Downstream:
         if self._rid is None or self._broken:
             return None
         if not self._ready.wait(_DOWNSTREAM_CONNECT_S) or self._pg is None:
+            self.missed = self._pg is None and not self._ready.is_set()  # still connecting: resent once connected
             return None
+        self.missed = False
         assert self._prefix is not None
         try:
             held = self._next_note()
@@ -424,6 +447,9 @@ class Downstream:
             self._sending.append(piece)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+
+    def connected(self) -> bool:
+        return self._pg is not None and not self._broken
 
     def finish(self) -> None:
         """Wait for this version's sends (bounded by the group timeout)."""

@@ -239,6 +239,8 @@ class RelayMember:
             ctl.set_text(keys.ready(prefix, n), hop.ready_note())  # what a delta may be made against
             hop.expect(pg)
             while not hop.arrived():
+                if down.missed and down.connected() and hop.resend(down):
+                    down.finish()
                 if self._stop.wait(POLL_S):
                     return
                 now = time.monotonic()

@@ -34,6 +34,21 @@ def corrupt_rebuilt(version: int) -> None:
     relay_hop.DeltaDecoder = Corrupting  # type: ignore[misc]
 
 
+def slow_connect(seconds: float) -> None:
+    """Make this leader's hops downstream connect ``seconds`` late, and its forwarding not wait
+    for them: every version that goes by while they connect must be resent once they are up."""
+    from lightning_wsync.transport import relay_hop
+
+    connect = relay_hop.Downstream._connect
+
+    def late(self, backend, addr):  # type: ignore[no-untyped-def]
+        self._closed.wait(seconds)
+        connect(self, backend, addr)
+
+    relay_hop.Downstream._connect = late  # type: ignore[method-assign]
+    relay_hop._DOWNSTREAM_CONNECT_S = 0.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
@@ -46,8 +61,12 @@ def main() -> int:
     parser.add_argument("--wire-dtype", default=None, help="digest as cast to this dtype (the sender's dtype=)")
     parser.add_argument("--corrupt-version", type=int, default=None,
                         help="as a host leader, flip a bit of this version while rebuilding it from a delta")
+    parser.add_argument("--slow-connect-s", type=float, default=None,
+                        help="as a host leader, connect each hop downstream this late (see slow_connect)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.slow_connect_s is not None:
+        slow_connect(args.slow_connect_s)
     if args.corrupt_version is not None:
         corrupt_rebuilt(args.corrupt_version)
     spec = spec_for_size(args.size_mb) if args.spec is None else ModelSpec(*(int(x) for x in args.spec.split(",")))
