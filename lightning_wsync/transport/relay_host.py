@@ -1,7 +1,8 @@
 """A rollout host of the relay: leader election, the host's ring, and the receivers' data plane.
 
 See :mod:`~lightning_wsync.transport.relay` for the chain; the leader's hops (receive,
-rebuild, verify, forward) are in :mod:`~lightning_wsync.transport.relay_hop`.
+rebuild, verify, forward) are in :mod:`~lightning_wsync.transport.relay_hop` and
+:mod:`~lightning_wsync.transport.relay_down`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from lightning_wsync.transport.relay import (
     join_hop,
     read_chain,
 )
-from lightning_wsync.transport.relay_hop import Downstream, HopReceiver, Message
+from lightning_wsync.transport.relay_down import Downstream
+from lightning_wsync.transport.relay_hop import HopReceiver, Message
 from lightning_wsync.transport.ring import SnapshotRing
 from lightning_wsync.transport.shm import ShmReader, ShmSegment, remove_stale_segments, segment_name
 

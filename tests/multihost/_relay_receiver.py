@@ -37,16 +37,16 @@ def corrupt_rebuilt(version: int) -> None:
 def slow_connect(seconds: float) -> None:
     """Make this leader's hops downstream connect ``seconds`` late, and its forwarding not wait
     for them: every version that goes by while they connect must be resent once they are up."""
-    from lightning_wsync.transport import relay_hop
+    from lightning_wsync.transport import relay_down
 
-    connect = relay_hop.Downstream._connect
+    connect = relay_down.Downstream._connect
 
     def late(self, backend, addr):  # type: ignore[no-untyped-def]
         self._closed.wait(seconds)
         connect(self, backend, addr)
 
-    relay_hop.Downstream._connect = late  # type: ignore[method-assign]
-    relay_hop._DOWNSTREAM_CONNECT_S = 0.0
+    relay_down.Downstream._connect = late  # type: ignore[method-assign]
+    relay_down._DOWNSTREAM_CONNECT_S = 0.0
 
 
 def main() -> int:
