@@ -275,8 +275,10 @@ class WeightSender:
                 f"(push a higher number, or use a new job name)"
             )
         started = time.perf_counter()
-        written = self._ring.write(version, self._ordered, wait_s=wait_for_slot_s)
+        written = self._ring.write(version, self._ordered, wait_s=wait_for_slot_s, wake=False)
         stall = time.perf_counter() - started
+        if written is not None:
+            self._ring.wake_readers()  # after the stall is timed: a woken reader may apply at once
         self.latest_version = version
         handle = PushHandle(self, version, started, stall, dropped=written is None)
         if written is None:

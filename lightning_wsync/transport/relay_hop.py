@@ -131,7 +131,7 @@ class HopReceiver:
         self.draft = None if self._ring is None else self._ring.draft()
         self._target = self.staging if self.draft is None else self.draft.buffer
         if self._target.data_ptr() == self._base.data_ptr():
-            self.held = None  # rewritten in place from here on
+            self.held = self._accepted = None  # rewritten in place from here on
         if kind == FULL:
             # The first chunks' receives are posted before the hop downstream is started: the
             # upstream side streams while this side deals with its own next hop. The rest
@@ -267,7 +267,7 @@ class HopReceiver:
         The trainer's trailer goes with it as it came, so the next leader checks the
         trainer's signature and checksums as for any version.
         """
-        if self.held is None or self._accepted is None or self._accepted[0] != self.held.version:
+        if self._accepted is None:
             return False
         version, seq, trailer = self._accepted
         if down.begin(version, seq, None, None) != FULL:

@@ -110,10 +110,14 @@ class SnapshotRing:
         return self.segment.version(slot) if self.segment is not None else self._versions[slot]
 
     # -- writer -----------------------------------------------------------------------
-    def write(self, version: int, tensors: list[torch.Tensor], *, wait_s: float = 0.0) -> SlotRef | None:
+    def write(
+        self, version: int, tensors: list[torch.Tensor], *, wait_s: float = 0.0, wake: bool = True
+    ) -> SlotRef | None:
         """Snapshot ``tensors`` as ``version`` into a free slot; None when every slot is held.
 
-        ``wait_s`` bounds a wait for a slot to come free (0: drop at once).
+        ``wait_s`` bounds a wait for a slot to come free (0: drop at once). ``wake=False``
+        leaves waking same-host readers to the caller (:meth:`wake_readers`): the sender
+        times the snapshot alone, and a woken reader must not apply inside that time.
         """
         deadline = time.monotonic() + wait_s
         while (claimed := self._claim()) is None:
@@ -129,14 +133,14 @@ class SnapshotRing:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
             event.synchronize()
-        return self._end_write(slot, before, version)
+        return self._end_write(slot, before, version, wake=wake)
 
     def draft(self) -> Draft | None:
         """A free slot to be written in place and then committed or discarded; None when every slot is held."""
         claimed = self._claim()
         return None if claimed is None else Draft(self, *claimed)
 
-    def _end_write(self, slot: int, before: int, version: int) -> SlotRef:
+    def _end_write(self, slot: int, before: int, version: int, *, wake: bool = True) -> SlotRef:
         with self._cond:
             if self.segment is not None:
                 seq = self.segment.end_write(slot, version)
@@ -148,9 +152,14 @@ class SnapshotRing:
             if current is None or current.slot == slot or version >= current.version:
                 self._published = ref  # a relay leader may commit a resent, older version: newest stays newest
             self._cond.notify_all()
-        if self._waker is not None:
-            self._waker.wake()  # same-host readers wait on their wake-up sockets
+        if wake:
+            self.wake_readers()
         return ref
+
+    def wake_readers(self) -> None:
+        """Poke same-host readers: they wait on their wake-up sockets for a new version."""
+        if self._waker is not None:
+            self._waker.wake()
 
     def _claim(self) -> tuple[int, int] | None:
         """A slot nobody holds, now marked as being written, and its sequence before."""

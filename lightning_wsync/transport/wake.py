@@ -53,7 +53,7 @@ class WakeSocket:
         while True:  # several versions may have landed: one look at the header covers them
             try:
                 self._sock.recv(16)
-            except (BlockingIOError, OSError):
+            except OSError:  # BlockingIOError once the queue is drained
                 return
 
     def close(self) -> None:
