@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from lightning_wsync._push_report import PushHandle, PushReport
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 from lightning_wsync.config import CallbackConfig, ReceiverConfig, SenderConfig, register_configs
 from lightning_wsync.engines import ApplyTarget
@@ -16,7 +17,7 @@ from lightning_wsync.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_wsync.receiver import WeightReceiver
-from lightning_wsync.sender import PushHandle, PushReport, WeightSender
+from lightning_wsync.sender import WeightSender
 
 if TYPE_CHECKING:
     from lightning_wsync.callback import WeightSyncCallback

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from lightning_wsync.sender import PushHandle, PushReport
+from lightning_wsync._push_report import PushHandle, PushReport
 
 log = logging.getLogger(__name__)
 

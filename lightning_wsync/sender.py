@@ -22,7 +22,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
@@ -42,9 +41,10 @@ from lightning_wsync._control import (
 )
 from lightning_wsync._manifest import build_manifest, select_tensors
 from lightning_wsync._membership import Member, Membership, decode_state
+from lightning_wsync._push_report import PushHandle, PushReport
 from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncStoreError
-from lightning_wsync.transport.delta_link import AutoPolicy, DeltaStreams
+from lightning_wsync.transport.delta_encode import AutoPolicy, DeltaStreams
 from lightning_wsync.transport.net import NetSendLink
 from lightning_wsync.transport.relay import RelayHead, leader_record
 from lightning_wsync.transport.ring import SnapshotRing
@@ -57,82 +57,6 @@ _COLLECT_POLL_MIN_S = 0.0005
 _COLLECT_POLL_MAX_S = 0.005
 _KEEP_VERSION_RECORDS = 4
 _PIN_LEASE_MAX_S = 5.0
-
-
-@dataclass(frozen=True)
-class PushReport:
-    """Outcome of one push.
-
-    Attributes:
-        version: the version pushed.
-        delivered: receivers holding this version or a newer one (for receivers on this
-            host: applied to their module; across hosts: staged and verified).
-        failed: receiver name -> reason, for each receiver that was live when the
-            version was published and did not get it within the timeout.
-        stall_s: how long ``push()`` blocked the caller.
-        latency_s: from ``push()`` to the last delivery seen (None if none).
-        bytes: bytes in the snapshot.
-        dropped: the push found every snapshot slot being read (pushes faster than
-            receivers copy) and was not published; the next push carries newer weights.
-        delta_receivers: network receivers that got this version as a delta (only the
-            elements changed since the version they held; on a relay host: its leader
-            did); the others got it in full.
-        delta_bytes: bytes of that delta on the wire (compare with ``bytes``); None when
-            no receiver got a delta.
-        delta_changed_share: share of the wire dtype's elements that changed.
-        delta_encode_s: the sender's time encoding the delta (once for all receivers).
-        delta_decode_s: the slowest delta receiver's time rebuilding the version, when
-            it reported it before this report was made (else None).
-    """
-
-    version: int
-    delivered: tuple[str, ...]
-    failed: dict[str, str] = field(default_factory=dict)
-    stall_s: float = 0.0
-    latency_s: float | None = None
-    bytes: int = 0
-    dropped: bool = False
-    delta_receivers: tuple[str, ...] = ()
-    delta_bytes: int | None = None
-    delta_changed_share: float | None = None
-    delta_encode_s: float | None = None
-    delta_decode_s: float | None = None
-
-
-class PushHandle:
-    """Returned by :meth:`WeightSender.push`; ``wait()`` reports who got the version."""
-
-    def __init__(
-        self, sender: WeightSender, version: int, started: float, stall_s: float, *, dropped: bool = False
-    ) -> None:
-        self.version = version
-        self.dropped = dropped
-        self.stall_s = stall_s
-        self._sender = sender
-        self._started = started
-        self._published = threading.Event()
-        self._targets: list[Member] = []
-        self._report: PushReport | None = None
-
-    def _set_targets(self, targets: list[Member]) -> None:
-        self._targets = targets
-        self._published.set()
-
-    def wait(self, timeout_s: float | None = None) -> PushReport:
-        """Wait up to ``timeout_s`` (default: the sender's) for every receiver that was
-        live at publication to hold this version; never longer."""
-        if self._report is not None:
-            return self._report
-        if self.dropped:
-            self._report = PushReport(
-                self.version, (), stall_s=self.stall_s, bytes=self._sender.layout.total_bytes, dropped=True
-            )
-            return self._report
-        timeout_s = self._sender.config.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        self._published.wait(timeout=timeout_s)
-        self._report = self._sender._collect(self, self._targets, deadline, timeout_s)
-        return self._report
 
 
 class WeightSender:

@@ -17,19 +17,15 @@ from conftest import Children
 from lightning_wsync._manifest import Manifest, entry_views
 from lightning_wsync.config import CallbackConfig, SenderConfig
 from lightning_wsync.transport.delta import base_digest, sampled_changed_share
-from lightning_wsync.transport.delta_link import (
+from lightning_wsync.transport.delta_encode import (
     AUTO_MAX_WIRE_SHARE,
     AutoPolicy,
-    DeltaStats,
     DeltaStream,
     DeltaStreams,
     EncoderPool,
-    Held,
     delta_base,
-    parse_ready_note,
-    ready_note,
-    send_records,
 )
+from lightning_wsync.transport.delta_link import DeltaStats, Held, parse_ready_note, ready_note, send_records
 from lightning_wsync.transport.group import PeerGroup, make_group
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 

@@ -27,12 +27,9 @@ from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.errors import WeightSyncStoreError
+from lightning_wsync.transport.delta_encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync.transport.delta_link import (
-    AutoPolicy,
-    DeltaStream,
-    DeltaStreams,
     Held,
-    delta_base,
     held_of,
     parse_ready_note,
     ready_note,

@@ -65,15 +65,8 @@ import torch
 from lightning_wsync import _keys as keys
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest
-from lightning_wsync.transport.delta_link import (
-    AutoPolicy,
-    DeltaStream,
-    DeltaStreams,
-    Held,
-    delta_base,
-    parse_ready_note,
-    send_delta,
-)
+from lightning_wsync.transport.delta_encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
+from lightning_wsync.transport.delta_link import Held, parse_ready_note, send_delta
 from lightning_wsync.transport.group import PeerGroup, make_group, shutdown_group, to_int64, trailer_mac
 from lightning_wsync.transport.ring import Lease, SnapshotRing
 

@@ -30,13 +30,7 @@ import xxhash
 from lightning_wsync._control import Control
 from lightning_wsync._manifest import Manifest, checksum
 from lightning_wsync.transport.delta import DeltaDecoder, DeltaError, DeltaHeader
-from lightning_wsync.transport.delta_link import (
-    DeltaStats,
-    Held,
-    held_of,
-    ready_note,
-    record_pieces,
-)
+from lightning_wsync.transport.delta_link import DeltaStats, Held, held_of, ready_note, record_pieces
 from lightning_wsync.transport.group import (
     MAC_WORDS,
     PeerGroup,
