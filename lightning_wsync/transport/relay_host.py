@@ -119,6 +119,7 @@ class RelayMember:
         self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, list[object]] = {}
         self._leader_hb: tuple[int, int, float] | None = None  # (rid, hb, seen at)
+        self._next_leader_check = 0.0  # when the leader's gone key and heartbeat are read next
         self._failed_gen: int | None = None  # the chain generation whose hop from upstream failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
@@ -131,10 +132,17 @@ class RelayMember:
             return None
         if not pid_alive(pid):
             return f"leader rid={rid} (pid {pid}) is gone"
+        seen = self._leader_hb
+        now = time.monotonic()
+        if seen is not None and seen[0] == rid and now < self._next_leader_check:
+            return None
+        # The leader's pid is looked at every CHAIN_POLL_S, its gone key and heartbeat every
+        # heartbeat_timeout_s / 8: every receiver on every host runs this loop, and two store
+        # requests each CHAIN_POLL_S were most of a host's steady load on the store.
+        self._next_leader_check = now + max(CHAIN_POLL_S, self._heartbeat_timeout_s / 8)
         if ctl.has(keys.member_gone(rid)):
             return f"leader rid={rid} left"
-        hb, now = ctl.add(keys.member_heartbeat(rid), 0), time.monotonic()
-        seen = self._leader_hb
+        hb = ctl.add(keys.member_heartbeat(rid), 0)
         if seen is None or seen[0] != rid or seen[1] != hb:
             self._leader_hb = (rid, hb, now)
             return None
