@@ -2,7 +2,9 @@
 
 from typing import TYPE_CHECKING
 
-from lightning_wsync._push_report import PushHandle, PushReport
+from lightning_wsync._pull.receiver import WeightReceiver
+from lightning_wsync._push.report import PushHandle, PushReport
+from lightning_wsync._push.sender import WeightSender
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 from lightning_wsync.config import CallbackConfig, ReceiverConfig, SenderConfig, register_configs
 from lightning_wsync.engines import ApplyTarget
@@ -16,8 +18,6 @@ from lightning_wsync.errors import (
     WeightSyncStoreError,
     WeightSyncTimeoutError,
 )
-from lightning_wsync.receiver import WeightReceiver
-from lightning_wsync.sender import WeightSender
 
 if TYPE_CHECKING:
     from lightning_wsync.callback import WeightSyncCallback

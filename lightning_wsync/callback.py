@@ -70,11 +70,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
-from lightning_wsync._push_report import PushReport
-from lightning_wsync._report_waiter import ReportWaiter
+from lightning_wsync._push.report import PushReport
+from lightning_wsync._push.sender import WeightSender
+from lightning_wsync._push.waiter import ReportWaiter
 from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
-from lightning_wsync.sender import WeightSender
 
 log = logging.getLogger(__name__)
 

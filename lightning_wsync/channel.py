@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-from lightning_wsync import _keys as keys
-from lightning_wsync._control import Control, connect_store, resolve_job, resolve_secret
-from lightning_wsync._manifest import dtype_from_name, dtype_to_name
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import dtype_from_name, dtype_to_name
+from lightning_wsync._control.store import Control, connect_store, resolve_job, resolve_secret
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncIntegrityError,

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_wsync.bench._procs import Children
+from lightning_wsync.testing.procs import Children
 
 
 def free_port() -> int:

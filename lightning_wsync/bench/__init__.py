@@ -39,16 +39,16 @@ from types import FrameType
 
 import torch
 
-from lightning_wsync._manifest import build_manifest, select_tensors
+from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync.bench import _hostbench
 from lightning_wsync.bench._bounds import BoundBench
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
-from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
-from lightning_wsync.bench._procs import BenchError, Children
 from lightning_wsync.bench._push import WARMUP_PUSHES, PushPhase, PushRun, run_push_phase
 from lightning_wsync.bench._report import format_table, summarize
 from lightning_wsync.config import APPLY_MODES, DELTA_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
+from lightning_wsync.testing.procs import BenchError, Children
 
 __all__ = ["add_arguments", "run"]
 

@@ -32,8 +32,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lightning_wsync._manifest import copy_tensors
-from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
+from lightning_wsync._control.manifest import copy_tensors
+from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
 
 _SHM_DIR = "/dev/shm"
 _RECV_CHUNK = 1 << 22

@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_wsync._manifest import build_manifest, checksum, copy_into, select_tensors
-from lightning_wsync.bench._model import ModelSpec, spec_for_size
+from lightning_wsync._control.manifest import build_manifest, checksum, copy_into, select_tensors
+from lightning_wsync._planes.delta.codec import DeltaDecoder, DeltaEncoder, DeltaHeader
 from lightning_wsync.bench._push import PushRun, PushSample
 from lightning_wsync.bench._steps import GPT2_SPEC, Trainer
-from lightning_wsync.transport.delta import DeltaDecoder, DeltaEncoder, DeltaHeader
+from lightning_wsync.testing.models import ModelSpec, spec_for_size
 
 WIRE_SHARE_TARGET = 0.10  # issue 13: at lr 1e-6 in bf16, a delta push moves at most 10% of the full push
 

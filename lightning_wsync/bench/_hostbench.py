@@ -33,19 +33,19 @@ import sys
 
 import torch
 
-from lightning_wsync._keys import ENV_HOST_ID
+from lightning_wsync._control.keys import ENV_HOST_ID
 from lightning_wsync.bench import _hostdelta
-from lightning_wsync.bench._hosts import (
+from lightning_wsync.bench._push import Placement, PushRun
+from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.testing.hosts import (
     SimHosts,
     in_session,
     isolated_argv,
     missing_requirements,
     prepare_session,
 )
-from lightning_wsync.bench._model import ModelSpec, build_model, spec_for_size
-from lightning_wsync.bench._procs import BenchError
-from lightning_wsync.bench._push import Placement, PushRun
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
+from lightning_wsync.testing.procs import BenchError
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _TOPOLOGIES = ("relay", "star")

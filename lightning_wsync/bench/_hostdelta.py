@@ -18,9 +18,9 @@ import argparse
 import statistics
 
 from lightning_wsync.bench._delta import delta_spec, keep_weights
-from lightning_wsync.bench._hosts import SimHosts
 from lightning_wsync.bench._push import Placement, PushRun
 from lightning_wsync.bench._steps import Trainer
+from lightning_wsync.testing.hosts import SimHosts
 
 
 def _pushed(run: PushRun, hosts: SimHosts, version: int, *, warmup: bool = False) -> dict[str, object]:

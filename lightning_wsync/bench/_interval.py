@@ -20,9 +20,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from lightning_wsync import WeightSender, WeightSyncClosedError, WeightSyncTimeoutError
-from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
-from lightning_wsync.bench._procs import BenchError, Children, receive
 from lightning_wsync.bench._push import ReceiverArgs, receiver_child, wait_registered
+from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate
+from lightning_wsync.testing.procs import BenchError, Children, receive
 
 _SAMPLE_S = 0.001
 

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
-from lightning_wsync._keys import ENV_HOST_ID
+from lightning_wsync._control.keys import ENV_HOST_ID
 from lightning_wsync.bench._memory import MemGrowth, MemSample, growth, reset_peak
-from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
-from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
 from lightning_wsync.config import SenderConfig
+from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate
+from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Placement(NamedTuple):
 
 
 def _receiver_on_host(conn: Connection, netns: str, host_id: str, args: ReceiverArgs) -> None:
-    from lightning_wsync.bench._hosts import enter_netns
+    from lightning_wsync.testing.hosts import enter_netns
 
     os.environ[ENV_HOST_ID] = host_id
     enter_netns(netns)  # before any socket: the receiver's store client and links live there

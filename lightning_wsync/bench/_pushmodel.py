@@ -32,7 +32,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from lightning_wsync.transport.relay import CHUNK_BYTES
+from lightning_wsync._planes.relay.head import CHUNK_BYTES
 
 TBF_EFFICIENCY = 0.96
 

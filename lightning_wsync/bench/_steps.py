@@ -15,7 +15,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from lightning_wsync.bench._model import BenchModel, ModelSpec, _Block, build_model
+from lightning_wsync.testing.models import BenchModel, ModelSpec, _Block, build_model
 
 GPT2_SPEC = ModelSpec(d_model=768, vocab=50257)  # 124M parameters, as Hugging Face's "gpt2" (no position table)
 _HEAD_DIM = 64

@@ -37,9 +37,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync.bench._model import ModelSpec, build_model, digest, mutate
-from lightning_wsync.bench._procs import BenchError, Children, init_child, receive, report_failure
 from lightning_wsync.bench._report import median
+from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate
+from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
 
 log = logging.getLogger(__name__)
 

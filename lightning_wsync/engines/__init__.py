@@ -6,6 +6,6 @@ vLLM engine worker (``pip install 'lightning-wsync[vllm]'``). Importing this pac
 never imports an engine.
 """
 
-from lightning_wsync.engines._target import ApplyTarget
+from lightning_wsync._pull.target import ApplyTarget
 
 __all__ = ["ApplyTarget"]

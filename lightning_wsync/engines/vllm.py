@@ -45,7 +45,7 @@ from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.errors import WeightSyncError
 
 if TYPE_CHECKING:
-    from lightning_wsync.receiver import WeightReceiver
+    from lightning_wsync._pull.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class WsyncWorkerExtension:
 
     def wsync_start(self, store: str | None, job: str | None, options: dict[str, Any]) -> str:
         """Join the job as a receiver whose apply target is this worker's model; return its name."""
-        from lightning_wsync.receiver import WeightReceiver
+        from lightning_wsync._pull.receiver import WeightReceiver
 
         if self._wsync_receiver is not None:
             raise WeightSyncError(

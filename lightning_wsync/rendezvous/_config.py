@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 # Exported to every worker of both jobs (workers inherit the agent's environment).
-from lightning_wsync._keys import ENV_JOB, ENV_ROLE, ENV_SECRET, ENV_STORE
+from lightning_wsync._control.keys import ENV_JOB, ENV_ROLE, ENV_SECRET, ENV_STORE
 
 __all__ = [
     "ENV_JOB",

@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from typing_extensions import override
 
-from lightning_wsync import _keys as keys
+from lightning_wsync._control import keys
 from lightning_wsync.rendezvous._config import (
     ENV_JOB,
     ENV_ROLE,

@@ -18,8 +18,8 @@ from datetime import timedelta
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
-from lightning_wsync import _keys as keys
-from lightning_wsync._control import tcp_store
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import tcp_store
 
 __all__ = ["RoundStore"]
 

@@ -29,8 +29,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from typing_extensions import override
 
-from lightning_wsync import _keys as keys
-from lightning_wsync._control import tcp_store
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import tcp_store
 from lightning_wsync.rendezvous._config import WsyncRendezvousConfig
 
 __all__ = [

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 0 after a signal, 1 when the port cannot be bound.
     """
-    from lightning_wsync._control import tcp_store
+    from lightning_wsync._control.store import tcp_store
 
     host: str = args.host
     port: int = args.port

@@ -9,7 +9,7 @@ import os
 import torch
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError
-from lightning_wsync.bench._model import ModelSpec, build_model, digest, spec_for_size
+from lightning_wsync.testing.models import ModelSpec, build_model, digest, spec_for_size
 
 
 def emit(path: str, **fields: object) -> None:
@@ -22,7 +22,7 @@ def emit(path: str, **fields: object) -> None:
 
 def corrupt_rebuilt(version: int) -> None:
     """Flip one bit of the first bucket this process rebuilds for ``version`` (as wire corruption would)."""
-    from lightning_wsync.transport import relay_hop
+    from lightning_wsync._planes.relay import hop as relay_hop
 
     class Corrupting(relay_hop.DeltaDecoder):
         def decode_bucket(self, payload, base, out):  # type: ignore[no-untyped-def]
@@ -37,7 +37,7 @@ def corrupt_rebuilt(version: int) -> None:
 def slow_connect(seconds: float) -> None:
     """Make this leader's hops downstream connect ``seconds`` late, and its forwarding not wait
     for them: every version that goes by while they connect must be resent once they are up."""
-    from lightning_wsync.transport import relay_down
+    from lightning_wsync._planes.relay import down as relay_down
 
     connect = relay_down.Downstream._connect
 

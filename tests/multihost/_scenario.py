@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_wsync.bench._hosts import SimHosts, prepare_session
+from lightning_wsync.testing.hosts import SimHosts, prepare_session
 
 POLL_S = 0.05
 

@@ -18,11 +18,11 @@ from typing import Any
 from _scenario import Procs, main, wait_until
 
 from lightning_wsync import WeightSender
-from lightning_wsync import _keys as keys
-from lightning_wsync._control import Control
-from lightning_wsync.bench._hosts import SimHosts
-from lightning_wsync.bench._model import build_model, digest, mutate, spec_for_size
-from lightning_wsync.transport.relay import leader_record
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+from lightning_wsync.testing.hosts import SimHosts
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+from lightning_wsync._planes.relay.head import leader_record
 
 HERE = Path(__file__).resolve().parent
 SIZE_MB = 4

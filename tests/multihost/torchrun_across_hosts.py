@@ -16,7 +16,7 @@ from typing import Any
 
 from _scenario import Procs, main, wait_until
 
-from lightning_wsync.bench._hosts import SimHosts
+from lightning_wsync.testing.hosts import SimHosts
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "rendezvous" / "scripts"
 PORT = 29400  # a fresh network namespace: nothing else listens here

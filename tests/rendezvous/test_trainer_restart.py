@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError, WeightSyncTimeoutError
-from lightning_wsync.bench._model import digest
+from lightning_wsync.testing.models import digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

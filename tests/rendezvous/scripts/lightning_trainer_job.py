@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_wsync import WeightSyncCallback
-from lightning_wsync.bench._model import digest
+from lightning_wsync.testing.models import digest
 
 
 class Noise(IterableDataset[torch.Tensor]):

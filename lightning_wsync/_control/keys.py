@@ -1,0 +1,207 @@
+"""Every name lightning_wsync shares with other processes: store keys and environment variables.
+
+Keys of a job live under ``wsync/<job>/`` (:func:`job_prefix`; :class:`~lightning_wsync._control.Control`
+adds it). Keys that a wait depends on carry the version, sender epoch or link
+generation in their name, so a key written for one version can never satisfy a wait for
+another. Only ``latest``, ``sender/current`` and the relay's ``leader`` and ``chain``
+records are overwritten (read by value, never waited on). JSON records are signed with the job's secret when one is set;
+counters and ``1`` markers cannot be, and only say "look again", never what to trust.
+
+==============================  ======  =========================================================
+key (under ``wsync/<job>/``)    kind    what
+==============================  ======  =========================================================
+sender/epoch                    count   each WeightSender takes the next epoch
+sender/current                  JSON    ``{epoch}`` of the newest sender
+sender/<epoch>                  JSON    sender record (host, pid, transport, backend, shm, addr,
+                                        relay, heartbeat_timeout_s, timeout_s)
+layout/<epoch>                  JSON    the manifest: tensor table and buckets of that epoch
+latest                          JSON    ``{version, epoch}`` of the newest published version
+v/<version>                     JSON    ``{version, epoch}`` of a published version (newest few)
+v/<version>/sums                JSON    ``{version, sums}`` bucket checksums (when a receiver verifies)
+closed/<epoch>                  JSON    ``{final}``, set by WeightSender.close(); final=False when
+                                        the sender left without finishing (exception, SIGTERM)
+members/next                    count   each WeightReceiver takes the next rid
+members/low                     JSON    every rid below it is gone and its keys deleted
+member/<rid>                    JSON    member record (name, host, pid, PID namespace, verify)
+member/<rid>/hb                 count   heartbeat
+member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
+member/<rid>/state              JSON    ``{acked, error}``: newest version held, last rejection
+member/<rid>/net                count   generation of the receiver's newest network link
+pg/<epoch>/<rid>/<link>/        prefix  one sender-receiver link: gloo's rendezvous keys ``0/0``,
+                                        ``0/1``; ``ready/<n>`` (receiver: ready for send n, what
+                                        it holds), ``ann/<n>`` (sender: version of send n)
+relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, term, shm}`` of the host's leader (hostkey: sha256
+                                        of the host id, 16 hex digits); replaced by compare-and-set
+relay/<epoch>/chain             JSON    ``{gen, rids}``: the relay chain's generation and leader rids
+relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
+relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ready/<n>`` (downstream
+                                        leader: what it holds), gloo's keys
+relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions (delta or full,
+                                        bytes, decode seconds), for push reports
+channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
+==============================  ======  =========================================================
+
+Deleted so the store stays bounded (see :mod:`lightning_wsync._push.membership`): a gone
+receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
+is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it,
+``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
+behind the current one.
+
+Outside any job, the rendezvous backend keeps on the shared store
+``wsync.rdzv/<job>/<role>/epoch`` (count: the role's rendezvous epoch),
+``wsync.rdzv/<job>/agents`` (count: agents using the store) and torch's own
+``torch.rendezvous.<run id>`` (the signed rendezvous state); on each round's store the
+agent writes ``WSYNC_BOOTSTRAP`` and keeps torchrun's keys under ``wsync.agent/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# -- environment ----------------------------------------------------------------------
+ENV_STORE = "WSYNC_STORE"  # "host:port" of the shared control-plane TCPStore
+ENV_JOB = "WSYNC_JOB"  # the --rdzv-id, shared by the trainer and rollout jobs
+ENV_ROLE = "WSYNC_ROLE"  # "trainer" or "rollout"
+ENV_SECRET = "WSYNC_SECRET"  # the job's shared secret: signs records and the rendezvous state
+ENV_HOST_ID = "WSYNC_HOST_ID"  # overrides the host identity of the same-host decision
+ENV_ADDR = "WSYNC_ADDR"  # the address other hosts reach this process at
+
+# -- one job's keys -------------------------------------------------------------------
+SENDER_EPOCH = "sender/epoch"
+SENDER_CURRENT = "sender/current"
+LATEST = "latest"
+MEMBERS_NEXT = "members/next"
+MEMBERS_LOW = "members/low"
+
+
+def job_prefix(job: str) -> str:
+    return f"wsync/{job}"
+
+
+def sender_record(epoch: int) -> str:
+    return f"sender/{epoch}"
+
+
+def manifest(epoch: int) -> str:
+    return f"layout/{epoch}"
+
+
+def closed(epoch: int) -> str:
+    return f"closed/{epoch}"
+
+
+def epoch_keys(epoch: int) -> tuple[str, ...]:
+    """The records of one sender epoch."""
+    return (sender_record(epoch), manifest(epoch), closed(epoch))
+
+
+def version_record(version: int) -> str:
+    return f"v/{version}"
+
+
+def version_sums(version: int) -> str:
+    return f"v/{version}/sums"
+
+
+def version_keys(version: int) -> tuple[str, ...]:
+    return (version_record(version), version_sums(version))
+
+
+def member(rid: int) -> str:
+    return f"member/{rid}"
+
+
+def member_heartbeat(rid: int) -> str:
+    return f"member/{rid}/hb"
+
+
+def member_gone(rid: int) -> str:
+    return f"member/{rid}/gone"
+
+
+def member_state(rid: int) -> str:
+    return f"member/{rid}/state"
+
+
+def member_link(rid: int) -> str:
+    """Counter: generation of receiver ``rid``'s newest network link."""
+    return f"member/{rid}/net"
+
+
+def member_keys(rid: int) -> tuple[str, ...]:
+    """Every key receiver ``rid`` writes outside its links."""
+    return (member(rid), member_heartbeat(rid), member_state(rid), member_gone(rid), member_link(rid))
+
+
+def link_prefix(epoch: int, rid: int, link: int) -> str:
+    """Prefix of one sender-receiver link (``link``: its generation)."""
+    return f"pg/{epoch}/{rid}/{link}/"
+
+
+def group_keys(prefix: str) -> tuple[str, ...]:
+    """The keys gloo's rendezvous writes under a two-rank group's ``prefix``."""
+    return (prefix + "0/0", prefix + "0/1")
+
+
+def ready(prefix: str, n: int) -> str:
+    """Receiver to sender: ready for send ``n`` of a link (or hop), and what it holds."""
+    return f"{prefix}ready/{n}"
+
+
+def announcement(prefix: str, n: int) -> str:
+    """Sender to receiver: send ``n`` of a link (or hop) follows."""
+    return f"{prefix}ann/{n}"
+
+
+def joined(prefix: str, rank: int) -> str:
+    """A relay hop's side ``rank`` is there."""
+    return f"{prefix}joined/{rank}"
+
+
+def host_key(host: str) -> str:
+    """A host identity as a key part (hashed: host ids contain '/')."""
+    return hashlib.sha256(host.encode()).hexdigest()[:16]
+
+
+def relay_leader(epoch: int, host: str) -> str:
+    return f"relay/{epoch}/leader/{host_key(host)}"
+
+
+def relay_chain(epoch: int) -> str:
+    return f"relay/{epoch}/chain"
+
+
+def relay_broken(epoch: int, rid: int) -> str:
+    return f"relay/{epoch}/broken/{rid}"
+
+
+def relay_hop_prefix(epoch: int, chain: int, rid: int) -> str:
+    """Prefix of the relay hop into leader ``rid`` (``chain``: the chain's generation)."""
+    return f"relay/{epoch}/pg/{chain}/{rid}/"
+
+
+def relay_received(epoch: int, rid: int) -> str:
+    """How leader ``rid`` got its last few versions (delta or full, bytes, decode time): push reports."""
+    return f"relay/{epoch}/received/{rid}"
+
+
+def channel_queue(name: str) -> str:
+    return f"channel/{name}/queue"
+
+
+# -- the rendezvous backend's keys -------------------------------------------------------
+ROUND_BOOTSTRAP = "WSYNC_BOOTSTRAP"  # written by each round's rank 0 on the round-scoped store
+AGENT_PREFIX = "wsync.agent"  # torchrun's agent keys on the round's store, apart from the workers' "default_pg/"
+
+
+def rdzv_epoch(job: str, role: str) -> str:
+    return f"wsync.rdzv/{job}/{role}/epoch"
+
+
+def rdzv_agents(job: str) -> str:
+    return f"wsync.rdzv/{job}/agents"
+
+
+def rdzv_state(run_id: str) -> str:
+    """Where torch's C10d backend keeps a run's rendezvous state."""
+    return "torch.rendezvous." + run_id

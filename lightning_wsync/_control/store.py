@@ -1,0 +1,287 @@
+"""The control plane: connection to the shared store, host facts, and :class:`Control`,
+the one error boundary for a job's keys (their layout: :mod:`lightning_wsync._control.keys`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.keys import ENV_ADDR, ENV_JOB, ENV_SECRET, ENV_STORE
+from lightning_wsync.errors import (
+    WeightSyncAuthError,
+    WeightSyncError,
+    WeightSyncStoreError,
+)
+
+_T = TypeVar("_T")
+
+_SIGNED = "wsync_signed"
+
+
+@dataclass(frozen=True)
+class StoreHandle:
+    """A connected store plus what is known about where it lives."""
+
+    store: dist.Store
+    address: str | None  # "host:port" when known
+    is_server: bool  # this process hosts the TCPStore
+
+
+def resolve_secret(secret: str | None) -> bytes | None:
+    secret = secret if secret is not None else os.environ.get(ENV_SECRET)
+    return secret.encode() if secret else None
+
+
+def resolve_job(job: str | None, owner: str) -> str:
+    job = job if job is not None else os.environ.get(ENV_JOB)
+    if not job:
+        raise ValueError(
+            f"{owner}: job={job!r}; pass job='<run name>' or set {ENV_JOB} (torchrun with "
+            f"--rdzv-backend=wsync sets it to the --rdzv-id)"
+        )
+    if "/" in job:
+        raise ValueError(f"{owner}: job={job!r} must not contain '/'; pick a name like 'exp1'")
+    return job
+
+
+def tcp_store(host: str, port: int, *, serve: bool, timeout_s: float) -> dist.TCPStore:
+    """Host (``serve``) or join the TCPStore at ``host:port``; every TCPStore of the package is made here.
+
+    A hosted store does not wait for clients and is multi-tenant: another store object
+    of this process may host the same port and shares the server. Raises what
+    ``TCPStore`` raises (``RuntimeError``, ``OSError``, ``ValueError``); callers say what failed.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if serve:
+        return dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timeout)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def connect_store(
+    spec: dist.Store | str | None, *, serve: bool, timeout_s: float, owner: str
+) -> StoreHandle:
+    """Open the control-plane store.
+
+    ``spec`` is a Store, ``"host:port"``, or None for ``$WSYNC_STORE``. With ``serve``
+    a TCPStore is hosted at that address when the port can be bound here (or is 0);
+    otherwise this process connects as a client.
+    """
+    if isinstance(spec, dist.Store):
+        return StoreHandle(spec, None, False)
+    if spec is None:
+        spec = os.environ.get(ENV_STORE)
+        if not spec:
+            raise ValueError(
+                f"{owner}: store=None and {ENV_STORE} is not set; pass store='host:port' (or a "
+                f"torch.distributed.Store), or launch with torchrun --rdzv-backend=wsync which sets {ENV_STORE}"
+            )
+    if not isinstance(spec, str):
+        raise TypeError(f"{owner}: store={spec!r} must be a torch.distributed.Store or a 'host:port' string")
+    host, port = parse_address(spec, f"{owner}: store")
+    if serve:
+        try:
+            server = tcp_store(host, port, serve=True, timeout_s=timeout_s)
+            return StoreHandle(server, f"{host}:{server.port}", True)
+        except (RuntimeError, OSError):
+            if port == 0:
+                raise WeightSyncStoreError(
+                    f"{owner}: could not host a TCPStore on {host!r} with a free port; pass a "
+                    f"local address as store='ADDR:0'"
+                ) from None
+            # Port taken (the torchrun agent or another sender hosts it): join as a client.
+    try:
+        client = tcp_store(host, port, serve=False, timeout_s=timeout_s)
+    except (RuntimeError, OSError) as exc:
+        raise WeightSyncStoreError(
+            f"{owner}: cannot reach the control-plane store at {spec!r} within timeout_s={timeout_s}: "
+            f"{_first_line(exc)}; start the trainer (or `lightning-wsync store`) first, or fix store="
+        ) from exc
+    return StoreHandle(client, f"{host}:{port}", False)
+
+
+def parse_address(spec: str, what: str) -> tuple[str, int]:
+    host, sep, port_text = spec.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ValueError(f"{what}={spec!r} is not 'host:port' (e.g. '127.0.0.1:29400')")
+    return host.strip("[]"), int(port_text)
+
+
+def local_address(store_address: str | None) -> str:
+    """The address other hosts reach this process at: ``$WSYNC_ADDR``, else the
+    interface that routes to the store, else 127.0.0.1."""
+    explicit = os.environ.get(ENV_ADDR)
+    if explicit:
+        return explicit
+    if store_address is not None:
+        host, port = parse_address(store_address, "store")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, port or 1))  # UDP connect sends nothing; it picks the route
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+_KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)
+_EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before sweeping
+
+
+def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> None:
+    """Delete the records of sender epochs ``_KEEP_EPOCHS`` or more behind ``epoch``, and
+    the version record the previous sender left (``latest_version``; a new version follows)."""
+    if latest_version is not None:
+        for key in keys.version_keys(latest_version):
+            ctl.delete(key)
+    newest_old = epoch - _KEEP_EPOCHS
+    for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
+        for key in keys.epoch_keys(old):
+            ctl.delete(key)
+
+
+class Control:
+    """Typed access to one job's keys on the store. Thread-safe as the store is.
+
+    The one error boundary for store operations: a ``RuntimeError`` from the store
+    becomes :class:`WeightSyncStoreError` naming the operation and key, so callers tell
+    a lost store from any other failure by type.
+    """
+
+    def __init__(self, store: dist.Store, job: str, secret: bytes | None = None) -> None:
+        self.job = job
+        self.raw = store
+        self.secret = secret
+        self.store = dist.PrefixStore(keys.job_prefix(job), store)  # PrefixStore adds the "/"
+
+    def clone(self) -> Control:
+        """A second connection (where the store supports it) for a thread that may block."""
+        try:
+            return Control(self.raw.clone(), self.job, self.secret)  # type: ignore[attr-defined]  # missing from stubs
+        except (RuntimeError, AttributeError):
+            return self
+
+    # -- signed records -------------------------------------------------------------
+    def _mac(self, key: str, body: str) -> str:
+        assert self.secret is not None
+        message = f"{keys.job_prefix(self.job)}/{key}\0{body}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, value: object) -> str:
+        """``value`` as JSON, wrapped with an HMAC over key and body when a secret is set."""
+        body = json.dumps(value, separators=(",", ":"))
+        if self.secret is None:
+            return body
+        return json.dumps({_SIGNED: body, "mac": self._mac(key, body)}, separators=(",", ":"))
+
+    def open(self, key: str, raw: bytes | str) -> Any:
+        """Inverse of :meth:`seal`; raises :class:`WeightSyncAuthError` on a bad or missing MAC."""
+        value = json.loads(raw)
+        signed = isinstance(value, dict) and _SIGNED in value
+        if self.secret is None:
+            if signed:
+                raise WeightSyncAuthError(
+                    f"record {key!r} of job {self.job!r} is signed but this process has no secret; "
+                    f"set the job's secret with secret= or WSYNC_SECRET"
+                )
+            return value
+        if not signed:
+            raise WeightSyncAuthError(
+                f"record {key!r} of job {self.job!r} is not signed, but this process requires the shared "
+                f"secret; set the same secret= / WSYNC_SECRET on every peer"
+            )
+        body = str(value[_SIGNED])
+        if not hmac.compare_digest(str(value.get("mac", "")), self._mac(key, body)):
+            raise WeightSyncAuthError(
+                f"record {key!r} of job {self.job!r} is signed with a different secret; set the same "
+                f"secret= / WSYNC_SECRET on every peer"
+            )
+        return json.loads(body)
+
+    def mac_bytes(self, message: bytes) -> bytes:
+        """HMAC-SHA256 of ``message`` with the job secret (32 zero bytes without one)."""
+        if self.secret is None:
+            return bytes(32)
+        return hmac.new(self.secret, f"{keys.job_prefix(self.job)}/".encode() + message, hashlib.sha256).digest()
+
+    # -- primitives ---------------------------------------------------------------
+    def _call(self, op: str, key: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except WeightSyncError:
+            raise
+        except RuntimeError as exc:
+            raise WeightSyncStoreError(
+                f"control-plane store of job {self.job!r}: {op} {key!r} failed ({_first_line(exc)}); the "
+                f"store's host (the trainer's torchrun agent or `lightning-wsync store`) is gone or unreachable"
+            ) from exc
+
+    def has(self, key: str) -> bool:
+        return self._call("check", key, lambda: bool(self.store.check([key])))
+
+    def get_text(self, key: str) -> str | None:
+        """The value at ``key``, or None when absent (never blocks waiting for it)."""
+        if not self.has(key):
+            return None
+        return self.get_raw(key).decode()
+
+    def get_raw(self, key: str) -> bytes:
+        """The bytes at ``key``, which must exist (a missing key waits for the store's timeout)."""
+        return self._call("get", key, lambda: bytes(self.store.get(key)))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The bytes at each of ``keys`` (all must exist), in one round trip."""
+        return self._call("multi_get", keys[0] if keys else "", lambda: [bytes(v) for v in self.store.multi_get(keys)])
+
+    def get_json(self, key: str) -> Any:
+        """The record at ``key`` (verified when a secret is set), or None when absent."""
+        text = self.get_text(key)
+        return None if text is None else self.open(key, text)
+
+    def set_text(self, key: str, value: str) -> None:
+        self._call("set", key, lambda: self.store.set(key, value))
+
+    def set_json(self, key: str, value: object) -> None:
+        sealed = self.seal(key, value)
+        self._call("set", key, lambda: self.store.set(key, sealed))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, lambda: int(self.store.add(key, amount)))
+
+    def delete(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)
+        except RuntimeError:
+            pass  # stores without delete (FileStore on old torch) keep the key; harmless
+
+    def prefix_store(self, prefix: str) -> dist.Store:
+        return dist.PrefixStore(prefix, self.store)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

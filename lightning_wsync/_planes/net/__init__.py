@@ -1,0 +1,1 @@
+"""Network plane: one standalone gloo/NCCL process group per receiver, staged and verified."""

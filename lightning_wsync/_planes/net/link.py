@@ -1,0 +1,429 @@
+"""Cross-host data plane: one two-rank process group per (sender epoch, receiver, generation).
+
+Groups are standalone ``ProcessGroupGloo``/``ProcessGroupNCCL`` objects on a prefix of
+the shared store, never the default group (that one belongs to Lightning's DDP), and
+one per receiver so a receiver that dies or stalls fails only its own group. After a
+failure the receiver takes a new generation and both sides build a fresh group under
+a new prefix, so nothing of the broken group can satisfy a wait of the new one.
+
+A version travels as: announcement key on the store, header ``[version, slot sequence,
+bytes, buckets]``, each bucket, trailer ``[slot sequence after send (-1: overwritten),
+checksum of each bucket, HMAC]``. The sender holds a lease on the ring slot for the
+whole send, so a send is overwritten only when it stalls past the lease. The receiver
+stages the bytes privately and accepts them only when the trailer's sequence equals the
+header's and, on CPU, every bucket's xxh3 checksum matches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest, checksum
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
+from lightning_wsync._planes.delta.wire import (
+    Held,
+    held_of,
+    parse_ready_note,
+    ready_note,
+    recv_records,
+    send_records,
+)
+from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.wire import (
+    MAC_WORDS,
+    Interruptible,
+    PeerGroup,
+    make_group,
+    shutdown_group,
+    sums_mismatch,
+    to_int64,
+    trailer_mac,
+    trailer_signed,
+)
+from lightning_wsync.errors import WeightSyncStoreError
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.002
+_REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing at once would spin)
+_STORE_RETRY_S = 1.0
+
+
+class LinkSilent(Exception):
+    """The peer wrote no announcement within ``timeout_s`` while a newer version was out."""
+
+
+class NetSendLink:
+    """The sender's side of one receiver's group: a thread that sends each new version."""
+
+    def __init__(
+        self,
+        control: Control,
+        ring: SnapshotRing,
+        *,
+        epoch: int,
+        rid: int,
+        gen: int,
+        backend: str,
+        addr: str,
+        timeout_s: float,
+        deltas: DeltaStreams | None = None,
+        policy: AutoPolicy | None = None,
+    ) -> None:
+        self.rid = rid
+        self.gen = gen
+        self.error: str | None = None
+        self.sent_version: int | None = None
+        self.superseded = 0  # sends whose slot was overwritten under them (a stall past the lease)
+        self.delta_versions: dict[int, float | None] = {}  # version sent as a delta -> receiver's decode_s
+        self._control = control
+        self._ring = ring
+        self._deltas = deltas
+        self._policy = policy or AutoPolicy("off")
+        self._held: Held | None = None  # what the receiver said it holds before this send
+        self._epoch = epoch
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._pg: Interruptible | None = None
+        self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}g{gen}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctl = self._control.clone()
+        prefix = keys.link_prefix(self._epoch, self.rid, self.gen)
+        pg: Interruptible | None = None
+        n = 0
+        try:
+            pg = self._pg = Interruptible(make_group(self._backend, ctl.prefix_store(prefix), 0, self._addr,
+                                                     self._timeout_s), self._backend)  # fmt: skip
+            if self._stop.is_set():
+                return
+            while not self._stop.is_set():
+                # The receiver says when its staging buffer is free: a send it cannot keep
+                # until update() takes it would only be overwritten by the next.
+                ready = keys.ready(prefix, n)
+                while not ctl.has(ready):
+                    if self._stop.wait(_POLL_S):
+                        return
+                self._held, decode_s = parse_ready_note(ctl.get_text(ready))
+                if self.sent_version in self.delta_versions:
+                    self.delta_versions[self.sent_version] = decode_s
+                ctl.delete(ready)
+                # The newest version, held until it is all out: a push meanwhile goes to the
+                # other slot, so a link always finishes what it started.
+                lease = None
+                while lease is None and not self._stop.is_set():
+                    lease = self._ring.acquire_newer(self.sent_version, 0.2)
+                if lease is None:
+                    return
+                try:
+                    self._send(pg, ctl, keys.announcement(prefix, n), lease)
+                finally:
+                    lease.release()
+                n += 1
+        except Exception as exc:  # noqa: BLE001 - any failure ends this link only
+            if not self._stop.is_set():
+                text = str(exc).strip()
+                error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                if "timed out" in text.lower():  # the receiver took no bytes for timeout_s: stalled or slow
+                    error = f"no progress within timeout_s={self._timeout_s} (stalled or slow receiver; {error})"
+                self.error = error
+                log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
+        finally:
+            shutdown_group(pg)
+            forget_notes(ctl, prefix, n)
+
+    def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
+        delta = delta_base(self._ring, self._deltas, self._policy, self._held, lease, f"rid={self.rid}")
+        try:
+            self._send_version(pg, ctl, ann_key, lease, delta)
+        finally:
+            if delta is not None:  # whatever failed: a leaked lease would pin the base slot for lease_s
+                delta[1].release()
+
+    def _send_version(
+        self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None
+    ) -> None:
+        layout = self._ring.layout
+        buffer, (_, seq, version) = lease.buffer, lease.ref
+        device = buffer.device
+        ctl.set_text(ann_key, str(version))
+        header = torch.tensor([version, seq, layout.total_bytes, len(layout.buckets), int(delta is not None)],
+                              dtype=torch.int64)  # fmt: skip
+        pg.send([header.to(device)], 1, 0).wait()
+        base_intact = True
+        if delta is None:
+            works = [pg.send([buffer[a:b]], 1, 0) for a, b in layout.buckets]
+            # Hash while gloo streams the buckets (computed once per version for all links).
+            sums = self._ring.checksums(lease) if not buffer.is_cuda else [0] * len(layout.buckets)
+            for work in works:
+                work.wait()
+                lease.touch()
+        else:
+            stream, base = delta
+            try:
+
+                def progress() -> None:
+                    lease.touch()
+                    base.touch()
+
+                # The full version's checksums (for the trailer) while the delta is encoded and sent.
+                hashed: list[list[int] | None] = []
+                hasher = threading.Thread(target=lambda: hashed.append(self._ring.checksums(lease)),
+                                          name=f"wsync-hash-r{self.rid}", daemon=True)  # fmt: skip
+                hasher.start()
+                try:
+                    send_records(pg, stream, len(layout.buckets), device, progress=progress)
+                finally:
+                    hasher.join()
+                base_intact = base.intact()
+            finally:
+                base.release()
+            sums = hashed[0] if hashed else None
+            self._policy.observe(version, stream.stats())
+            self.delta_versions[version] = None
+            while len(self.delta_versions) > 8:
+                del self.delta_versions[min(self.delta_versions)]
+        intact = sums is not None and lease.intact() and base_intact
+        if not intact:
+            self.superseded += 1
+        words = [to_int64(s) for s in (sums or [0] * len(layout.buckets))]
+        mac = trailer_mac(ctl, self._epoch, self.rid, version, seq, words)
+        trailer = torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)
+        pg.send([trailer.to(device)], 1, 0).wait()
+        self.sent_version = version
+        log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
+
+    def stop(self) -> None:
+        """Ask the thread to end, and end a send it is blocked in (see :meth:`join`)."""
+        self._stop.set()
+        pg = self._pg
+        if pg is not None:
+            pg.interrupt()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the thread to end; True when it has."""
+        self._thread.join(timeout=max(0.0, timeout_s))
+        if self._thread.is_alive() and self._pg is not None:
+            self._pg.interrupt()  # it had not reached its first wait when stop() came
+            self._thread.join(timeout=0.05)
+        return not self._thread.is_alive()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.stop()
+        self.join(timeout_s)
+
+
+def forget_notes(ctl: Control, prefix: str, n: int) -> None:
+    """Delete what a link that ended at its ``n``-th version may have left on the store."""
+    for key in (keys.ready(prefix, n), keys.announcement(prefix, n)):
+        ctl.delete(key)
+
+
+class NetReceiveLink:
+    """The receiver's side: a thread that (re)builds its group and stages each version."""
+
+    def __init__(
+        self,
+        control: Control,
+        layout: Manifest,
+        *,
+        epoch: int,
+        rid: int,
+        backend: str,
+        addr: str,
+        timeout_s: float,
+        device: torch.device,
+        on_staged: Callable[[int], None],
+        on_rejected: Callable[[int, str], None],
+        newest: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        # Touched now, not mid-receive; None after take_staged() handed it over unreplaced.
+        self.staging: torch.Tensor | None = self._new_staging()
+        self.lock = threading.Lock()  # held while staging is being applied
+        self.staged_version: int | None = None
+        self.epoch = epoch
+        self._control = control
+        self._rid = rid
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._on_staged = on_staged
+        self._on_rejected = on_rejected
+        self._taken = threading.Event()  # update() took the staged version
+        self._hold_s = 0.0  # how long a staged version waits for update() before the next receive
+        # The newest version this side holds intact (a delta's base) and the buffer holding
+        # it: the staging buffer, or in swap mode the one handed to the module.
+        self._held: Held | None = None
+        self._held_buffer: torch.Tensor | None = None
+        self._decode_s: float | None = None
+        self._newest = newest  # the newest version published, as the watcher last read it
+        self._seen: int | None = None  # the newest version whose header arrived, on any generation
+        self._n = 0  # the announcement the current generation waits for
+        self._pg: Interruptible | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
+        self._thread.start()
+
+    def _new_staging(self) -> torch.Tensor:
+        return torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+
+    def take_staged(
+        self, held: int | None, spare: torch.Tensor | None, bind: Callable[[torch.Tensor], None]
+    ) -> int | None:
+        """Swap mode: ``bind`` the staged buffer (if newer than ``held``) and stage the next in ``spare``.
+
+        ``spare`` is the buffer the module viewed until now; None: the link allocates one
+        before its next receive. Returns the version handed over.
+        """
+        with self.lock:  # the next receive cannot start into `spare` before `bind` has run
+            staged, buffer = self.staged_version, self.staging
+            if staged is None or buffer is None or (held is not None and staged <= held):
+                return None
+            bind(buffer)
+            self.staging, self.staged_version = spare, None
+            self._taken.set()
+            return staged
+
+    def take(self, apply: Callable[[torch.Tensor], None], held: int | None) -> int | None:
+        """Copy mode: ``apply`` the staged buffer if its version is above ``held``; return that version."""
+        with self.lock:
+            staged, buffer = self.staged_version, self.staging
+            if staged is None or buffer is None or (held is not None and staged <= held):
+                return None
+            apply(buffer)
+            self._taken.set()
+            return staged
+
+    def pending_above(self, held: int | None) -> bool:
+        staged = self.staged_version
+        return staged is not None and (held is None or staged > held)
+
+    def _run(self) -> None:
+        ctl = self._control.clone()
+        while not self._stop.is_set():
+            try:
+                gen = ctl.add(keys.member_link(self._rid), 1)
+            except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
+                self._stop.wait(_STORE_RETRY_S)
+                continue
+            prefix = keys.link_prefix(self.epoch, self._rid, gen)
+            pg: Interruptible | None = None
+            self._n = 0
+            try:
+                pg = self._pg = Interruptible(make_group(self._backend, ctl.prefix_store(prefix), 1, self._addr,
+                                                         self._timeout_s), self._backend)  # fmt: skip
+                self._serve(pg, ctl, prefix)
+            except Exception as exc:  # noqa: BLE001 - rebuild the group and go on
+                if not self._stop.is_set():
+                    log.info("network link gen=%d ended (%s); rebuilding", gen, str(exc).strip()[:200])
+                    self._stop.wait(_REBUILD_PAUSE_S)
+            finally:
+                shutdown_group(pg)
+                forget_notes(ctl, prefix, self._n)
+                for key in keys.group_keys(prefix):  # spent, or never to be joined
+                    ctl.delete(key)
+
+    def _silent(self, waited_s: float) -> bool:
+        """No announcement for ``timeout_s`` although a version newer than any seen here is
+        published: the sender's end of this link is gone (it failed, or dropped the link
+        while this process was paused), and only a new group brings versions again."""
+        if waited_s < self._timeout_s:
+            return False
+        newest = self._newest()
+        return newest is not None and (self._seen is None or newest > self._seen)
+
+    def _serve(self, pg: PeerGroup, ctl: Control, prefix: str) -> None:
+        device = self.device
+        nb = len(self.layout.buckets)
+        n = 0
+        while not self._stop.is_set():
+            self._n = n
+            if self.staged_version is not None:
+                # Keep the staged version for update() for up to one receive time: under
+                # pushes faster than a send, each version received is then applied.
+                self._taken.wait(self._hold_s)
+            held = self._held if self._held_buffer is not None and self.device.type != "cuda" else None
+            ctl.set_text(keys.ready(prefix, n), ready_note(held, self._decode_s))
+            ann = keys.announcement(prefix, n)
+            waiting_since = time.monotonic()
+            while not ctl.has(ann):
+                if self._stop.wait(_POLL_S):
+                    return
+                if self._silent(time.monotonic() - waiting_since):
+                    raise LinkSilent(f"no version announced within timeout_s={self._timeout_s} while version "
+                                     f"{self._newest()} is published (newest seen here: {self._seen})")  # fmt: skip
+            ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
+            header = torch.empty(5, dtype=torch.int64, device=device)
+            pg.recv([header], 0, 0).wait()
+            version, seq, total, buckets, is_delta = (int(x) for x in header.cpu())
+            self._seen = version if self._seen is None else max(self._seen, version)
+            if total != self.layout.total_bytes or buckets != nb:
+                raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
+            with self.lock:  # waits for an update() that is copying the previous version out
+                self.staged_version = None
+                staging = self.staging
+            if staging is None:  # handed to the module by take_staged(); no update() touches it now
+                staging = self.staging = self._new_staging()
+            started = time.monotonic()
+            base, base_held = self._held_buffer, self._held
+            if staging is base:  # rewritten in place from here on: no longer a base
+                self._held = self._held_buffer = None
+            sums: list[int] = []
+            if is_delta:
+                got = recv_records(pg, self.layout, held=base_held, base=base, out=staging)
+                self._decode_s = got.stats.decode_s
+                delta_error = got.error
+                sums = got.sums or []
+            else:
+                delta_error = None
+                works = [pg.recv([staging[a:b]], 0, 0) for a, b in self.layout.buckets]
+                for (a, b), work in zip(self.layout.buckets, works):
+                    work.wait()
+                    if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
+                        sums.append(to_int64(checksum(staging, a, b)))
+            trailer = torch.empty(1 + nb + MAC_WORDS, dtype=torch.int64, device=device)
+            pg.recv([trailer], 0, 0).wait()
+            n += 1
+            values = trailer.cpu().tolist()
+            if values[0] != seq:
+                log.debug("version %d was overwritten during its send; waiting for the next", version)
+                continue
+            sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
+            if not trailer_signed(ctl, self.epoch, self._rid, version, seq, sent_sums, mac):
+                self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
+                continue
+            if delta_error is not None:
+                self._on_rejected(version, f"delta not applied ({delta_error}); the next version comes in full")
+                continue
+            if not staging.is_cuda:
+                mismatch = sums_mismatch(self.layout.buckets, sums, sent_sums)
+                if mismatch is not None:
+                    self._on_rejected(version, mismatch)
+                    continue
+            with self.lock:
+                self.staged_version = version
+                self._taken.clear()
+            if not staging.is_cuda:
+                self._held, self._held_buffer = held_of(version, [s & (2**64 - 1) for s in sent_sums]), staging
+            self._hold_s = time.monotonic() - started
+            self._on_staged(version)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        pg = self._pg
+        if pg is not None:
+            pg.interrupt()  # a receive blocked on a stalled sender ends now, not at timeout_s
+        self._thread.join(timeout=timeout_s)
+

@@ -1,0 +1,219 @@
+"""A host leader's hop to the next leader in the chain: connected in the background,
+its ``ready`` notes read ahead, never waited on long (see :mod:`relay_hop` for the
+receiving side)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.delta.codec import DeltaHeader
+from lightning_wsync._planes.delta.wire import Held, parse_ready_note
+from lightning_wsync._planes.relay.head import (
+    CHAIN_POLL_S,
+    DELTA,
+    FULL,
+    POLL_S,
+    Chain,
+    Superseded,
+    error_text,
+    hop_header,
+    join_hop,
+    read_chain,
+)
+from lightning_wsync._planes.wire import PeerGroup, shutdown_group
+
+log = logging.getLogger(__name__)
+
+_DOWNSTREAM_CONNECT_S = 2.0  # a version arriving before the next hop is connected waits this long for it
+# The next leader's ready note is polled every POLL_S for _NOTE_HURRY_S after a version
+# went down (it writes the note once it has taken that version in) and while begin()
+# waits for it, else every CHAIN_POLL_S: fast polls throughout a push cost the store
+# thousands of requests a second at 8 hosts.
+_NOTE_HURRY_S = 0.5
+
+
+class Downstream:
+    """This leader's hop to the next one in the chain: connected in the background, never waited on long."""
+
+    def __init__(
+        self, ctl: Control, epoch: int, chain: Chain, pos: int, layout: Manifest, backend: str, addr: str,
+        timeout_s: float,
+    ) -> None:  # fmt: skip
+        self._ctl = ctl
+        self._epoch = epoch
+        self._layout = layout
+        self._timeout_s = timeout_s
+        self._rid = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
+        self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.gen, self._rid)
+        self._pg: PeerGroup | None = None
+        self._works: list[object] = []
+        self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
+        self._n = 0  # messages started on this hop
+        self._broken = False
+        self._ready = threading.Event()
+        self._closed = threading.Event()
+        self._notes: dict[int, Held | None] = {}  # n -> what the next leader holds, read ahead of message n
+        self._notes_end: BaseException | None = None  # why no more notes come
+        self._notes_cv = threading.Condition()
+        self._hurry_until = time.monotonic() + _NOTE_HURRY_S  # poll the next note fast until then
+        self._wake = threading.Event()  # cuts a slow poll short (begin() waits, or close())
+        self._gen = chain.gen
+        self.missed = False  # a version went by while this hop was still connecting
+        self._connector: threading.Thread | None = None
+        if self._rid is not None:
+            self._connector = threading.Thread(
+                target=self._connect, args=(backend, addr), name=f"wsync-relay-down-{self._rid}", daemon=True
+            )
+            self._connector.start()
+
+    def _connect(self, backend: str, addr: str) -> None:
+        assert self._prefix is not None
+        ctl = self._ctl.clone()
+
+        def superseded() -> bool:
+            current = read_chain(ctl, self._epoch)
+            return self._closed.is_set() or current is None or current.gen != self._gen
+
+        try:
+            self._pg = join_hop(ctl, self._prefix, 0, backend, addr, self._timeout_s, superseded)
+        except Superseded:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the next leader never came: drop it from the chain
+            self._fail(exc)
+        finally:
+            self._ready.set()
+        if self._pg is not None:
+            self._read_notes(ctl, superseded)
+
+    def _read_notes(self, ctl: Control, superseded: Callable[[], bool]) -> None:
+        """Read the next leader's ``ready`` notes as it writes them, so that forwarding a
+        version costs no store round trip (the store's replies queue behind a busy link)."""
+        assert self._prefix is not None
+        n = 0
+        next_check = 0.0
+        end: BaseException = Superseded(self._prefix)
+        try:
+            while not self._closed.is_set():
+                key = keys.ready(self._prefix, n)
+                if ctl.has(key):
+                    held, _ = parse_ready_note(ctl.get_raw(key).decode())
+                    ctl.delete(key)
+                    with self._notes_cv:
+                        self._notes[n] = held
+                        self._notes_cv.notify_all()
+                    n += 1
+                    continue
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + CHAIN_POLL_S
+                    if superseded():
+                        break
+                self._wake.wait(POLL_S if now < self._hurry_until else CHAIN_POLL_S)
+                self._wake.clear()
+        except Exception as exc:  # noqa: BLE001 - store trouble: the next begin() reports it
+            end = exc
+        with self._notes_cv:
+            self._notes_end = end
+            self._notes_cv.notify_all()
+
+    def _next_note(self) -> Held | None:
+        """What the next leader holds before message ``self._n``; raises past ``timeout_s``."""
+        deadline = time.monotonic() + self._timeout_s
+        with self._notes_cv:
+            if self._n not in self._notes:
+                self._hurry_until = float("inf")
+                self._wake.set()
+            while self._n not in self._notes:
+                if self._notes_end is not None:
+                    raise self._notes_end
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"leader rid={self._rid} not ready for the next version "
+                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
+                self._notes_cv.wait(min(left, CHAIN_POLL_S))
+            self._hurry_until = 0.0
+            return self._notes.pop(self._n)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._broken and self._rid is not None:
+            self._broken = True
+            log.warning("relay: hop to leader rid=%d failed: %s", self._rid, error_text(exc))
+            try:
+                self._ctl.set_text(keys.relay_broken(self._epoch, self._rid), "1")
+            except RuntimeError:
+                pass
+
+    def begin(self, version: int, seq: int, delta: DeltaHeader | None, raw: torch.Tensor | None) -> int | None:
+        """Start ``version`` downstream; how it goes (FULL, DELTA), or None when there is no usable next hop.
+
+        A delta goes on as a delta only when the next leader holds its exact base.
+        """
+        if self._rid is None or self._broken:
+            return None
+        if not self._ready.wait(_DOWNSTREAM_CONNECT_S) or self._pg is None:
+            self.missed = self._pg is None and not self._ready.is_set()  # still connecting: resent once connected
+            return None
+        self.missed = False
+        assert self._prefix is not None
+        try:
+            held = self._next_note()
+            kind = FULL
+            if delta is not None and raw is not None and held == Held(delta.base_version, delta.base_digest):
+                kind = DELTA
+            self._n += 1
+            header = hop_header(version, seq, self._layout, kind)
+            self._works, self._sending = [], []
+            self.send(header)
+            if kind == DELTA:
+                assert raw is not None
+                self.send(raw)
+            log.debug("relay: version %d on to rid=%d %s", version, self._rid, "as a delta" if kind else "in full")
+            return kind
+        except Superseded:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return None
+
+    def send(self, piece: torch.Tensor) -> None:
+        if self._broken or self._pg is None:
+            return
+        try:
+            self._works.append(self._pg.send([piece], 1, 0))
+            self._sending.append(piece)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def connected(self) -> bool:
+        return self._pg is not None and not self._broken
+
+    def finish(self) -> None:
+        """Wait for this version's sends (bounded by the group timeout)."""
+        works, self._works = self._works, []
+        try:
+            for work in works:
+                try:
+                    work.wait()  # type: ignore[attr-defined]
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(exc)
+                    return
+        finally:
+            self._sending = []
+            self._hurry_until = time.monotonic() + _NOTE_HURRY_S
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        with self._notes_cv:
+            self._notes_cv.notify_all()
+        if self._connector is not None:
+            self._connector.join(timeout=1.0)
+        shutdown_group(self._pg)

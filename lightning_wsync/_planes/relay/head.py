@@ -1,0 +1,351 @@
+"""Across hosts, one network copy per host: host leaders relay each version down a chain.
+
+::
+
+    trainer ──► leader of host 1 ──► leader of host 2 ──► ... ──► leader of host H
+                  │ verified copy into the host segment             │
+                  ▼                                                 ▼
+              receivers on host 1 (shared memory)              receivers on host H
+
+- **Leaders.** On each host the receivers elect one leader through the store
+  (``compare_set`` on ``relay/<epoch>/leader/<host>``, keyed by :func:`host_id`). A
+  leader whose process is gone (same host: checked by PID) or whose heartbeat has not
+  moved for the sender's ``heartbeat_timeout_s`` is replaced by a host-mate; no process
+  restarts. Only the leader receives from the network; it verifies each version into a
+  private staging buffer, then writes it into the host's shared-memory segment under
+  the same sequence-counter rules as the trainer's snapshot, and every receiver on the
+  host (the leader included) applies from there exactly as same-host receivers of the
+  trainer do.
+- **Chain.** The sender orders the live leaders into a chain (``relay/<epoch>/chain``:
+  a generation and a list of receiver ids; hosts that join are appended) and sends each
+  version once, to the first. Every leader forwards chunk k downstream as soon as it has
+  it, while chunk k+1 arrives: a version crosses H hosts in about one wire time plus one
+  chunk time per hop. Each hop is its own two-rank gloo group under
+  ``relay/<epoch>/pg/<gen>/<rid>/``, so a failed hop fails only itself.
+- **Checks at every hop.** Each leader hashes every bucket as it arrives (or as it is
+  rebuilt from a delta: the checksums are always the full version's) and accepts a
+  version only when the trailer's snapshot sequence says the trainer's snapshot was not
+  overwritten mid-send, its MAC (the job secret, over epoch, version, snapshot sequence and
+  checksums) verifies, and every checksum matches. A leader forwards the trailer as it
+  got it, so the hosts behind check the trainer's signature, not their upstream's word.
+- **Deltas on every hop.** Before each message a downstream side writes what it holds
+  (``ready/<n>`` under the hop's prefix: version and a digest of its checksums, as on
+  direct links). The head sends a delta against that version when its ring still has
+  it (``delta=``, as for direct links), else the full version. A leader rebuilds a delta
+  in its staging buffer, which holds the last version it accepted, and forwards the
+  records as they arrive when the next leader holds the same base; otherwise it sends
+  the next leader the rebuilt buckets, one after another, as a full version. So a host
+  that missed or rejected a version, a new leader after a failover and a late host get
+  one full version, then deltas again. Module :mod:`relay_host` holds the leaders' side.
+- **Failure.** A hop that dies fails at once; one that stalls fails at the group
+  timeout (``timeout_s``). The upstream side marks the downstream leader broken
+  (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
+  heartbeat stops) and publishes a new generation; every leader rebuilds its hops and
+  the head sends the newest version again. A dropped leader is re-admitted after
+  ``heartbeat_timeout_s`` if still live.
+
+Why a chain and not a tree: measured on simulated hosts (see the README), a chain keeps
+every link at one copy per version, so the trainer's egress and each host's egress stay
+at one model whatever the host count; a tree with fan-out f multiplies each relay's
+egress by f, which on equal links costs f wire times, far more than the chain's extra
+chunk time per hop at these host counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
+from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
+from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.wire import PeerGroup, make_group, shutdown_group, to_int64, trailer_mac
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 19  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
+TAIL_BYTES = 1 << 16  # the size the version's last chunk is halved down to
+POLL_S = 0.002
+CHAIN_POLL_S = 0.05
+RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded down the chain
+# A hop message: header int64 [version, slot sequence, bytes, pieces, kind], then the full
+# version in chunks (kind FULL, pieces = len(chunks())) or a delta (kind DELTA, pieces =
+# buckets; see delta_link.send_records), then the trainer's trailer.
+FULL, DELTA = 0, 1
+HEADER_WORDS = 5
+
+
+def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
+    """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket.
+
+    The version's last chunk is split into pieces that halve down to TAIL_BYTES: the last
+    byte reaches the H-th host one wire time after the first left the trainer plus H - 1
+    times the last piece's wire time, so small last pieces save ~5 ms per hop at 700 Mbit/s.
+    """
+    out = []
+    for i, (a, b) in enumerate(layout.buckets):
+        for start in range(a, b, CHUNK_BYTES):
+            out.append((start, min(b, start + CHUNK_BYTES), i))
+    if out:
+        start, end, bucket = out.pop()
+        while end - start > TAIL_BYTES:
+            half = start + (end - start) // 2
+            out.append((start, half, bucket))
+            start = half
+        out.append((start, end, bucket))
+    return out
+
+
+@dataclass(frozen=True)
+class Chain:
+    gen: int
+    rids: tuple[int, ...]
+
+
+def read_chain(ctl: Control, epoch: int) -> Chain | None:
+    value = ctl.get_json(keys.relay_chain(epoch))
+    return None if value is None else Chain(int(value["gen"]), tuple(int(r) for r in value["rids"]))
+
+
+def hop_header(version: int, seq: int, layout: Manifest, kind: int) -> torch.Tensor:
+    pieces = len(chunks(layout)) if kind == FULL else len(layout.buckets)
+    return torch.tensor([version, seq, layout.total_bytes, pieces, kind], dtype=torch.int64)
+
+
+def wait_ready(ctl: Control, key: str, timeout_s: float, abandon: Callable[[], bool], peer: str) -> Held | None:
+    """What the downstream side of a hop holds, from its ``ready`` note; raises TimeoutError past ``timeout_s``.
+
+    Raises:
+        Superseded: ``abandon()`` said to stop waiting.
+    """
+    deadline = time.monotonic() + timeout_s
+    next_check = 0.0
+    while not ctl.has(key):
+        now = time.monotonic()
+        if now >= next_check:
+            if abandon():
+                raise Superseded(key)
+            next_check = now + CHAIN_POLL_S
+        if now > deadline:
+            raise TimeoutError(f"{peer} not ready for the next version within timeout_s={timeout_s}")
+        time.sleep(POLL_S)
+    held, _ = parse_ready_note(ctl.get_text(key))
+    ctl.delete(key)
+    return held
+
+
+class Superseded(Exception):
+    """The chain changed (or this side stopped) before the hop's peer showed up."""
+
+
+def join_hop(
+    ctl: Control, prefix: str, rank: int, backend: str, addr: str, timeout_s: float, abandon: Callable[[], bool]
+) -> PeerGroup:
+    """Build a hop's group once its peer is known to be joining it too.
+
+    Both sides first mark themselves under ``prefix``; the group is built only once the
+    other's mark is there, so a side whose peer has moved on to a newer chain leaves at
+    the next check of ``abandon()`` instead of blocking in the group's set-up for timeout_s.
+    """
+    ctl.set_text(keys.joined(prefix, rank), "1")
+    peer = keys.joined(prefix, 1 - rank)
+    deadline = time.monotonic() + timeout_s
+    next_check = 0.0
+    while not ctl.has(peer):
+        now = time.monotonic()
+        if now >= next_check:
+            if abandon():
+                raise Superseded(prefix)
+            next_check = now + CHAIN_POLL_S
+        if now > deadline:
+            raise TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
+        time.sleep(POLL_S)
+    return make_group(backend, ctl.prefix_store(prefix), rank, addr, timeout_s)
+
+
+def error_text(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# -- the sender's side -----------------------------------------------------------------
+class HopReceipt(NamedTuple):
+    """How a leader got one version: the push report's delta figures for its host."""
+
+    delta: bool
+    wire_bytes: int
+    changed_share: float
+    decode_s: float
+
+
+class RelayHead:
+    """The sender's side: keeps the chain on the store and feeds its first leader.
+
+    ``deltas`` and ``policy`` are the sender's, shared with its direct links: a version
+    is encoded once per base for all of them.
+    """
+
+    def __init__(
+        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timeout_s: float,
+        heartbeat_timeout_s: float, deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
+    ) -> None:  # fmt: skip
+        self.chain = Chain(0, ())
+        self.leaders: dict[int, str] = {}  # rid -> host, as last given to update_chain
+        self._control = control
+        self._ring = ring
+        self._epoch = epoch
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._deltas = deltas
+        self._policy = policy or AutoPolicy("off")
+        self._excluded: dict[int, float] = {}  # rid -> until (time.monotonic())
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._pieces = chunks(ring.layout)
+        self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)
+        self._thread.start()
+
+    def update_chain(self, leaders: dict[int, str]) -> None:
+        """Re-form the chain from the live leaders (rid -> host); called by the sender's background step."""
+        ctl, now = self._control, time.monotonic()
+        self.leaders = dict(leaders)
+        for rid in leaders:
+            if rid not in self._excluded and ctl.has(keys.relay_broken(self._epoch, rid)):
+                ctl.delete(keys.relay_broken(self._epoch, rid))
+                self._excluded[rid] = now + self._heartbeat_timeout_s
+                log.warning("relay: leader rid=%d dropped from the chain (a hop to it failed)", rid)
+        self._excluded = {r: t for r, t in self._excluded.items() if t > now}
+        wanted = {rid for rid in leaders if rid not in self._excluded}
+        kept = [r for r in self.chain.rids if r in wanted]
+        rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
+        if rids == self.chain.rids:
+            return
+        self.chain = Chain(self.chain.gen + 1, rids)
+        ctl.set_json(keys.relay_chain(self._epoch), {"gen": self.chain.gen, "rids": list(rids)})
+        log.info("relay chain gen %d: %s", self.chain.gen, list(rids))
+        self._changed.set()
+
+    def receipts(self, ctl: Control, version: int) -> dict[str, HopReceipt]:
+        """host -> how its leader got ``version`` (hosts whose leader has not reported it are left out)."""
+        out: dict[str, HopReceipt] = {}
+        for rid, host in self.leaders.items():
+            value = ctl.get_json(keys.relay_received(self._epoch, rid))
+            row = None if value is None else value.get(str(version))
+            if row is not None:
+                out[host] = HopReceipt(bool(row[0]), int(row[1]), float(row[2]), float(row[3]))
+        return out
+
+    def _run(self) -> None:
+        ctl = self._control.clone()
+        while not self._stop.is_set():
+            self._changed.clear()
+            chain = self.chain
+            if not chain.rids:
+                self._changed.wait(CHAIN_POLL_S)
+                continue
+            first = chain.rids[0]
+            pg: PeerGroup | None = None
+            try:
+                pg = join_hop(ctl, keys.relay_hop_prefix(self._epoch, chain.gen, first), 0, self._backend, self._addr,
+                              self._timeout_s, self._superseded)  # fmt: skip
+                self._feed(pg, ctl, chain)
+            except Superseded:
+                continue
+            except Exception as exc:  # noqa: BLE001 - this hop only; the chain is re-formed
+                if not self._superseded():
+                    log.warning("relay: hop to leader rid=%d failed: %s", first, error_text(exc))
+                    ctl.set_text(keys.relay_broken(self._epoch, first), "1")
+                    self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
+            finally:
+                shutdown_group(pg)
+
+    def _superseded(self) -> bool:
+        return self._stop.is_set() or self._changed.is_set()
+
+    def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
+        ring = self._ring
+        if self._deltas is not None:
+            self._deltas.prepare()
+        first = chain.rids[0]
+        prefix = keys.relay_hop_prefix(self._epoch, chain.gen, first)
+        sent: int | None = None
+        n = 0
+        while not self._superseded():
+            held = self._wait_ready(ctl, keys.ready(prefix, n), sent, first)
+            lease = None
+            while lease is None and not self._superseded():
+                lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
+            if lease is None:
+                return
+            try:
+                delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
+                try:
+                    self._send(pg, ctl, lease, delta)
+                finally:
+                    if delta is not None:
+                        delta[1].release()
+            finally:
+                lease.release()
+            sent, n = lease.ref.version, n + 1
+
+    def _wait_ready(self, ctl: Control, key: str, sent: int | None, first: int) -> Held | None:
+        """The first leader's ``ready`` note: waited for without a bound while there is nothing
+        new to send, for ``timeout_s`` once there is (a leader stalled that long fails its hop)."""
+        pending_since: float | None = None
+
+        def abandon() -> bool:
+            nonlocal pending_since
+            newest = self._ring.newest()
+            if newest is not None and (sent is None or newest.version > sent):
+                now = time.monotonic()
+                pending_since = now if pending_since is None else pending_since
+                if now - pending_since > self._timeout_s:
+                    raise TimeoutError(f"leader rid={first} not ready for version {newest.version} "
+                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
+            return self._superseded()
+
+        return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
+
+    def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
+        ring, layout = self._ring, self._ring.layout
+        buffer, (_, seq, version) = lease.buffer, lease.ref
+        pg.send([hop_header(version, seq, layout, FULL if delta is None else DELTA)], 1, 0).wait()
+        if delta is None:
+            works = [pg.send([buffer[a:b]], 1, 0) for a, b, _ in self._pieces]
+            sums = ring.checksums(lease)  # while gloo streams the chunks; shared with the star links
+            for work in works:
+                work.wait()
+                lease.touch()
+        else:
+            stream, base = delta
+            sums = send_delta(pg, ring, lease, stream, base, f"relay-e{self._epoch}")
+            self._policy.observe(version, stream.stats())
+        intact = sums is not None and lease.intact()
+        words = [to_int64(x) for x in (sums or [0] * len(layout.buckets))]
+        mac = trailer_mac(ctl, self._epoch, RELAY_RID, version, seq, words)
+        pg.send([torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)], 1, 0).wait()
+        log.debug("relay: version %d sent %s", version,
+                  "in full" if delta is None else f"as a delta from {delta[0].header.base_version}")  # fmt: skip
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._changed.set()
+        self._thread.join(timeout=timeout_s)
+
+
+def leader_record(ctl: Control, epoch: int, host: str) -> dict[str, object] | None:
+    value = ctl.get_json(keys.relay_leader(epoch, host))
+    return None if value is None else dict(value)
+
+

@@ -1,0 +1,261 @@
+"""The sender's snapshot ring: a version is never overwritten while anyone reads it.
+
+A push writes into a slot no reader holds (preferring the oldest version) and never
+waits for readers: when every slot is held, the push is *dropped* — counted, reported,
+and the next push carries newer weights — unless the caller allows a bounded wait (the
+final push of a run). Readers are same-host receivers (pins in shared memory, see
+:mod:`~lightning_wsync._planes.shm.segment`) and this process's network links (leases here).
+A pin or lease that makes no progress for ``lease_s`` no longer protects its slot: a
+stalled reader cannot hold versions back from everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm.segment import PinBoard, ShmSegment, SlotRef
+from lightning_wsync._planes.shm.wake import Waker
+
+log = logging.getLogger(__name__)
+
+_WAIT_POLL_S = 0.001
+
+
+def bucket_checksums(buffer: torch.Tensor, layout: Manifest) -> list[int]:
+    """xxh3-64 of every bucket of a CPU buffer."""
+    return [checksum(buffer, a, b) for a, b in layout.buckets]
+
+
+@dataclass
+class Lease:
+    """An in-process reader's hold on one slot (a network link sending it, a checksum pass)."""
+
+    ring: SnapshotRing
+    ref: SlotRef
+    progress_ns: int = field(default_factory=time.monotonic_ns)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.ring.buffers[self.ref.slot]
+
+    def touch(self) -> None:
+        """Progress was made (a bucket went out): the lease stays valid for another ``lease_s``."""
+        self.progress_ns = time.monotonic_ns()
+
+    def intact(self) -> bool:
+        return self.ring.seq(self.ref.slot) == self.ref.seq
+
+    def release(self) -> None:
+        self.ring._release(self)
+
+
+@dataclass
+class Draft:
+    """A claimed slot, marked as being written, that its writer fills in place (a relay
+    leader receives a version straight into its host ring: no copy once it is verified)."""
+
+    ring: SnapshotRing
+    slot: int
+    before: int  # the slot's sequence when claimed
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.ring.buffers[self.slot]
+
+    def commit(self, version: int) -> SlotRef:
+        """Publish what the buffer now holds as ``version``."""
+        return self.ring._end_write(self.slot, self.before, version)
+
+    def discard(self) -> None:
+        """Give the slot up unpublished: it stays marked as being written, so no reader ever
+        takes what is in it, and the next claim may take it again."""
+
+
+class SnapshotRing:
+    """``slots`` preallocated flat buffers; in shared memory when ``segment`` is given."""
+
+    def __init__(
+        self, layout: Manifest, *, segment: ShmSegment | None, device: torch.device, slots: int = 2, lease_s: float
+    ) -> None:
+        self.layout = layout
+        self.segment = segment
+        self.lease_s = lease_s
+        if segment is not None:
+            self.buffers = list(segment.data)
+        else:
+            self.buffers = [torch.empty(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self._views = [entry_views(layout, b) for b in self.buffers]
+        self._board = PinBoard(segment) if segment is not None else None
+        self._waker = Waker(segment.pin_dir) if segment is not None else None
+        self._seqs = [0] * len(self.buffers)  # private rings: the slot words live here
+        self._versions = [-1] * len(self.buffers)
+        self._cond = threading.Condition()
+        self._leases: list[Lease] = []
+        self._published: SlotRef | None = None
+        self._sums: dict[SlotRef, list[int]] = {}
+        self.dropped = 0  # pushes that found every slot held
+        self.closed = False
+
+    # -- slot words -------------------------------------------------------------------
+    def seq(self, slot: int) -> int:
+        return self.segment.seq(slot) if self.segment is not None else self._seqs[slot]
+
+    def _version(self, slot: int) -> int:
+        return self.segment.version(slot) if self.segment is not None else self._versions[slot]
+
+    # -- writer -----------------------------------------------------------------------
+    def write(
+        self, version: int, tensors: list[torch.Tensor], *, wait_s: float = 0.0, wake: bool = True
+    ) -> SlotRef | None:
+        """Snapshot ``tensors`` as ``version`` into a free slot; None when every slot is held.
+
+        ``wait_s`` bounds a wait for a slot to come free (0: drop at once). ``wake=False``
+        leaves waking same-host readers to the caller (:meth:`wake_readers`): the sender
+        times the snapshot alone, and a woken reader must not apply inside that time.
+        """
+        deadline = time.monotonic() + wait_s
+        while (claimed := self._claim()) is None:
+            if time.monotonic() >= deadline or self.closed:
+                self.dropped += 1
+                return None
+            time.sleep(_WAIT_POLL_S)
+        slot, before = claimed
+        copy_tensors(self._views[slot], tensors)
+        if self.buffers[slot].is_cuda or any(t.is_cuda for t in tensors):
+            # Wait for these copies only: a device-wide sync would also wait for NCCL
+            # sends in flight, a stalled receiver's included.
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            event.synchronize()
+        return self._end_write(slot, before, version, wake=wake)
+
+    def draft(self) -> Draft | None:
+        """A free slot to be written in place and then committed or discarded; None when every slot is held."""
+        claimed = self._claim()
+        return None if claimed is None else Draft(self, *claimed)
+
+    def _end_write(self, slot: int, before: int, version: int, *, wake: bool = True) -> SlotRef:
+        with self._cond:
+            if self.segment is not None:
+                seq = self.segment.end_write(slot, version)
+            else:
+                self._versions[slot] = version
+                seq = self._seqs[slot] = (before | 1) + 1
+            ref = SlotRef(slot, seq, version)
+            current = self._published
+            if current is None or current.slot == slot or version >= current.version:
+                self._published = ref  # a relay leader may commit a resent, older version: newest stays newest
+            self._cond.notify_all()
+        if wake:
+            self.wake_readers()
+        return ref
+
+    def wake_readers(self) -> None:
+        """Poke same-host readers: they wait on their wake-up sockets for a new version."""
+        if self._waker is not None:
+            self._waker.wake()
+
+    def _claim(self) -> tuple[int, int] | None:
+        """A slot nobody holds, now marked as being written, and its sequence before."""
+        with self._cond:
+            now = time.monotonic_ns()
+            lease_ns = self.lease_s * 1e9
+            order = sorted(range(len(self.buffers)), key=lambda s: (self.seq(s) != 0, self._version(s)))
+            for slot in order:
+                seq = self.seq(slot)
+                self._sums = {r: v for r, v in self._sums.items() if r.slot != slot or r.seq == seq}
+                held = [le for le in self._leases if le.ref.slot == slot and le.ref.seq == seq]
+                if any(now - le.progress_ns <= lease_ns for le in held):
+                    continue
+                if self.segment is None:
+                    self._seqs[slot] = seq | 1  # odd: being written (still so after a discarded draft)
+                    return slot, seq
+                before = self.segment.begin_write(slot)
+                assert self._board is not None
+                if self._board.pinned(slot, before, self.lease_s):
+                    self.segment.abort_write(slot, before)
+                    continue
+                return slot, before
+        return None
+
+    # -- in-process readers ---------------------------------------------------------------
+    def newest(self) -> SlotRef | None:
+        return self._published
+
+    def acquire_newer(self, after_version: int | None, timeout_s: float) -> Lease | None:
+        """Wait up to ``timeout_s`` for a version above ``after_version``; lease its slot."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self.closed
+                or (self._published is not None and (after_version is None or self._published.version > after_version)),
+                timeout=timeout_s,
+            )
+            ref = self._published
+            if self.closed or ref is None or (after_version is not None and ref.version <= after_version):
+                return None
+            return self._lease(ref)
+
+    def describe(self) -> str:
+        """Slots as (sequence, version, leased), for logs."""
+        with self._cond:
+            return ", ".join(
+                f"slot {s}: seq {self.seq(s)} version {self._version(s)} leases "
+                f"{sum(le.ref.slot == s for le in self._leases)}"
+                for s in range(len(self.buffers))
+            )
+
+    def find(self, version: int) -> SlotRef | None:
+        """The slot holding ``version`` complete (a delta's base), if the ring still has it."""
+        with self._cond:
+            for slot in range(len(self.buffers)):
+                seq = self.seq(slot)
+                if seq and seq % 2 == 0 and self._version(slot) == version:
+                    return SlotRef(slot, seq, version)
+        return None
+
+    def acquire(self, ref: SlotRef) -> Lease | None:
+        """Lease ``ref``'s slot if it still holds that version."""
+        with self._cond:
+            return self._lease(ref) if self.seq(ref.slot) == ref.seq else None
+
+    def _lease(self, ref: SlotRef) -> Lease:
+        lease = Lease(self, ref)
+        self._leases.append(lease)
+        return lease
+
+    def _release(self, lease: Lease) -> None:
+        with self._cond:
+            if lease in self._leases:
+                self._leases.remove(lease)
+
+    def checksums(self, lease: Lease) -> list[int] | None:
+        """Per-bucket checksums of the leased version, computed once; None if it was overwritten."""
+        ref = lease.ref
+        with self._cond:
+            cached = self._sums.get(ref)
+        if cached is not None:
+            return cached
+        if lease.buffer.is_cuda:
+            return None
+        sums = bucket_checksums(lease.buffer, self.layout)
+        if not lease.intact():
+            return None
+        with self._cond:
+            if self.seq(ref.slot) == ref.seq:
+                self._sums[ref] = sums
+        return sums
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        if self._board is not None:
+            self._board.close()
+        if self._waker is not None:
+            self._waker.close()

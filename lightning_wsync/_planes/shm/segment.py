@@ -1,0 +1,406 @@
+"""Same-host data plane: a ring of snapshot slots in one shared-memory segment, with reader pins.
+
+The sender writes each version into a slot nobody is reading; same-host receivers copy
+the newest complete slot straight into their own parameters while holding a *pin* on
+it, so its bytes cannot change under the copy. A pin is a few words in a small file of
+the reader's own in a directory beside the segment (readers never write the segment).
+
+Pinning is Dekker-style, with a full fence on both sides: the writer marks a slot as
+being written (odd sequence), fences, then looks for pins on it and backs off if it
+finds one; a reader writes its pin, fences, then re-reads the slot's sequence and lets
+go if it moved. At least one of the two sees the other, so a reader that passes the
+re-check copies bytes that stay intact until it unpins. A pin expires when its process
+is gone or after ``lease_s``; only a reader stalled that long mid-copy can be
+overwritten, and it notices (the sequence moved) and copies again.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import mmap
+import os
+import re
+import shutil
+import struct
+import threading
+import time
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from lightning_wsync._control.host import pid_alive
+from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm.files import open_segment
+from lightning_wsync._planes.shm.wake import WakeSocket
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+_SHM_DIR = "/dev/shm"
+_PAGE = 4096
+_MAGIC = 0x7773796E6332  # "wsync2": the ring layout
+_MAX_SLOTS = 64
+# header int64 words: magic, slot count, slot stride in bytes, then (seq, version) per slot
+_MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
+# a pin file: slot (-1: none), slot sequence, taken at (CLOCK_MONOTONIC ns), pid, pid namespace
+_PIN = struct.Struct("<qqqqq")
+_PIN_SLOT_OFFSET = 0
+_NO_SLOT = -1
+_CLAIM_WAIT_S = 20e-6
+
+# A lock round trip is a full memory barrier on every platform CPython supports; it
+# orders the sequence and pin words against each other and against the bulk copies.
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    with _fence_lock:
+        pass
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PIDNS = _pid_namespace()
+
+
+class SlotRef(NamedTuple):
+    """One complete version in one slot: valid while the slot's sequence is still ``seq``."""
+
+    slot: int
+    seq: int
+    version: int
+
+
+def segment_name(job: str, epoch: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:64]
+    return f"wsync-{os.getpid()}-{epoch}-{safe}"
+
+
+def _pin_dir(segment_path: str) -> str:
+    return segment_path + ".pins"
+
+
+def _stride(nbytes: int) -> int:
+    return max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
+
+
+class ShmSegment:
+    """A named shared-memory region: a header page, then ``slots`` snapshot slots."""
+
+    def __init__(self, name: str, nbytes: int, *, create: bool, slots: int = 2) -> None:
+        self.name = name
+        self.path = os.path.join(_SHM_DIR, name)
+        self._owner = create
+        size = _PAGE + slots * _stride(nbytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
+        fd = open_segment(self.path, flags)  # name checked, no symlink, a regular file of this user
+        try:
+            if create:
+                try:
+                    # Reserve the pages now: a full /dev/shm then fails here, with an error,
+                    # instead of killing the trainer with SIGBUS on its first snapshot.
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.unlink(self.path)
+                    raise WeightSyncError(
+                        f"shared memory: cannot reserve {size / 2**20:.1f} MiB ({slots} snapshot slots) in "
+                        f"{_SHM_DIR} ({exc.strerror}); enlarge /dev/shm (docker: --shm-size), push fewer "
+                        f"tensors (include=/exclude=), cast (dtype='bfloat16'), or use transport='gloo'"
+                    ) from exc
+                os.mkdir(_pin_dir(self.path), 0o700)
+                with open(os.path.join(_pin_dir(self.path), "owner"), "w") as f:
+                    f.write(str(_PIDNS))  # lets remove_stale_segments judge the creator's PID
+            info = os.fstat(fd)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            # MAP_POPULATE maps every page now: otherwise the first push pays one page
+            # fault per 4 KiB (at 1 GiB, ~0.6 s of the trainer's stall).
+            self._mmap = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            # Readers map read-only on purpose; torch warns that it cannot write there.
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            whole = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.header = whole[:_PAGE].view(torch.int64)
+        if create:
+            self.header[_SLOTS_WORD] = slots
+            self.header[_STRIDE_WORD] = _stride(nbytes)
+            self.header[_MAGIC_WORD] = _MAGIC
+        elif int(self.header[_MAGIC_WORD]) != _MAGIC:
+            raise WeightSyncError(f"shared memory segment {self.path!r} is not a wsync snapshot ring")
+        self.slots = int(self.header[_SLOTS_WORD])
+        stride = int(self.header[_STRIDE_WORD])
+        if not 1 <= self.slots <= _MAX_SLOTS or _PAGE + self.slots * stride > whole.numel() or stride < nbytes:
+            raise WeightSyncError(f"shared memory segment {self.path!r} has a header that does not fit its size")
+        self.data = [whole[_PAGE + i * stride : _PAGE + i * stride + nbytes] for i in range(self.slots)]
+        self.pin_dir = _pin_dir(self.path)
+
+    # -- slot words -----------------------------------------------------------------
+    def seq(self, slot: int) -> int:
+        return int(self.header[_SLOT_BASE + 2 * slot])
+
+    def version(self, slot: int) -> int:
+        return int(self.header[_SLOT_BASE + 2 * slot + 1])
+
+    def begin_write(self, slot: int) -> int:
+        """Mark ``slot`` as being written; returns the sequence it had (for :meth:`abort_write`).
+
+        A slot whose last write was abandoned (a discarded draft) is still marked: it stays so.
+        """
+        before = self.seq(slot)
+        if before % 2 == 0:
+            self.header[_SLOT_BASE + 2 * slot] = before + 1
+            _fence()
+        return before
+
+    def abort_write(self, slot: int, before: int) -> None:
+        self.header[_SLOT_BASE + 2 * slot] = before
+        _fence()
+
+    def end_write(self, slot: int, version: int) -> int:
+        _fence()
+        self.header[_SLOT_BASE + 2 * slot + 1] = version
+        _fence()
+        seq = self.seq(slot) + 1
+        self.header[_SLOT_BASE + 2 * slot] = seq
+        return seq
+
+    def newest(self) -> SlotRef | None:
+        """The complete slot with the highest version, as the header stands now."""
+        best: SlotRef | None = None
+        for slot in range(self.slots):
+            seq = self.seq(slot)
+            if seq == 0 or seq % 2:
+                continue
+            _fence()
+            version = self.version(slot)
+            _fence()
+            if self.seq(slot) != seq:
+                continue
+            if best is None or version > best.version:
+                best = SlotRef(slot, seq, version)
+        return best
+
+    def close(self) -> None:
+        # Never ``mmap.close()``: it unmaps even while tensor views exist (``torch.frombuffer``
+        # holds a reference to the mmap, not a buffer export), and a thread still reading the
+        # header then faults. Dropping the references unmaps once the last view is gone.
+        del self.header, self.data, self._mmap
+        if self._owner:
+            unlink_segment(self.path)
+
+
+def unlink_segment(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(_pin_dir(path), ignore_errors=True)
+
+
+def remove_stale_segments() -> None:
+    """Unlink segments whose creating process is gone (a sender that was SIGKILLed).
+
+    Only a creator in this PID namespace can be judged gone: another container sharing
+    this /dev/shm may own a live segment under a PID this namespace cannot see.
+    """
+    for path in glob.glob(os.path.join(_SHM_DIR, "wsync-*")):
+        base = os.path.basename(path)
+        match = re.match(r"wsync-(\d+)-", base)
+        if match is None or base.endswith(".pins") or not _created_here(path):
+            continue
+        if not pid_alive(int(match.group(1))):
+            unlink_segment(path)
+            log.info("removed stale shared-memory snapshot %s", path)
+
+
+def _created_here(path: str) -> bool:
+    """The segment's pin directory records the creator's PID namespace (its owner's marker file)."""
+    try:
+        with open(os.path.join(_pin_dir(path), "owner"), "rb") as f:
+            return int(f.read().decode() or "-1") == _PIDNS
+    except (OSError, ValueError):
+        return False
+
+
+class PinBoard:
+    """The writer's view of the readers' pins on its segment."""
+
+    def __init__(self, segment: ShmSegment) -> None:
+        self._dir = segment.pin_dir
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def pinned(self, slot: int, seq: int, lease_s: float) -> bool:
+        """Whether a live reader holds ``slot`` at sequence ``seq``."""
+        try:
+            names = [e.name for e in os.scandir(self._dir) if e.name.startswith("pin-")]
+        except FileNotFoundError:
+            return False
+        now = time.monotonic_ns()
+        found = False
+        for name in names:
+            pin = self._map(name)
+            if pin is None:
+                continue
+            p_slot, p_seq, taken, pid, pidns = _PIN.unpack_from(pin, 0)
+            if p_slot != slot or p_seq != seq:
+                continue
+            if now - taken > lease_s * 1e9:
+                continue  # stalled longer than the lease: it will see the sequence move
+            if pidns == _PIDNS and not pid_alive(pid):
+                self._forget(name)
+                continue
+            found = True
+        for name in set(self._maps) - set(names):
+            self._maps.pop(name).close()
+        return found
+
+    def _map(self, name: str) -> mmap.mmap | None:
+        pin = self._maps.get(name)
+        if pin is not None:
+            return pin
+        try:
+            fd = os.open(os.path.join(self._dir, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size < _PIN.size:
+                return None
+            pin = self._maps[name] = mmap.mmap(fd, _PIN.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            return pin
+        finally:
+            os.close(fd)
+
+    def _forget(self, name: str) -> None:
+        pin = self._maps.pop(name, None)
+        if pin is not None:
+            pin.close()
+        try:
+            os.unlink(os.path.join(self._dir, name))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for pin in self._maps.values():
+            pin.close()
+        self._maps.clear()
+
+
+class ReaderPin:
+    """A reader's pin file: which slot (at which sequence) it is copying now."""
+
+    def __init__(self, segment: ShmSegment) -> None:
+        path = os.path.join(segment.pin_dir, f"pin-{os.getpid()}-{id(self):x}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, _PIN.size)
+            self._mmap = mmap.mmap(fd, _PIN.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._path = path
+        _PIN.pack_into(self._mmap, 0, _NO_SLOT, 0, 0, os.getpid(), _PIDNS)
+
+    def hold(self, ref: SlotRef) -> None:
+        _PIN.pack_into(self._mmap, 0, _NO_SLOT, ref.seq, time.monotonic_ns(), os.getpid(), _PIDNS)
+        _fence()
+        struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, ref.slot)  # the word the writer matches on
+        _fence()
+
+    def release(self) -> None:
+        struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, _NO_SLOT)
+        _fence()
+
+    def close(self) -> None:
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
+
+
+class ShmReader:
+    """A receiver's access to a sender's (or host leader's) ring on this host."""
+
+    def __init__(self, segment_name_: str, layout: Manifest) -> None:
+        self._segment = ShmSegment(segment_name_, layout.total_bytes, create=False)
+        self._layout = layout
+        self._views = [entry_views(layout, data) for data in self._segment.data]
+        self._pin = ReaderPin(self._segment)
+        self._wake = WakeSocket.bind(self._segment.pin_dir)
+
+    @property
+    def woken(self) -> bool:
+        """Whether the writer wakes this reader when a version lands (else it must poll)."""
+        return self._wake is not None
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the writer wakes this reader, or ``timeout_s``."""
+        if self._wake is not None:
+            self._wake.wait(timeout_s)
+        else:
+            time.sleep(timeout_s)
+
+    def newest(self) -> SlotRef | None:
+        return self._segment.newest()
+
+    def change_marker(self) -> tuple[int, ...]:
+        """Every slot's sequence: it moves whenever a write starts or ends."""
+        return tuple(self._segment.seq(s) for s in range(self._segment.slots))
+
+    def pin(self, ref: SlotRef) -> bool:
+        """Pin ``ref``'s slot; False (nothing held) when it is no longer that version."""
+        self._pin.hold(ref)
+        if self._segment.seq(ref.slot) != ref.seq:  # written meanwhile, or being claimed: take the newest
+            self._pin.release()
+            return False
+        return True
+
+    def unpin(self, ref: SlotRef) -> bool:
+        """Let go of ``ref``; True when its bytes stayed intact the whole time."""
+        _fence()
+        intact = self._settled_seq(ref) == ref.seq
+        self._pin.release()
+        return intact
+
+    def _settled_seq(self, ref: SlotRef) -> int:
+        """The slot's sequence once a writer's claim of it is decided.
+
+        A writer marks a slot (sequence + 1) before it looks for pins, and puts the
+        sequence back when it finds one: while that takes, the pinned bytes are intact.
+        """
+        seq = self._segment.seq(ref.slot)
+        while seq == ref.seq + 1:
+            time.sleep(_CLAIM_WAIT_S)  # the writer is reading the pin directory: microseconds
+            seq = self._segment.seq(ref.slot)
+        return seq
+
+    def copy_to(self, ref: SlotRef, tensors: list[torch.Tensor]) -> None:
+        copy_tensors(tensors, self._views[ref.slot])
+
+    def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:
+        staging.copy_(self._segment.data[ref.slot])
+
+    def mismatch(self, ref: SlotRef, sums: list[int]) -> int | None:
+        """Index of the first bucket of the pinned slot whose checksum differs (None: all match)."""
+        data = self._segment.data[ref.slot]
+        for i, (a, b) in enumerate(self._layout.buckets):
+            if checksum(data, a, b) != sums[i]:
+                return i
+        return None
+
+    def close(self) -> None:
+        self._views = []  # views pin the mapping
+        self._pin.close()
+        if self._wake is not None:
+            self._wake.close()
+        self._segment.close()

@@ -1,0 +1,144 @@
+"""A standalone two-rank process group, as every network hop uses one, and the signed
+trailer that ends every version sent on it.
+
+Groups are ``ProcessGroupGloo``/``ProcessGroupNCCL`` objects on a prefix of the shared
+store, never the default group (that one belongs to Lightning's DDP): a peer that dies or
+stalls fails only its own group.
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from lightning_wsync._control.store import Control
+
+
+class Work(Protocol):
+    def wait(self) -> bool: ...
+
+
+class TimedWork(Protocol):
+    def wait(self, timeout: timedelta) -> bool: ...
+
+
+class PeerGroup(Protocol):
+    """What this module uses of a standalone gloo/NCCL backend object."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Work: ...
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> Work: ...
+    def abort(self) -> None: ...
+
+
+def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s: float) -> PeerGroup:
+    """A standalone two-rank group; blocks (GIL released) until the peer joins or timeout."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from stubs
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+        return cast(PeerGroup, dist.ProcessGroupGloo(store, rank, 2, opts))
+    if backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return cast(PeerGroup, dist.ProcessGroupNCCL(store, rank, 2, nccl_opts))
+    raise ValueError(f"unknown network backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+class Interruptible:
+    """A peer group whose blocked waits another thread can end.
+
+    gloo's ``abort()`` wakes no waiter; a wait that times out closes the pair, and that
+    wakes every wait on it. :meth:`interrupt` does so, so a link stops at once on close
+    instead of at ``timeout_s`` (one stalled peer each, in turn, was N x timeout_s).
+    """
+
+    def __init__(self, pg: PeerGroup, backend: str) -> None:
+        self._pg = pg
+        self._gloo = backend == "gloo"  # NCCL's timed wait is not known to end only this pair: left alone
+        self._waiting: set[Work] = set()
+        self._lock = threading.Lock()
+        self._interrupted = False
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Work:
+        return _Tracked(self, self._pg.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> Work:
+        return _Tracked(self, self._pg.recv(tensors, src_rank, tag))
+
+    def abort(self) -> None:
+        self._pg.abort()
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            waiting = list(self._waiting) if self._gloo else []
+        for work in waiting:
+            try:
+                cast(TimedWork, work).wait(timedelta(milliseconds=1))
+            except (RuntimeError, TypeError):  # the expected timeout; TypeError: a wrapper without timeout=
+                pass
+
+    def _wait(self, work: Work) -> bool:
+        with self._lock:
+            if self._interrupted:
+                raise RuntimeError("link closed")
+            self._waiting.add(work)
+        try:
+            return work.wait()
+        finally:
+            with self._lock:
+                self._waiting.discard(work)
+
+
+class _Tracked:
+    def __init__(self, owner: Interruptible, work: Work) -> None:
+        self._owner = owner
+        self._work = work
+
+    def wait(self) -> bool:
+        return self._owner._wait(self._work)
+
+
+def shutdown_group(pg: PeerGroup | None) -> None:
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except RuntimeError:
+        pass
+
+
+def to_int64(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
+
+
+def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int]) -> list[int]:
+    """Signs what the receiver checks the bytes against (zeros when the job has no secret)."""
+    message = f"{epoch}/{rid}/{version}/{seq}/".encode() + struct.pack(f"<{len(sums)}q", *sums)
+    return list(struct.unpack(f"<{MAC_WORDS}q", ctl.mac_bytes(message)))
+
+
+def trailer_signed(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int], mac: list[int]) -> bool:
+    """Whether ``mac`` is :func:`trailer_mac` of the rest of a received trailer (compared in constant time)."""
+    expected = trailer_mac(ctl, epoch, rid, version, seq, sums)
+    return hmac.compare_digest(struct.pack(f"<{MAC_WORDS}q", *mac), struct.pack(f"<{MAC_WORDS}q", *expected))
+
+
+def sums_mismatch(buckets: Sequence[tuple[int, int]], got: list[int], sent: list[int], where: str = "") -> str | None:
+    """What differs between the checksums computed here and those the trailer carries (None: all match)."""
+    bad = [i for i, (x, y) in enumerate(zip(got, sent)) if x != y]
+    if not bad:
+        return None
+    a, b = buckets[bad[0]]
+    return f"checksum mismatch{where} in {len(bad)} bucket(s), first bytes [{a}, {b})"

@@ -1,0 +1,1 @@
+"""Rollout side: the receiver, its watcher thread, and apply targets."""

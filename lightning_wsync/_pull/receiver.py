@@ -1,0 +1,273 @@
+"""WeightReceiver: keep a rollout module at the newest complete version, applied on request.
+
+::
+
+    policy = Policy()
+    with WeightReceiver(policy) as receiver:            # store and job from WSYNC_* env
+        receiver.wait_for_version(0, timeout_s=60)      # the initial weights
+        while True:
+            run_rollout(policy)
+            receiver.update()                           # newest complete version, if newer
+
+A background thread (:mod:`~lightning_wsync._pull.watcher`) sends heartbeats and
+acknowledgements and follows the sender. From a sender on this host, ``update()`` pins
+the newest complete slot of the shared snapshot ring and copies it straight into the
+module; from a sender on another host, a network link stages each version privately
+and verifies it first (:mod:`~lightning_wsync._planes.open`). Either way the module is only
+ever written by ``update()`` on the caller's thread, and only with a complete version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.host import default_receiver_name, host_id
+from lightning_wsync._control.manifest import select_tensors
+from lightning_wsync._control.store import Control, connect_store, resolve_job, resolve_secret
+from lightning_wsync._planes.base import ReceiveSource
+from lightning_wsync._pull.target import ApplyTarget, TargetTensors
+from lightning_wsync._pull.watcher import SLOW_POLL_S, Published, PublishedSums, ReceiverWatcher
+from lightning_wsync._push.membership import StateReport
+from lightning_wsync.config import ReceiverConfig, config_values
+from lightning_wsync.errors import (
+    WeightSyncClosedError,
+    WeightSyncError,
+    WeightSyncIntegrityError,
+    WeightSyncStoreError,
+    WeightSyncTimeoutError,
+)
+
+log = logging.getLogger(__name__)
+
+class WeightReceiver(ReceiverWatcher):
+    """Receives the versions a :class:`WeightSender` publishes into ``module``.
+
+    Args:
+        module: the rollout module, whose parameters and buffers are updated in place;
+            or an :class:`~lightning_wsync.engines.ApplyTarget` (e.g. an inference
+            engine's loader), handed each complete, verified version by ``update()``.
+        store: a ``torch.distributed.Store`` or ``"host:port"`` (always joined as a
+            client). Default ``$WSYNC_STORE``.
+        job: the job's name on the store (default ``$WSYNC_JOB``); overrides ``config.job``.
+        config: a :class:`ReceiverConfig`; or pass its fields (``name``, ``verify``, ...)
+            as keyword ``options``, not both.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | ApplyTarget,
+        store: dist.Store | str | None = None,
+        job: str | None = None,
+        *,
+        config: ReceiverConfig | None = None,
+        **options: object,
+    ) -> None:
+        cfg = ReceiverConfig(**config_values(ReceiverConfig, config, options, owner="WeightReceiver", job=job))
+        self.config = cfg
+        self._target: TargetTensors | None = None
+        if isinstance(module, nn.Module):
+            self._tensors = select_tensors(module, cfg.include, cfg.exclude)
+        elif callable(module):
+            self._target = TargetTensors(module, cfg.include, cfg.exclude)
+            self._tensors = {}  # allocated from the sender's layout when it is known
+        else:
+            raise TypeError(
+                f"WeightReceiver: module={module!r} is neither an nn.Module nor a callable "
+                f"ApplyTarget (tensors, version); pass the rollout module or a loader function"
+            )
+        job_name = resolve_job(cfg.job, "WeightReceiver")
+        handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
+        self._store_address = handle.address
+        self._ctl = Control(handle.store, job_name, resolve_secret(cfg.secret))
+        self._watch_ctl = self._ctl.clone()
+        self._host = host_id()
+        self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
+
+        self.version: int | None = None
+        self.rejected = 0  # versions refused on verification (checksum or signature)
+        self._source: ReceiveSource | None = None
+        self._latest: Published | None = None  # the newest version announced on the store
+        self._error: WeightSyncError | None = None
+        self._last_refusal = ""
+        self._sums: PublishedSums | None = None  # with verify
+        self._store_lost_since: float | None = None
+        self._rejected_version = -2
+        self._refused_epochs: set[int] = set()
+        self._sender_closed = False
+        self._sender_left = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._apply_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the watcher early (an ack to send, or stop)
+
+        self.name = cfg.name or default_receiver_name()
+        self._state = StateReport()
+        self._register(self._ctl)
+        self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
+        self._thread.start()
+        log.info("WeightReceiver %r (rid=%d) joined job %r", self.name, self.rid, job_name)
+
+    # -- user API -----------------------------------------------------------------
+    def update(self) -> int | None:
+        """Apply the newest complete version if it is newer than the one held.
+
+        Never waits on the network or on the sender: it copies a pinned shared-memory
+        slot or a version already staged. Returns the version applied, or None. After it
+        returns or raises, the module holds one complete version and :attr:`version` names
+        it (None only after a :class:`WeightSyncIntegrityError`).
+        """
+        self._raise_if_unusable()
+        with self._apply_lock:
+            source = self._source
+            if source is None:
+                return None
+            try:
+                applied = source.apply(
+                    self.version, self._published_sums if self.config.verify else None, self._on_rejected
+                )
+            except WeightSyncIntegrityError:
+                self.version = None  # the module may hold a torn copy now; say so
+                raise
+            if applied is not None and self._target is not None:
+                self._hand_over(applied)
+        if applied is not None:
+            self.version = applied
+            self._state.held(applied)
+            self._kick.set()  # the watcher writes the acknowledgement now, not at its next poll
+            log.debug("applied version %d", applied)
+        return applied
+
+    def wait_for_version(self, min_version: int = 0, timeout_s: float | None = None) -> int:
+        """Block until a version >= ``min_version`` is applied to the module; return it.
+
+        Raises:
+            WeightSyncTimeoutError: none arrived within ``timeout_s`` (default: the config's).
+            WeightSyncClosedError: the sender closed before publishing such a version.
+            WeightSyncSchemaError: this module does not match what the sender publishes.
+        """
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.update()
+            if self.version is not None and self.version >= min_version:
+                return self.version
+            if self._sender_closed and not self._newer_pending():
+                raise WeightSyncClosedError(
+                    f"WeightReceiver {self.name!r}: the sender of job {self._ctl.job!r} closed; the newest "
+                    f"version held is {self.version!r}, below min_version={min_version!r}"
+                )
+            lost = self._store_lost_since
+            if lost is not None and time.monotonic() - lost >= timeout_s:
+                raise WeightSyncStoreError(
+                    f"WeightReceiver {self.name!r}: the control-plane store {self._store_address!r} has been "
+                    f"unreachable for {time.monotonic() - lost:.1f} s; the module keeps version {self.version!r}. "
+                    f"The trainer (or `lightning-wsync store`) is gone: restart it, or exit and let torchrun "
+                    f"restart this worker"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                latest = self.latest_published
+                raise WeightSyncTimeoutError(
+                    f"WeightReceiver {self.name!r}: no version >= {min_version!r} within timeout_s={timeout_s} "
+                    f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
+                    f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
+                )
+            self._wait_for_news_until(time.monotonic() + min(remaining, SLOW_POLL_S))
+
+    @property
+    def latest_published(self) -> int | None:
+        """Newest version the sender has published (as last seen on the store)."""
+        return None if self._latest is None else self._latest.version
+
+    @property
+    def sender_closed(self) -> bool:
+        """Training finished: the sender closed for good (a completed ``fit()`` or
+        ``close(final=True)``). Leave the rollout loop once ``update()`` returns None."""
+        return self._sender_closed
+
+    @property
+    def sender_left(self) -> bool:
+        """The sender went away without finishing (an exception in ``fit()``, SIGTERM, a
+        relaunch); training may go on. The next sender of the job is followed as soon as
+        it starts, with higher versions, and this turns False again."""
+        return self._sender_left
+
+    @property
+    def store_lost_s(self) -> float | None:
+        """Seconds since the store became unreachable, or None while it answers."""
+        lost = self._store_lost_since
+        return None if lost is None else time.monotonic() - lost
+
+    # -- applying -------------------------------------------------------------------
+    def _wait_for_news_until(self, until: float) -> None:
+        """Block until something may have changed, or ``until``.
+
+        From shared memory update() reads the segment's header itself, so a waiter watches
+        the segment rather than waiting for the watcher's signal of the store's announcement.
+        """
+        source = self._source
+        if source is not None and not self.config.verify:
+            give_up = lambda: self._source is not source or bool(self._error or self._sender_closed)  # noqa: E731
+            if source.wait_change(until, give_up):
+                return
+        with self._cond:  # the watcher (or a link's on_staged) notifies when something moves on
+            self._cond.wait(timeout=max(0.0, until - time.monotonic()))
+
+    def _hand_over(self, version: int) -> None:
+        assert self._target is not None
+        try:
+            self._target.hand_over(version)
+        except Exception as exc:
+            held, self.version = self.version, None  # the target may hold part of a version
+            raise WeightSyncError(
+                f"WeightReceiver {self.name!r}: the apply target raised on version {version!r} "
+                f"({type(exc).__name__}: {exc}); it held {held!r} before and may now hold part of "
+                f"{version!r}, so version is None until the next update() hands over the newest again"
+            ) from exc
+
+    def _newer_pending(self) -> bool:
+        source = self._source
+        return source is not None and source.pending_above(self.version)
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise WeightSyncClosedError(f"WeightReceiver {self.name!r} is closed; create a new one")
+        if self._error is not None:
+            raise self._error
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the job. The module keeps the version it holds."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._kick.set()
+        self._thread.join(timeout=10)
+        try:
+            self._state.write(self._ctl)
+            self._ctl.set_json(keys.member_gone(self.rid), True)
+        except RuntimeError:
+            pass  # store already gone: the sender sees the heartbeat stop instead
+        with self._apply_lock:
+            if self._source is not None:
+                self._source.close()
+                self._source = None
+        log.info("WeightReceiver %r (rid=%d) closed at version %r", self.name, self.rid, self.version)
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,330 @@
+"""The receiver's background thread: heartbeats, acknowledgements, following the sender.
+
+It registers nothing and applies nothing: it keeps the receiver's view of the job
+current (the newest version announced, the checksums to verify it with, which sender
+epoch to follow and through which :mod:`~lightning_wsync._planes.open`, whether the sender
+closed or left, whether the store answers) so that ``update()`` on the caller's thread
+never has to ask the store. :class:`WeightReceiver` inherits these steps; its own module
+holds only the user API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.host import pid_namespace
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.store import Control, local_address
+from lightning_wsync._planes.base import ReceiveSource
+from lightning_wsync._planes.net.link import NetReceiveLink
+from lightning_wsync._planes.open import open_source
+from lightning_wsync._planes.relay.host import open_relay_source
+from lightning_wsync._pull.target import TargetTensors
+from lightning_wsync._push.membership import StateReport
+from lightning_wsync.config import ReceiverConfig
+from lightning_wsync.errors import (
+    WeightSyncAuthError,
+    WeightSyncConfigError,
+    WeightSyncError,
+    WeightSyncSchemaError,
+    WeightSyncStoreError,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.002
+SLOW_POLL_S = 0.05
+_EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
+
+
+class Published(NamedTuple):
+    """A version as announced on the store."""
+
+    version: int
+    epoch: int
+
+
+class PublishedSums(NamedTuple):
+    """A published version's bucket checksums, fetched for ``update()`` with ``verify``."""
+
+    version: int
+    sums: list[int]
+
+
+class ReceiverWatcher:
+    """The watcher thread's steps, over the state a :class:`WeightReceiver` holds."""
+
+    name: str
+    rid: int
+    config: ReceiverConfig
+    rejected: int
+    version: int | None
+    _ctl: Control
+    _watch_ctl: Control
+    _host: str
+    _store_address: str | None
+    _device: torch.device
+    _tensors: dict[str, torch.Tensor]
+    _target: TargetTensors | None
+    _state: StateReport
+    _source: ReceiveSource | None
+    _latest: Published | None
+    _error: WeightSyncError | None
+    _last_refusal: str
+    _sums: PublishedSums | None
+    _store_lost_since: float | None
+    _rejected_version: int
+    _refused_epochs: set[int]
+    _sender_closed: bool
+    _sender_left: bool
+    _cond: threading.Condition
+    _apply_lock: threading.Lock
+    _stop: threading.Event
+    _kick: threading.Event
+    _beat: int  # the heartbeat counter's last value
+
+    def _watch(self) -> None:
+        ctl = self._watch_ctl
+        next_beat = next_slow = 0.0
+        fast = True
+        while not self._stop.is_set():
+            self._kick.clear()  # before the work: a kick during it makes the wait below return at once
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    beat = ctl.add(keys.member_heartbeat(self.rid), 1)
+                    if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
+                        self._rejoin(ctl)
+                    self._beat = beat
+                    next_beat = now + self.config.heartbeat_s
+                self._state.write(ctl)
+                # Sender changes and the close signal are looked at every SLOW_POLL_S.
+                slow, next_slow = now >= next_slow, (now + SLOW_POLL_S if now >= next_slow else next_slow)
+                # Versions arrive through a network link itself, and a shared segment's header
+                # is read by update() directly: then `latest` only feeds latest_published and
+                # is read at the slow pace too. With verify, the published checksums are needed.
+                source = self._source
+                fast = source is None or self.config.verify
+                steps = ((self._follow_sender, self._follow_close) if slow else ()) + (
+                    (self._follow_versions, self._follow_sums) if fast or slow else ()
+                )
+                for step in steps:
+                    try:
+                        step(ctl)
+                    except WeightSyncAuthError as exc:
+                        self._refuse(exc)
+                if self._store_lost_since is not None:
+                    log.info("receiver %r: store reachable again", self.name)
+                    self._store_lost_since = None
+            except WeightSyncStoreError as exc:  # the store boundary (Control); nothing else means "lost"
+                if self._store_lost_since is None:
+                    self._store_lost_since = time.monotonic()
+                    log.warning("receiver %r: store %s unreachable (%s); keeping version %r", self.name,
+                                self._store_address, str(exc).strip().splitlines()[0][:200], self.version)  # fmt: skip
+                    with self._cond:
+                        self._cond.notify_all()
+                self._stop.wait(min(1.0, self.config.heartbeat_s))
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
+                log.exception("receiver %r: watcher step failed; retrying", self.name)
+                self._stop.wait(min(1.0, self.config.heartbeat_s))
+            self._kick.wait(POLL_S if fast else SLOW_POLL_S)  # an apply kicks it for its acknowledgement
+
+    def _register(self, ctl: Control) -> None:
+        """Take a fresh receiver id and announce this receiver under it."""
+        self.rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
+        self._state.moved_to(self.rid)
+        self._state.write(ctl, force=True)
+        self._beat = ctl.add(keys.member_heartbeat(self.rid), 1)
+        ctl.set_json(
+            keys.member(self.rid),
+            {"name": self.name, "host": self._host, "pid": os.getpid(), "pidns": pid_namespace(),
+             "verify": self.config.verify},
+        )
+
+    def _rejoin(self, ctl: Control) -> None:
+        """The sender forgot this receiver (silent past its patience: paused, partitioned):
+        register again and reopen the data plane under the new id, keeping the version held."""
+        old = self.rid
+        self._register(ctl)
+        log.warning("receiver %r was forgotten by the sender while silent (rid=%d); registered again as rid=%d",
+                    self.name, old, self.rid)  # fmt: skip
+        source = self._source
+        if source is None:
+            return
+        record, layout_text = ctl.get_json(keys.sender_record(source.epoch)), ctl.get_json(keys.manifest(source.epoch))
+        if record is not None and layout_text is not None:
+            self._switch(ctl, source.epoch, record, layout_text)
+
+    def _follow_versions(self, ctl: Control) -> None:
+        source = self._source
+        if isinstance(self._error, WeightSyncSchemaError):
+            latest = ctl.get_json(keys.LATEST)
+            version = -1 if latest is None else int(latest["version"])
+            if version > self._rejected_version:  # tell the sender, version by version
+                self._rejected_version = version
+                self._state.rejected(version, str(self._error))
+            return
+        if source is None:
+            return
+        # `latest` is never deleted once written: after the first sighting, a plain get.
+        latest = ctl.get_json(keys.LATEST) if self._latest is None else ctl.open(keys.LATEST, ctl.get_raw(keys.LATEST))
+        if latest is not None:
+            record = Published(int(latest["version"]), int(latest["epoch"]))
+            if record != self._latest and (self._latest is None or record.version > self._latest.version):
+                with self._cond:
+                    self._latest = record
+                    self._cond.notify_all()
+
+    def _published_sums(self, version: int) -> list[int] | None:
+        held = self._sums
+        return held.sums if held is not None and held.version == version else None
+
+    def _follow_sums(self, ctl: Control) -> None:
+        """With ``verify``, fetch the checksums of the newest shared version for update()."""
+        latest, held = self._latest, self._sums
+        if not self.config.verify or latest is None or (held is not None and held.version == latest.version):
+            return
+        record = ctl.get_json(keys.version_sums(latest.version))
+        if record is not None and int(record["version"]) == latest.version:
+            self._sums = PublishedSums(latest.version, [int(s) for s in record["sums"]])
+            with self._cond:
+                self._cond.notify_all()
+
+    def _follow_close(self, ctl: Control) -> None:
+        source = self._source
+        if source is None:
+            return
+        closed_key = keys.closed(source.epoch)
+        if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
+            self._on_closed(ctl.get_json(closed_key))
+
+    def _on_closed(self, record: object) -> None:
+        """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
+        final = record is True or (isinstance(record, dict) and record.get("final") is True)  # True: older senders
+        with self._cond:
+            if final:
+                self._sender_closed = True
+            else:
+                self._sender_left = True
+            self._cond.notify_all()
+
+    def _refuse(self, exc: WeightSyncError) -> None:
+        """A record failed authentication, or a sender cannot be used from here (a
+        configuration error): fatal before a valid sender is known, else ignored."""
+        if self._source is None:
+            self._error = exc
+            with self._cond:
+                self._cond.notify_all()
+            self._stop.set()
+        if str(exc) != self._last_refusal:
+            log.error("receiver %r refused a record: %s", self.name, exc)
+            self._last_refusal = str(exc)
+
+    def _follow_sender(self, ctl: Control) -> None:
+        """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
+        pointer = ctl.get_json(keys.SENDER_CURRENT)  # signed with a secret: a forged one raises
+        if pointer is None:
+            return
+        current = int(pointer["epoch"])
+        floor = self._source.epoch if self._source is not None else 0
+        if current <= floor:
+            return
+        refusal: WeightSyncAuthError | None = None
+        for epoch in range(current, max(floor, current - _EPOCH_SCAN), -1):
+            if epoch in self._refused_epochs:
+                continue
+            try:
+                record = ctl.get_json(keys.sender_record(epoch))
+                layout_text = ctl.get_json(keys.manifest(epoch))
+            except WeightSyncAuthError as exc:
+                self._refused_epochs.add(epoch)
+                refusal = exc
+                continue
+            if record is not None and layout_text is not None:
+                self._switch(ctl, epoch, record, layout_text)
+                return
+        if refusal is not None:
+            self._refuse(refusal)
+
+    def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
+        layout = Manifest.from_json(layout_text)
+        closed_key = keys.closed(epoch)
+        try:
+            if self._target is not None:
+                self._tensors = self._target.tensors_for(layout)
+            layout.check_module(self._tensors, self.name)
+            # A sender that has ended leaves no segment: that is not a reason for the network path.
+            source = self._make_source(epoch, layout, record, fallback=not ctl.has(closed_key))
+        except WeightSyncSchemaError as exc:
+            self._error = exc  # raised by update()/wait_for_version(); reported on each version
+            log.error("%s", exc)
+            with self._cond:
+                self._cond.notify_all()
+            return
+        except OSError as exc:  # its shared segment is gone: that sender has ended
+            self._refused_epochs.add(epoch)
+            log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
+            if ctl.has(closed_key):
+                self._on_closed(ctl.get_json(closed_key))
+            return
+        except WeightSyncStoreError:
+            raise
+        except WeightSyncError as exc:  # transport='shm' across hosts, a segment that is not ours
+            self._refused_epochs.add(epoch)
+            self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
+            return
+        with self._apply_lock:
+            if self._source is not None:
+                self._source.close()
+            self._source = source
+            self._sender_closed = self._sender_left = False
+        log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
+                 self._source.describe())  # fmt: skip
+
+    def _make_source(
+        self, epoch: int, layout: Manifest, record: dict[str, object], *, fallback: bool = True
+    ) -> ReceiveSource:
+        if record.get("relay") and record["host"] != self._host:
+            if self.config.apply == "swap":
+                log.warning(
+                    "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
+                    "shared memory); the sender's cross_host='star' keeps the network path", self.name,
+                )  # fmt: skip
+            return open_relay_source(
+                self._ctl, layout, self._ordered_for(layout), record, epoch=epoch, rid=self.rid, host=self._host,
+                job=self._ctl.job, name=self.name, addr=local_address(self._store_address),
+                timeout_s=self.config.timeout_s, on_published=self._on_staged, on_rejected=self._on_rejected,
+            )  # fmt: skip
+        return open_source(
+            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
+            swap=self.config.apply == "swap", fallback=fallback,
+            net=lambda backend: NetReceiveLink(
+                self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
+                addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
+                device=self._device if backend == "nccl" else torch.device("cpu"),
+                on_staged=self._on_staged, on_rejected=self._on_rejected,
+                newest=lambda: None if self._latest is None else self._latest.version,
+            ),
+        )  # fmt: skip
+
+    def _ordered_for(self, layout: Manifest) -> list[torch.Tensor]:
+        return [self._tensors[e.name] for e in layout.entries]
+
+    def _on_staged(self, version: int) -> None:
+        self._state.held(version)
+        self._kick.set()  # the watcher acknowledges it now, not at its next (slow) poll
+        with self._cond:
+            self._cond.notify_all()
+
+    def _on_rejected(self, version: int, reason: str) -> None:
+        self.rejected += 1
+        log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
+        self._state.rejected(version, reason)
+        self._kick.set()

@@ -1,0 +1,1 @@
+"""Trainer side: the sender, its view of the receivers, and push reports."""

@@ -1,0 +1,273 @@
+"""Receivers as the sender sees them: registration, heartbeats, and why one is gone.
+
+A receiver registers under a fresh id (``members/next``), writes its record and then
+bumps ``member/<rid>/hb`` every ``heartbeat_s``. An id whose record has not appeared
+does not hold up the ids after it (its owner may have died between the two steps, or
+any client may have bumped the counter): it is looked for again at each refresh and
+given up after one heartbeat timeout if it has no heartbeat key (its owner died at once,
+or an earlier sender retired it), else after ``_FORGET_AFTER`` heartbeat timeouts. The sender compares counter values
+against its own clock, so hosts need no synchronised clocks. A receiver is gone when
+it closed (``gone`` key), when its process no longer exists (same host and PID namespace only), or when
+its heartbeat has not moved for ``heartbeat_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.host import pid_alive, pid_namespace
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.net.link import NetSendLink
+from lightning_wsync.errors import WeightSyncAuthError
+
+log = logging.getLogger(__name__)
+
+_FORGET_AFTER = 30  # x heartbeat_timeout_s of silence: stop polling a receiver at all
+
+
+@dataclass
+class Member:
+    rid: int
+    name: str
+    host: str
+    pid: int
+    hb: int = 0
+    hb_seen_at: float = 0.0  # time.monotonic() when hb last changed
+    gone_reason: str | None = None
+    link: NetSendLink | None = None
+    verify: bool = False  # wants per-bucket checksums on the shared-memory path
+    pidns: int = 0  # its PID namespace (0: unknown); its pid is checked only from the same one
+    cleaned_gen: int = 0  # process-group keys of link generations up to this one are deleted
+    gone_at: float = 0.0  # time.monotonic() when gone_reason was set
+    retired: bool = False  # gone for good and its keys deleted from the store
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+class Rejection(NamedTuple):
+    """A version a receiver refused, and why."""
+
+    version: int
+    reason: str
+
+
+class MemberState(NamedTuple):
+    """What ``member/<rid>/state`` says: the newest version held, the last rejection."""
+
+    acked: int
+    rejected: Rejection | None
+
+
+def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
+    return {"acked": acked, "error": list(error) if error else None}
+
+
+def decode_state(ctl: Control, rid: int, raw: bytes) -> MemberState:
+    value = ctl.open(keys.member_state(rid), raw)
+    error = value["error"]
+    return MemberState(int(value["acked"]), None if error is None else Rejection(int(error[0]), str(error[1])))
+
+
+class StateReport:
+    """The receiver's side of ``member/<rid>/state``: newest version held, last rejection.
+
+    Producers (``update()``, the network link) only queue; the watcher thread writes.
+    """
+
+    def __init__(self, rid: int = -1) -> None:
+        self._rid = rid
+        self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
+        self._held = -1
+
+    def held(self, version: int) -> None:
+        self._queue.put((version, None))
+
+    def rejected(self, version: int, reason: str) -> None:
+        self._queue.put((-1, (version, reason)))
+
+    def moved_to(self, rid: int) -> None:
+        """Report under ``rid`` from now on (a receiver registered again keeps what it holds)."""
+        self._rid = rid
+
+    def write(self, ctl: Control, *, force: bool = False) -> None:
+        """Write what was queued since the last write (one store round trip, if any)."""
+        error: tuple[int, str] | None = None
+        changed = force
+        while True:
+            try:
+                version, err = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            self._held = max(self._held, version)
+            error = err or error
+        if changed:
+            ctl.set_json(keys.member_state(self._rid), encode_state(self._held, error))
+
+
+class Membership:
+    """The sender's view of the receivers, refreshed from its background thread.
+
+    It also keeps the store bounded: the keys of a receiver gone for good, and the
+    process-group keys of its links once a link is in use or replaced, are deleted;
+    ``members/low`` records the lowest id that may still be live, so a later sender
+    does not look through every id the job ever handed out.
+    """
+
+    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float, epoch: int = 0) -> None:
+        self._ctl = control
+        self._host_id = host_id
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._epoch = epoch
+        self._pidns = pid_namespace()
+        low = control.get_json(keys.MEMBERS_LOW)
+        self._next_rid = self._low = 0 if low is None else int(low)
+        self._unrecorded: dict[int, float] = {}  # rid reserved, record not seen yet -> since
+        self._members: dict[int, Member] = {}
+        self._lock = threading.Lock()
+        self._retire_lock = threading.Lock()  # a report never reads state keys being deleted
+
+    def refresh(self) -> None:
+        ctl = self._ctl
+        registered = ctl.add(keys.MEMBERS_NEXT, 0)
+        now = time.monotonic()
+        while self._next_rid < registered:
+            self._unrecorded[self._next_rid] = now
+            self._next_rid += 1
+        for rid, since in list(self._unrecorded.items()):
+            try:
+                record = ctl.get_json(keys.member(rid))
+            except WeightSyncAuthError as exc:
+                log.error("refused receiver rid=%d: %s", rid, exc)
+                del self._unrecorded[rid]
+                continue
+            if record is None:  # registering right now, or its owner died before writing it
+                # A receiver writes its heartbeat key within moments of taking its id; an id
+                # with no keys at all for heartbeat_timeout_s is one whose owner died at once,
+                # or whose keys were deleted when an earlier sender retired it.
+                started = ctl.has(keys.member_heartbeat(rid))
+                if now - since > (_FORGET_AFTER if started else 1) * self._heartbeat_timeout_s:
+                    del self._unrecorded[rid]
+                    for key in keys.member_keys(rid):
+                        self._ctl.delete(key)
+                    log.info("receiver rid=%d reserved an id but never registered; forgotten", rid)
+                continue
+            del self._unrecorded[rid]
+            member = Member(rid, str(record["name"]), str(record["host"]), int(record["pid"]),
+                            verify=bool(record.get("verify", False)), pidns=int(record.get("pidns", 0)))  # fmt: skip
+            member.hb, member.hb_seen_at = ctl.add(keys.member_heartbeat(member.rid), 0), time.monotonic()
+            with self._lock:
+                self._members[member.rid] = member
+        now = time.monotonic()
+        for member in self.members():
+            if member.gone_reason is not None:
+                # Kept a while, so reports still read what it acknowledged before leaving.
+                if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
+                    self._retire(member)
+                continue
+            hb = ctl.add(keys.member_heartbeat(member.rid), 0)
+            if hb != member.hb:
+                member.hb, member.hb_seen_at = hb, now
+            reason = self._gone_reason(member, now)
+            if reason is not None:
+                member.gone_reason, member.gone_at = reason, now
+                if member.link is not None:
+                    member.link.close(timeout_s=0)
+            elif (link := member.link) is not None and link.gen > member.cleaned_gen and link.sent_version is not None:
+                self._delete_groups(member, link.gen)  # both ends joined: the group's keys are spent
+        self._advance_low()
+
+    def _delete_groups(self, member: Member, up_to_gen: int) -> None:
+        for gen in range(member.cleaned_gen + 1, up_to_gen + 1):
+            for key in keys.group_keys(keys.link_prefix(self._epoch, member.rid, gen)):
+                self._ctl.delete(key)
+        member.cleaned_gen = max(member.cleaned_gen, up_to_gen)
+
+    def _retire(self, member: Member) -> None:
+        """Delete the keys of a receiver gone for good (reports keep its name and reason)."""
+        self._delete_groups(member, self._ctl.add(keys.member_link(member.rid), 0))
+        with self._retire_lock:
+            member.retired = True
+            for key in keys.member_keys(member.rid):
+                self._ctl.delete(key)
+
+    def _advance_low(self) -> None:
+        with self._lock:
+            open_rids = [rid for rid, m in self._members.items() if not m.retired]
+        low = min([*open_rids, *self._unrecorded, self._next_rid])
+        if low > self._low:
+            self._ctl.set_json(keys.MEMBERS_LOW, low)
+            self._low = low
+
+    def _gone_reason(self, member: Member, now: float) -> str | None:
+        """Why ``member`` is gone for good (a merely silent one may still come back)."""
+        if self._ctl.has(keys.member_gone(member.rid)):
+            return "closed"
+        if self._exited(member):
+            return f"process {member.pid} exited"
+        silent = now - member.hb_seen_at
+        if silent > _FORGET_AFTER * self._heartbeat_timeout_s:
+            return f"no heartbeat for {silent:.1f} s"
+        return None
+
+    def _silent_reason(self, member: Member) -> str | None:
+        silent = time.monotonic() - member.hb_seen_at
+        if silent > self._heartbeat_timeout_s:
+            return f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
+        return None
+
+    def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:
+        """The raw ``member/<rid>/state`` of each of ``rids`` in one round trip; a retired
+        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands)."""
+        with self._retire_lock:
+            retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
+            raws = iter(ctl.multi_get([keys.member_state(rid) for rid in rids if rid not in retired]))
+        return [
+            ctl.seal(keys.member_state(rid), encode_state(-1, None)).encode() if rid in retired else next(raws)
+            for rid in rids
+        ]
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return list(self._members.values())
+
+    def live(self) -> list[Member]:
+        """Members that are neither gone nor silent past ``heartbeat_timeout_s``."""
+        return [m for m in self.members() if m.gone_reason is None and self._silent_reason(m) is None]
+
+    def get(self, rid: int) -> Member | None:
+        with self._lock:
+            return self._members.get(rid)
+
+    def failure(self, rid: int) -> str | None:
+        """Why ``rid`` cannot take deliveries now, or None while it looks healthy."""
+        member = self.get(rid)
+        if member is None:
+            return "unknown receiver"
+        if member.gone_reason is not None:
+            return member.gone_reason
+        if (silent := self._silent_reason(member)) is not None:
+            return silent
+        if member.link is not None and member.link.error is not None:
+            return f"network link failed: {member.link.error}"
+        if self._exited(member):
+            return f"process {member.pid} exited"
+        return None
+
+    def _exited(self, member: Member) -> bool:
+        """Its process is gone, judged only where its pid means it: the same host and PID
+        namespace (a container sharing this host's id and IPC has PIDs of its own)."""
+        same = member.host == self._host_id and member.pidns == self._pidns != 0
+        return same and not pid_alive(member.pid)
+
+    def heartbeat_age_s(self, rid: int) -> float | None:
+        member = self.get(rid)
+        return None if member is None else time.monotonic() - member.hb_seen_at

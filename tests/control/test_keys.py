@@ -1,0 +1,102 @@
+"""Key building (lightning_wsync._control.keys): every key matches its table row, and no two differ only by accident."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.distributed as dist
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+
+
+def _table_rows() -> list[re.Pattern[str]]:
+    """The key column of the module docstring's table, as patterns (``<name>``: a path part,
+    ``<hostkey>``: 16 hex digits, any other ``<x>``: a number)."""
+    lines = (keys.__doc__ or "").splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    body = lines[rules[1] + 1 : rules[2]]  # between the header's rule and the closing one
+    firsts = [line.split()[0] for line in body if line and not line.startswith(" ")]
+    parts = {"<name>": "[^/]+", "<hostkey>": "[0-9a-f]{16}"}
+    return [re.compile(re.sub(r"<[a-z]+>", lambda m: parts.get(m[0], "[0-9]+"), first)) for first in firsts]
+
+
+def _built() -> dict[str, str]:
+    prefix = keys.link_prefix(3, 7, 2)
+    hop = keys.relay_hop_prefix(3, 4, 7)
+    return {
+        "SENDER_EPOCH": keys.SENDER_EPOCH,
+        "SENDER_CURRENT": keys.SENDER_CURRENT,
+        "LATEST": keys.LATEST,
+        "MEMBERS_NEXT": keys.MEMBERS_NEXT,
+        "MEMBERS_LOW": keys.MEMBERS_LOW,
+        "sender_record": keys.sender_record(3),
+        "manifest": keys.manifest(3),
+        "closed": keys.closed(3),
+        "version_record": keys.version_record(12),
+        "version_sums": keys.version_sums(12),
+        "member": keys.member(7),
+        "member_heartbeat": keys.member_heartbeat(7),
+        "member_gone": keys.member_gone(7),
+        "member_state": keys.member_state(7),
+        "member_link": keys.member_link(7),
+        "link_prefix": prefix,
+        "relay_leader": keys.relay_leader(3, "node-1/boot"),
+        "relay_chain": keys.relay_chain(3),
+        "relay_broken": keys.relay_broken(3, 7),
+        "relay_hop_prefix": hop,
+        "relay_received": keys.relay_received(3, 7),
+        "channel_queue": keys.channel_queue("experience"),
+    }
+
+
+def test_every_key_built_has_a_row_in_the_table_and_every_row_a_builder():
+    rows = _table_rows()
+    assert len(rows) == 22, [r.pattern for r in rows]
+    unmatched_rows = set(range(len(rows)))
+    for name, key in _built().items():
+        hits = [i for i, row in enumerate(rows) if row.fullmatch(key)]
+        assert len(hits) == 1, f"{name} -> {key!r} matches rows {[rows[i].pattern for i in hits]}"
+        unmatched_rows -= set(hits)
+    assert not unmatched_rows, [rows[i].pattern for i in sorted(unmatched_rows)]
+
+
+def test_keys_carry_their_arguments_and_never_collide():
+    built = list(_built().values())
+    assert len(set(built)) == len(built)
+    assert keys.version_record(1) != keys.version_record(11)
+    assert keys.link_prefix(1, 2, 3) == "pg/1/2/3/"
+    assert keys.link_prefix(1, 2, 3) != keys.link_prefix(1, 23, 3)
+    assert keys.group_keys(keys.link_prefix(1, 2, 3)) == ("pg/1/2/3/0/0", "pg/1/2/3/0/1")
+    assert keys.ready("pg/1/2/3/", 5) == "pg/1/2/3/ready/5"
+    assert keys.announcement("pg/1/2/3/", 5) == "pg/1/2/3/ann/5"
+    assert keys.joined(keys.relay_hop_prefix(1, 2, 3), 0) == "relay/1/pg/2/3/joined/0"
+
+
+def test_grouped_keys_are_the_single_keys():
+    assert keys.member_keys(4) == (
+        keys.member(4), keys.member_heartbeat(4), keys.member_state(4), keys.member_gone(4), keys.member_link(4)
+    )  # fmt: skip
+    assert keys.version_keys(9) == (keys.version_record(9), keys.version_sums(9))
+    assert keys.epoch_keys(2) == (keys.sender_record(2), keys.manifest(2), keys.closed(2))
+
+
+def test_host_key_hides_the_slash_of_a_host_id():
+    key = keys.host_key("node-1/0f3a-boot-id")
+    assert re.fullmatch(r"[0-9a-f]{16}", key)
+    assert key != keys.host_key("node-2/0f3a-boot-id")
+
+
+@pytest.mark.parametrize("job", ["exp1", "a.b-c_d"])
+def test_control_puts_every_key_under_the_job_prefix(job):
+    store = dist.HashStore()
+    Control(store, job).set_text(keys.LATEST, "x")
+    assert keys.job_prefix(job) == f"wsync/{job}"
+    assert store.get(f"wsync/{job}/latest") == b"x"
+
+
+def test_rendezvous_keys():
+    assert keys.rdzv_epoch("exp1", "trainer") == "wsync.rdzv/exp1/trainer/epoch"
+    assert keys.rdzv_agents("exp1") == "wsync.rdzv/exp1/agents"
+    assert keys.rdzv_state("exp1.trainer.e0") == "torch.rendezvous.exp1.trainer.e0"

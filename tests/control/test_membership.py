@@ -1,0 +1,118 @@
+"""Membership as the sender sees it, on a real in-memory store: registration, heartbeats, leaving, retiring."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+import torch.distributed as dist
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.host import pid_namespace
+from lightning_wsync._control.store import Control
+from lightning_wsync._push.membership import Membership, MemberState, Rejection, StateReport, decode_state
+
+HOST = "host-a"
+HB_TIMEOUT_S = 0.2
+
+
+def register(ctl: Control, name: str, *, host: str = HOST, pid: int | None = None) -> int:
+    """What a WeightReceiver writes when it joins."""
+    rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
+    ctl.add(keys.member_heartbeat(rid), 1)
+    record = {"name": name, "host": host, "pid": os.getpid() if pid is None else pid, "pidns": pid_namespace()}
+    ctl.set_json(keys.member(rid), record)
+    return rid
+
+
+def until(condition: Callable[[], bool], membership: Membership, timeout_s: float = 5.0) -> None:
+    """Refresh until ``condition`` holds (a bounded poll, never a bare sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        membership.refresh()
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def ctl() -> Control:
+    return Control(dist.HashStore(), "m")
+
+
+def test_registered_receivers_are_live_under_their_names(ctl):
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    a, b = register(ctl, "a"), register(ctl, "b")
+    members.refresh()
+    assert [m.label for m in members.live()] == ["a", "b"] and (a, b) == (0, 1)
+    assert members.failure(a) is None and members.failure(99) == "unknown receiver"
+
+
+def test_a_silent_receiver_stops_being_live_and_comes_back_with_its_heartbeat(ctl):
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    rid = register(ctl, "quiet")
+    members.refresh()
+    until(lambda: not members.live(), members)
+    reason = members.failure(rid)
+    assert reason is not None and reason.startswith("no heartbeat for ")
+    assert reason.endswith(f"(heartbeat_timeout_s={HB_TIMEOUT_S})")
+    ctl.add(keys.member_heartbeat(rid), 1)
+    members.refresh()
+    assert [m.label for m in members.live()] == ["quiet"]
+
+
+def test_a_closed_receiver_is_gone_then_retired_and_its_keys_deleted(ctl):
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    first, second = register(ctl, "first"), register(ctl, "second")
+    members.refresh()
+    ctl.set_json(keys.member_gone(first), True)
+    members.refresh()
+    assert members.failure(first) == "closed" and [m.label for m in members.live()] == ["second"]
+    until(lambda: members.get(first) is not None and members.get(first).retired, members)
+    assert not any(ctl.has(key) for key in keys.member_keys(first))
+    assert ctl.get_json(keys.MEMBERS_LOW) == second  # a later sender starts looking at "second"
+    assert members.failure(first) == "closed"  # reports still say why
+    later = Membership(ctl, HOST, HB_TIMEOUT_S)
+    later.refresh()
+    assert [m.label for m in later.members()] == ["second"]
+
+
+def test_a_receiver_whose_process_exited_is_gone_at_once_on_its_host(ctl):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    members = Membership(ctl, HOST, 60.0)
+    here = register(ctl, "here", pid=proc.pid)
+    elsewhere = register(ctl, "elsewhere", host="host-b", pid=proc.pid)  # pids of other hosts mean nothing here
+    members.refresh()
+    assert members.failure(here) == f"process {proc.pid} exited"
+    assert members.failure(elsewhere) is None
+
+
+def test_an_id_reserved_without_a_record_does_not_hide_later_receivers(ctl):
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    dead = ctl.add(keys.MEMBERS_NEXT, 1) - 1  # died between taking its id and writing its record
+    register(ctl, "late")
+    members.refresh()
+    assert [m.label for m in members.live()] == ["late"]
+    until(lambda: ctl.get_json(keys.MEMBERS_LOW) == dead + 1, members)  # given up: no heartbeat key
+    assert members.get(dead) is None
+
+
+def test_state_reports_round_trip_and_retired_receivers_read_as_holding_nothing(ctl):
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    rid = register(ctl, "r")
+    members.refresh()
+    report = StateReport(rid)
+    report.held(4)
+    report.held(3)  # older news never lowers what is held
+    report.rejected(5, "checksum mismatch in bucket 0")
+    report.write(ctl)
+    (raw,) = members.read_states(ctl, [rid])
+    assert decode_state(ctl, rid, raw) == MemberState(acked=4, rejected=Rejection(5, "checksum mismatch in bucket 0"))
+    ctl.set_json(keys.member_gone(rid), True)
+    until(lambda: members.get(rid).retired, members)
+    (raw,) = members.read_states(ctl, [rid])
+    assert decode_state(ctl, rid, raw) == MemberState(acked=-1, rejected=None)

@@ -1,0 +1,185 @@
+"""`lightning-wsync bench` end to end at a tiny size: the report's structure and correctness, not timings."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from lightning_wsync import bench
+from lightning_wsync.bench import _torchrl
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+from lightning_wsync.bench._report import format_table
+from lightning_wsync.cli import main
+
+MEDIANS = ("stall_s", "core_stall_s", "latency_s", "report_latency_s", "memcpy_s", "memcpy_2t_s", "gather_s",
+           "shm_s", "shm_write_s", "tcp_s")  # fmt: skip
+RATIOS = ("stall_to_memcpy", "latency_to_shm_bound", "gloo_throughput_to_tcp", "sender_memory_to_pushed",
+          "receiver_memory_to_model")  # fmt: skip
+
+
+def _children_alive() -> list[int]:
+    """PIDs of live, non-zombie children of this process (multiprocessing's resource tracker aside)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) != os.getpid() or fields[0] in ("Z", "X"):
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():
+                    continue
+        except OSError:
+            continue
+        alive.append(int(entry))
+    return alive
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
+    before = set(_children_alive())
+    code = main(["bench", "--size-mb", "4", "--receivers", "2", "--pushes", "2", "--transport", transport, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+
+    assert result["config"]["transport"] == transport and result["config"]["receivers"] == 2
+    model = result["model"]
+    spec = spec_for_size(4)
+    assert model["tensors"] == spec.n_tensors == 195
+    assert model["fp32_bytes"] == spec.nbytes and 0.9 * 4 * 2**20 < spec.nbytes <= 4 * 2**20
+    assert model["pushed_bytes"] >= spec.nbytes
+
+    pushes = result["pushes"]
+    assert [p["version"] for p in pushes] == [1, 2, 3, 4]
+    assert [p["warmup"] for p in pushes] == [True, True, False, False]  # one warm-up per snapshot slot
+    for p in pushes:
+        assert p["delivered"] == ["r0", "r1"] and p["failed"] == {}
+        assert p["applied"] == {"r0": p["version"], "r1": p["version"]}
+        assert p["digest_ok"] is True
+        # A receiver may apply before push() has returned (it reads the segment header), but
+        # never before the snapshot is complete.
+        assert p["stall_s"] > 0 and 0 < p["core_stall_s"] <= p["latency_s"]
+    assert result["ok"] is True and result["problems"] == []
+
+    assert set(MEDIANS) <= set(result["medians"]) and all(result["medians"][k] > 0 for k in MEDIANS)
+    ratios = result["ratios"]
+    assert set(RATIOS) <= set(ratios) and all(ratios[k] > 0 for k in RATIOS if "memory" not in k), ratios
+    # A receiver's growth can read 0 at this size (pages freed earlier get reused): >= 0, not None.
+    assert all(ratios[k] >= 0 for k in RATIOS if "memory" in k), ratios
+    assert all(len(result["bounds"][k]) == 2 for k in ("memcpy_s", "shm_s", "tcp_s"))
+    names = {t["name"] for t in result["targets"]}
+    assert ("gloo_throughput_to_tcp" in names) == (transport == "gloo")
+    assert ("latency_to_shm_bound" in names) == (transport != "gloo")
+
+    receivers = result["memory"]["receivers"]
+    assert set(receivers) == {"r0", "r1"}
+    # The sender's snapshot is visible in its growth. (A receiver's 4 MiB staging buffer
+    # is not reliably: the allocator may reuse heap pages freed while building the model.)
+    assert result["memory"]["sender"]["peak_rss_bytes"] >= model["pushed_bytes"] // 2
+    assert result["compare"] == {}
+    assert set(_children_alive()) <= before, "bench left child processes running"
+
+    table = format_table(result)
+    assert "push latency" in table and "every one applied bit-exact" in table
+
+
+@pytest.mark.timeout(120)
+def test_bench_with_a_cast_also_runs_the_uncast_pushes_and_swap_apply(capsys):
+    code = main(["bench", "--size-mb", "4", "--receivers", "2", "--pushes", "2", "--transport", "gloo",
+                 "--dtype", "bfloat16", "--apply", "swap", "--bucket-mb", "1", "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["config"]["apply"] == "swap" and result["config"]["bucket_mb"] == 1
+    model = result["model"]
+    assert model["pushed_bytes"] < model["fp32_pushed_bytes"] and model["fp32_pushed_bytes"] >= model["fp32_bytes"]
+    for pushes in (result["pushes"], result["fp32_pushes"]):
+        assert [p["version"] for p in pushes] == [1, 2, 3, 4]
+        assert all(p["digest_ok"] and p["delivered"] == ["r0", "r1"] for p in pushes)
+    ratios = result["ratios"]
+    assert ratios["bytes_to_fp32"] == model["pushed_bytes"] / model["fp32_pushed_bytes"]
+    assert ratios["latency_to_fp32"] > 0 and ratios["stall_to_fp32"] > 0
+    assert len(result["bounds"]["shm_cast_s"]) == 2
+    targets = {t["name"]: t for t in result["targets"]}
+    # With a cast the stall is held to the cast-gather bound, and the latency to the byte ratio.
+    assert "stall_to_gather" in targets and "stall_to_memcpy" not in targets
+    assert targets["latency_to_fp32"]["limit"] == pytest.approx(1.15 * ratios["bytes_to_fp32"])
+    assert "without the cast" in format_table(result)
+
+
+def test_digest_sees_wire_rounding_but_not_equal_copies():
+    spec = spec_for_size(1)
+    a, b = build_model(spec, seed=3), build_model(spec, seed=3)
+    assert digest(a) == digest(b)
+    mutate(b, 1)
+    assert digest(a) != digest(b)
+    c = build_model(spec, seed=3)
+    with torch.no_grad():
+        for t in c.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).to(torch.float32))
+    assert digest(c) != digest(a)
+    assert digest(c, torch.bfloat16) == digest(a, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--size-mb", "0.5"], r"--size-mb=0.5 must be >= 1"),
+        (["--receivers", "0"], r"--receivers=0 must be >= 1"),
+        (["--pushes", "0"], r"--pushes=0 must be >= 1"),
+        (["--timeout-s", "0"], r"--timeout-s=0.0 must be > 0"),
+        (["--bucket-mb", "0"], r"--bucket-mb=0.0 must be > 0"),
+        (["--interval-ms", "-1"], r"--interval-ms=-1.0 must be >= 0"),
+        (["--duration-s", "0"], r"--duration-s=0.0 must be > 0"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(argv)) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_compare_torchrl_without_torchrl_says_how_to_install(monkeypatch):
+    real = importlib.import_module
+
+    def no_torchrl(name: str, package: str | None = None):
+        if name.startswith(("torchrl", "tensordict")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, package)
+
+    monkeypatch.setattr(_torchrl.importlib, "import_module", no_torchrl)
+    spec = spec_for_size(1)
+    result = _torchrl.compare_torchrl(build_model(spec, seed=0), spec, n_receivers=1, pushes=1, timeout_s=5)
+    assert result == {"skipped": _torchrl.NOT_INSTALLED}
+    assert "pip install lightning-wsync[torchrl]" in _torchrl.NOT_INSTALLED
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_bench_interval_reports_applied_fraction_and_age_per_receiver(capsys, transport):
+    code = main(["bench", "--size-mb", "1", "--receivers", "2", "--interval-ms", "2", "--duration-s", "1",
+                 "--transport", transport, "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["ok"] is True and result["interval_ms"] == 2 and result["pushes"] >= 1
+    assert result["published"] + result["dropped"] == result["pushes"]
+    assert set(result["receivers"]) == {"r0", "r1"}
+    for r in result["receivers"].values():
+        assert r["bit_exact"] is True  # the final version, on every receiver
+        assert 0 < r["applied"] <= result["published"] and 0 < r["applied_fraction"] <= 1
+        assert r["age_median_s"] is not None and 0 <= r["age_median_s"] <= r["age_p95_s"]

@@ -1,0 +1,47 @@
+"""Pieces of the relay that need no hosts: chunking, the push-time model, the setting."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_wsync import WeightSender
+from lightning_wsync._control.manifest import build_manifest
+from lightning_wsync.bench._pushmodel import Link, depth, fit, push_time
+from lightning_wsync.config import SenderConfig
+from lightning_wsync._planes.relay.head import CHUNK_BYTES, TAIL_BYTES, chunks
+
+
+def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
+    tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([3, 700_000, 5, 1_200_000, 17])}
+    layout = build_manifest(tensors, None, 2 * 2**20)
+    pieces = chunks(layout)
+    assert pieces[0][0] == 0 and pieces[-1][1] == layout.total_bytes
+    assert all(b == a2 for (_, b, _), (a2, _, _) in itertools.pairwise(pieces))
+    for a, b, bucket in pieces:
+        ba, bb = layout.buckets[bucket]
+        assert ba <= a < b <= bb and b - a <= CHUNK_BYTES
+    assert pieces[-1][1] - pieces[-1][0] <= TAIL_BYTES  # the last piece crosses each hop quickly
+
+
+def test_push_time_model() -> None:
+    link = Link(model_bytes=64 * 2**20, link_bits_per_s=700e6)
+    wire = link.model_bytes / link.rate
+    assert depth(8, 1) == 8 and depth(1, 2) == 1 and depth(7, 2) == 3 and depth(4096, 4) == 7
+    assert push_time(1, link, hop_s=0.01, fixed_s=0.1) == pytest.approx(0.1 + wire)
+    assert push_time(1, link, hop_s=0.01, fixed_s=0.1, fanout=4) == pytest.approx(0.1 + wire)
+    chain = push_time(8, link, hop_s=0.01, fixed_s=0.1)
+    assert chain == pytest.approx(0.1 + wire + 7 * (CHUNK_BYTES / link.rate + 0.01))
+    assert push_time(8, link, hop_s=0.01, fixed_s=0.1, fanout=2) > chain  # two wire times per relay
+    assert push_time(8, link, hop_s=0.01, fixed_s=0.1, failure_rate=1.0, repair_s=30) == pytest.approx(chain + 30)
+    points = [(h, link, push_time(h, link, hop_s=0.02, fixed_s=0.15)) for h in (2, 4, 8, 16)]
+    hop_s, fixed_s = fit(points)
+    assert hop_s == pytest.approx(0.02) and fixed_s == pytest.approx(0.15)
+
+
+def test_cross_host_setting_is_validated() -> None:
+    assert SenderConfig().cross_host == "relay"
+    with pytest.raises(ValueError, match=r"cross_host='ring' is unknown; choose one of \('relay', 'star'\)"):
+        WeightSender(torch.nn.Linear(2, 2), store="127.0.0.1:0", job="j", cross_host="ring")

@@ -1,0 +1,213 @@
+"""A small LightningModule, a recording logger, a rollout receiver and a 2-rank trainer script.
+
+Run as a script, it is the trainer of the multi-process tests (Lightning relaunches it
+once per rank)::
+
+    python tests/support/_lightning_workers.py --strategy ddp --store 127.0.0.1:PORT --job J --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+
+from lightning_wsync.testing.models import digest
+
+warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+
+
+def make_policy() -> nn.Module:
+    """Two layers with tied weights and an int64 buffer: ties and buffers must survive the trip."""
+    policy = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    policy[2].weight = policy[0].weight
+    policy.register_buffer("calls", torch.arange(3, dtype=torch.int64))
+    return policy
+
+
+class PolicyModule(pl.LightningModule):
+    """A policy and a critic; ``shard=True`` applies FSDP2 to both in ``configure_model``."""
+
+    def __init__(self, shard: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.policy = make_policy()
+        self.critic = nn.Linear(8, 1)
+        self.shard = shard
+
+    def configure_model(self) -> None:
+        if self.shard:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.policy, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.critic, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.policy(x).pow(2).mean() + self.critic(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def loader(n: int = 256, batch_size: int = 4) -> torch.utils.data.DataLoader[Any]:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g)), batch_size)
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def values(self, key: str) -> list[float]:
+        return [m[key] for _, m in self.rows if key in m]
+
+
+def trainer_kwargs(tmp: Path | str, **overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp), "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
+    }  # fmt: skip
+    kwargs.update(overrides)
+    return kwargs
+
+
+def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any]) -> None:
+    """Follow the job; report ("version", name, version, digest) for every version applied."""
+    torch.set_num_threads(1)
+    from lightning_wsync import WeightReceiver, WeightSyncClosedError, WeightSyncError
+
+    policy = make_policy()
+    for t in policy.state_dict().values():
+        t.detach().zero_()
+    try:
+        with WeightReceiver(policy, store=store, job=job, name=name, timeout_s=60) as receiver:
+            results.put(("ready", name, os.getpid()))
+            want = 0
+            while True:
+                try:
+                    version = receiver.wait_for_version(want, timeout_s=120)
+                except WeightSyncClosedError:
+                    results.put(("closed", name, receiver.version))
+                    return
+                results.put(("version", name, version, digest(policy)))
+                want = version + 1
+    except WeightSyncError as exc:
+        results.put(("error", name, type(exc).__name__, str(exc)))
+
+
+def next_message(results: mp.Queue[Any], kind: str, timeout_s: float) -> tuple[Any, ...]:
+    """The next message of ``kind``; a receiver's error fails the test."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"no {kind!r} message within {timeout_s} s")
+        try:
+            msg: tuple[Any, ...] = results.get(timeout=remaining)
+        except queue.Empty:
+            continue
+        if msg[0] == "error":
+            raise AssertionError(f"receiver failed: {msg}")
+        if msg[0] == kind:
+            return msg
+
+
+class _Probe(pl.Callback):
+    """Placed after WeightSyncCallback: records whether this rank sends, and the final weights."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+        self.had_sender = False
+        self.digest: str | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.had_sender = self.had_sender or self.sync.sender is not None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        assert isinstance(pl_module, PolicyModule)
+        if not pl_module.shard:
+            self.digest = digest(pl_module.policy)
+            return
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(pl_module.policy, options=options)  # a collective
+        if trainer.is_global_zero:
+            plain = make_policy()
+            plain.load_state_dict(full)
+            self.digest = digest(plain)
+
+
+def main() -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_wsync.callback import WeightSyncCallback
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "fsdp2"], required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
+                              max_version_lag=0, timeout_s=60)  # fmt: skip
+    probe = _Probe(sync)
+    logger = RecordingLogger()
+    fsdp = args.strategy == "fsdp2"
+    trainer = pl.Trainer(**trainer_kwargs(
+        args.out, devices=2, strategy=ModelParallelStrategy() if fsdp else "ddp", max_steps=args.max_steps,
+        logger=logger, callbacks=[sync, probe],
+    ))  # fmt: skip
+    trainer.fit(PolicyModule(shard=fsdp), train_dataloaders=loader())
+    record = {
+        "rank": trainer.global_rank,
+        "had_sender": probe.had_sender,
+        "versions": [int(v) for v in logger.values("wsync/version")],
+        "delivered": logger.values("wsync/delivered"),
+        "last_pushed": sync.last_pushed_version,
+        "digest": probe.digest,
+    }
+    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
