@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
-from lightning_wsync import WeightSender, _membership
+from lightning_wsync import WeightSender
+from lightning_wsync._push import membership as _membership
 
 pytestmark = pytest.mark.timeout(180)
 CTX = mp.get_context("spawn")

@@ -45,7 +45,7 @@ def test_wrong_or_missing_secret_is_refused_on_both_sides(port, caplog, sender_s
                 assert "intruder" not in sender.receivers()
     assert digest(dst) == before
     if sender_secret is not None and receiver_secret != sender_secret:
-        assert any("refused receiver" in r.getMessage() for r in caplog.records if r.name.endswith("_membership"))
+        assert any("refused receiver" in r.getMessage() for r in caplog.records if r.name.endswith("membership"))
 
 
 def test_stranger_cannot_feed_weights(port):
