@@ -85,8 +85,13 @@ def _type(cls: type, field: dataclasses.Field[object]) -> str:
     return str(field.type)
 
 
-def config_table(cls: type, *, skip: Callable[[str], bool] = lambda name: False,
-                 key: Callable[[str], str] = lambda name: name, header: str = "field") -> str:
+def config_table(
+    cls: type,
+    *,
+    skip: Callable[[str], bool] = lambda name: False,
+    key: Callable[[str], str] = lambda name: name,
+    header: str = "field",
+) -> str:
     """A Markdown table of ``cls``'s dataclass fields: field (or ``key(field)``), type, default, help."""
     helps: dict[str, str] = {}
     for klass in reversed(cls.__mro__):  # a subclass's own words win
@@ -114,9 +119,7 @@ def generated_sections() -> dict[str, str]:
             CallbackConfig, skip=lambda name: name in sender_fields or name.startswith("_")
         ),
         # --rdzv-conf keys keep c10d's names: the field without its `_s` unit.
-        "rdzv-conf": config_table(
-            WsyncRendezvousConfig, key=lambda name: name.removesuffix("_s"), header="key"
-        ),
+        "rdzv-conf": config_table(WsyncRendezvousConfig, key=lambda name: name.removesuffix("_s"), header="key"),
     }
 
 
@@ -178,8 +181,9 @@ def broken_links() -> list[str]:
         for link, target, anchor in relative_links(path):
             where = f"{path.relative_to(ROOT)}: ({link})"
             if not target.exists():
-                broken.append(f"{where}: {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target} "
-                              f"does not exist")
+                broken.append(
+                    f"{where}: {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target} does not exist"
+                )
             elif anchor and (target.suffix != ".md" or anchor not in anchors(target)):
                 broken.append(f"{where}: no heading with anchor #{anchor} in {target.relative_to(ROOT)}")
     return broken
@@ -203,7 +207,7 @@ def test_attribute_help_is_read_from_docstrings():
 
     sender = _attribute_help(SenderConfig)
     assert sender["bucket_mb"].startswith("size of the network send unit")
-    assert sender["cross_host"].startswith('with `transport="auto"`') and "`\"star\"`" in sender["cross_host"]
+    assert sender["cross_host"].startswith('with `transport="auto"`') and '`"star"`' in sender["cross_host"]
     assert "delta" in sender and "heartbeat_timeout_s" in sender
     assert set(_attribute_help(ReceiverConfig)) >= {"name", "verify", "apply", "heartbeat_s"}
 
