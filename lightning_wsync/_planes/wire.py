@@ -1,5 +1,11 @@
-"""A standalone two-rank process group, as every network hop uses one, and the signed
-trailer that ends every version sent on it.
+"""A standalone two-rank process group, as every network hop uses one, and the one message
+format every hop (a direct link, a relay hop) sends a version in:
+
+    header  int64 [version, slot sequence, bytes, pieces, kind]     (:class:`Header`)
+    body    ``pieces`` pieces of the version (FULL), or a delta (DELTA: one record per bucket)
+    trailer int64 [slot sequence after the send (-1: overwritten), checksum per bucket, HMAC]
+
+:mod:`~lightning_wsync._planes.verify` is the one check of a received trailer.
 
 Groups are ``ProcessGroupGloo``/``ProcessGroupNCCL`` objects on a prefix of the shared
 store, never the default group (that one belongs to Lightning's DDP): a peer that dies or
@@ -13,7 +19,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -121,6 +127,61 @@ def to_int64(u: int) -> int:
 
 
 MAC_WORDS = 4  # 32 bytes of HMAC-SHA256 as int64 words
+FULL, DELTA = 0, 1  # a message's kind: the version's bytes, or a delta against a version the peer holds
+HEADER_WORDS = 5
+OVERWRITTEN = -1  # a trailer's first word when the version is not what its header announced
+
+
+class Header(NamedTuple):
+    """What precedes every version on every hop."""
+
+    version: int
+    seq: int  # the sender's slot sequence when the send began
+    total_bytes: int
+    pieces: int  # FULL: how many pieces the bytes come in; DELTA: how many bucket records
+    kind: int  # FULL or DELTA
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor(list(self), dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, words: torch.Tensor) -> Header:
+        version, seq, total_bytes, pieces, kind = (int(x) for x in words.cpu())
+        return cls(version, seq, total_bytes, pieces, kind)
+
+    def check(self, total_bytes: int, full_pieces: int, buckets: int) -> None:
+        """Raise when this header does not fit the layout the receiving side expects (the hop is out of step)."""
+        want = full_pieces if self.kind == FULL else buckets
+        if self.kind not in (FULL, DELTA) or self.total_bytes != total_bytes or self.pieces != want:
+            raise RuntimeError(
+                f"version {self.version}: layout mismatch ({self.total_bytes} bytes, {self.pieces} pieces, kind "
+                f"{self.kind}; expected {total_bytes} bytes, {full_pieces} pieces in full or {buckets} records)"
+            )
+
+
+def pieces(buckets: Sequence[tuple[int, int]], piece_bytes: int) -> list[tuple[int, int, int]]:
+    """``(start, end, bucket)``: every bucket cut into pieces of at most ``piece_bytes``.
+
+    A sender's lease on its slot is renewed after each piece goes out, so a slow link
+    that still makes progress keeps its slot (one renewal per 32 MiB bucket superseded
+    every link slower than ~55 Mbit/s at a 5 s lease).
+    """
+    return [(a, min(end, a + piece_bytes), i) for i, (start, end) in enumerate(buckets)
+            for a in range(start, end, piece_bytes)]  # fmt: skip
+
+
+def trailer_words(buckets: int) -> int:
+    return 1 + buckets + MAC_WORDS
+
+
+def signed_trailer(
+    ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int] | None, *, intact: bool, buckets: int
+) -> torch.Tensor:
+    """The trailer of a version sent from slot sequence ``seq``: ``intact`` False (or no
+    checksums) marks it overwritten during the send, and the receiver drops it."""
+    words = [to_int64(s) for s in (sums or [0] * buckets)]
+    mac = trailer_mac(ctl, epoch, rid, version, seq, words)
+    return torch.tensor([seq if intact and sums is not None else OVERWRITTEN] + words + mac, dtype=torch.int64)
 
 
 def trailer_mac(ctl: Control, epoch: int, rid: int, version: int, seq: int, sums: list[int]) -> list[int]:

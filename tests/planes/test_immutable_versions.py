@@ -154,7 +154,7 @@ _KILLED_SENDER = textwrap.dedent(
     """
     import os, sys, torch
     from torch import nn
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {support!r}]
     from test_immutable_versions import fill, flat_model
     from lightning_wsync import WeightSender
     model = flat_model()
@@ -174,13 +174,16 @@ _KILLED_SENDER = textwrap.dedent(
 def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
     store = f"127.0.0.1:{port}"
     job = "killed-mid-snapshot"
-    tests = str(Path(__file__).resolve().parents[1] / "support")
+    tests, support = str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "support")
+
+    def script(first: int) -> str:
+        return _KILLED_SENDER.format(tests=tests, support=support, store=store, job=job, first=first)
+
     host = WeightSender(nn.Linear(1, 1), store=store, job="store-host")  # keeps the store up across trainers
     ctx = mp.get_context("spawn")
     results, stop, started = ctx.Queue(), ctx.Event(), ctx.Queue()
     try:
-        first = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, store=store, job=job,
-                                 first=0)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        first = subprocess.Popen([sys.executable, "-c", script(0)], stdout=subprocess.PIPE, text=True)
         children.track(first.pid)
         assert first.stdout is not None and first.stdout.readline().startswith("ready")
         procs = [ctx.Process(target=stress_receiver, args=(store, job, {}, stop, results, None, started))
@@ -213,8 +216,7 @@ def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
             assert before is not None and held_values(probe_module) == {float(probe.version)}
             # A restarted trainer: its versions reach every receiver at once.
             restart = 10**5
-            second = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, store=store,
-                                      job=job, first=restart)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+            second = subprocess.Popen([sys.executable, "-c", script(restart)], stdout=subprocess.PIPE, text=True)
             children.track(second.pid)
             assert second.stdout is not None and second.stdout.readline().startswith("ready")
             assert probe.wait_for_version(restart, timeout_s=20) >= restart

@@ -6,12 +6,12 @@ one per receiver so a receiver that dies or stalls fails only its own group. Aft
 failure the receiver takes a new generation and both sides build a fresh group under
 a new prefix, so nothing of the broken group can satisfy a wait of the new one.
 
-A version travels as: announcement key on the store, header ``[version, slot sequence,
-bytes, buckets]``, each bucket, trailer ``[slot sequence after send (-1: overwritten),
-checksum of each bucket, HMAC]``. The sender holds a lease on the ring slot for the
-whole send, so a send is overwritten only when it stalls past the lease. The receiver
-stages the bytes privately and accepts them only when the trailer's sequence equals the
-header's and, on CPU, every bucket's xxh3 checksum matches.
+A version travels as an announcement key on the store, then the message every hop sends
+(:mod:`~lightning_wsync._planes.wire`: header, the bytes in pieces of PIECE_BYTES or a
+delta, signed trailer). The sender holds a lease on the ring slot for the whole send,
+renewed as each piece goes out, so a send is overwritten only when it makes no progress
+for the lease. The receiver stages the bytes privately and accepts them only as
+:func:`~lightning_wsync._planes.verify.verify` says.
 """
 
 from __future__ import annotations
@@ -27,25 +27,22 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest, checksum
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
-from lightning_wsync._planes.delta.wire import (
-    Held,
-    held_of,
-    parse_ready_note,
-    ready_note,
-    recv_records,
-    send_records,
-)
+from lightning_wsync._planes.delta.wire import Held, parse_ready_note, ready_note, recv_records, send_delta
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.verify import Arrival, verify
 from lightning_wsync._planes.wire import (
-    MAC_WORDS,
+    DELTA,
+    FULL,
+    HEADER_WORDS,
+    Header,
     Interruptible,
     PeerGroup,
     make_group,
+    pieces,
     shutdown_group,
-    sums_mismatch,
+    signed_trailer,
     to_int64,
-    trailer_mac,
-    trailer_signed,
+    trailer_words,
 )
 from lightning_wsync.errors import WeightSyncStoreError
 
@@ -54,6 +51,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.002
 _REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing at once would spin)
 _STORE_RETRY_S = 1.0
+PIECE_BYTES = 1 << 20  # a full version's unit on the wire: the sender's lease is renewed after each
 
 
 class LinkSilent(Exception):
@@ -157,48 +155,28 @@ class NetSendLink:
         buffer, (_, seq, version) = lease.buffer, lease.ref
         device = buffer.device
         ctl.set_text(ann_key, str(version))
-        header = torch.tensor([version, seq, layout.total_bytes, len(layout.buckets), int(delta is not None)],
-                              dtype=torch.int64)  # fmt: skip
-        pg.send([header.to(device)], 1, 0).wait()
-        base_intact = True
+        wire = pieces(layout.buckets, PIECE_BYTES)
+        kind, count = (FULL, len(wire)) if delta is None else (DELTA, len(layout.buckets))
+        pg.send([Header(version, seq, layout.total_bytes, count, kind).tensor().to(device)], 1, 0).wait()
         if delta is None:
-            works = [pg.send([buffer[a:b]], 1, 0) for a, b in layout.buckets]
-            # Hash while gloo streams the buckets (computed once per version for all links).
+            works = [pg.send([buffer[a:b]], 1, 0) for a, b, _ in wire]
+            # Hash while gloo streams the pieces (computed once per version for all links).
             sums = self._ring.checksums(lease) if not buffer.is_cuda else [0] * len(layout.buckets)
             for work in works:
                 work.wait()
                 lease.touch()
         else:
             stream, base = delta
-            try:
-
-                def progress() -> None:
-                    lease.touch()
-                    base.touch()
-
-                # The full version's checksums (for the trailer) while the delta is encoded and sent.
-                hashed: list[list[int] | None] = []
-                hasher = threading.Thread(target=lambda: hashed.append(self._ring.checksums(lease)),
-                                          name=f"wsync-hash-r{self.rid}", daemon=True)  # fmt: skip
-                hasher.start()
-                try:
-                    send_records(pg, stream, len(layout.buckets), device, progress=progress)
-                finally:
-                    hasher.join()
-                base_intact = base.intact()
-            finally:
-                base.release()
-            sums = hashed[0] if hashed else None
+            sums = send_delta(pg, self._ring, lease, stream, base, f"r{self.rid}")
             self._policy.observe(version, stream.stats())
             self.delta_versions[version] = None
             while len(self.delta_versions) > 8:
                 del self.delta_versions[min(self.delta_versions)]
-        intact = sums is not None and lease.intact() and base_intact
+        intact = sums is not None and lease.intact()
         if not intact:
             self.superseded += 1
-        words = [to_int64(s) for s in (sums or [0] * len(layout.buckets))]
-        mac = trailer_mac(ctl, self._epoch, self.rid, version, seq, words)
-        trailer = torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)
+        trailer = signed_trailer(ctl, self._epoch, self.rid, version, seq, sums, intact=intact,
+                                 buckets=len(layout.buckets))  # fmt: skip
         pg.send([trailer.to(device)], 1, 0).wait()
         self.sent_version = version
         log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
@@ -249,6 +227,7 @@ class NetReceiveLink:
     ) -> None:
         self.layout = layout
         self.device = device
+        self._pieces = pieces(layout.buckets, PIECE_BYTES)
         # Touched now, not mid-receive; None after take_staged() handed it over unreplaced.
         self.staging: torch.Tensor | None = self._new_staging()
         self.lock = threading.Lock()  # held while staging is being applied
@@ -365,12 +344,12 @@ class NetReceiveLink:
                     raise LinkSilent(f"no version announced within timeout_s={self._timeout_s} while version "
                                      f"{self._newest()} is published (newest seen here: {self._seen})")  # fmt: skip
             ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
-            header = torch.empty(5, dtype=torch.int64, device=device)
-            pg.recv([header], 0, 0).wait()
-            version, seq, total, buckets, is_delta = (int(x) for x in header.cpu())
+            head = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
+            pg.recv([head], 0, 0).wait()
+            header = Header.unpack(head)
+            version = header.version
             self._seen = version if self._seen is None else max(self._seen, version)
-            if total != self.layout.total_bytes or buckets != nb:
-                raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {buckets} buckets)")
+            header.check(self.layout.total_bytes, len(self._pieces), nb)
             with self.lock:  # waits for an update() that is copying the previous version out
                 self.staged_version = None
                 staging = self.staging
@@ -380,45 +359,40 @@ class NetReceiveLink:
             base, base_held = self._held_buffer, self._held
             if staging is base:  # rewritten in place from here on: no longer a base
                 self._held = self._held_buffer = None
-            sums: list[int] = []
-            if is_delta:
-                got = recv_records(pg, self.layout, held=base_held, base=base, out=staging)
-                self._decode_s = got.stats.decode_s
-                delta_error = got.error
-                sums = got.sums or []
-            else:
-                delta_error = None
-                works = [pg.recv([staging[a:b]], 0, 0) for a, b in self.layout.buckets]
-                for (a, b), work in zip(self.layout.buckets, works):
-                    work.wait()
-                    if not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
-                        sums.append(to_int64(checksum(staging, a, b)))
-            trailer = torch.empty(1 + nb + MAC_WORDS, dtype=torch.int64, device=device)
+            sums, delta_error = self._receive(pg, header, staging, base, base_held)
+            trailer = torch.empty(trailer_words(nb), dtype=torch.int64, device=device)
             pg.recv([trailer], 0, 0).wait()
             n += 1
-            values = trailer.cpu().tolist()
-            if values[0] != seq:
-                log.debug("version %d was overwritten during its send; waiting for the next", version)
+            got = Arrival(version, header.seq, trailer.cpu().tolist(), None if staging.is_cuda else sums, delta_error)
+            verdict = verify(ctl, self.layout, epoch=self.epoch, rid=self._rid, got=got)
+            if not verdict.accepted:
+                if verdict.reason is not None:
+                    self._on_rejected(version, verdict.reason)
                 continue
-            sent_sums, mac = values[1 : 1 + nb], values[1 + nb :]
-            if not trailer_signed(ctl, self.epoch, self._rid, version, seq, sent_sums, mac):
-                self._on_rejected(version, "trailer not signed with this job's secret (secret= / WSYNC_SECRET)")
-                continue
-            if delta_error is not None:
-                self._on_rejected(version, f"delta not applied ({delta_error}); the next version comes in full")
-                continue
-            if not staging.is_cuda:
-                mismatch = sums_mismatch(self.layout.buckets, sums, sent_sums)
-                if mismatch is not None:
-                    self._on_rejected(version, mismatch)
-                    continue
             with self.lock:
                 self.staged_version = version
                 self._taken.clear()
-            if not staging.is_cuda:
-                self._held, self._held_buffer = held_of(version, [s & (2**64 - 1) for s in sent_sums]), staging
+            if verdict.held is not None:
+                self._held, self._held_buffer = verdict.held, staging
             self._hold_s = time.monotonic() - started
             self._on_staged(version)
+
+    def _receive(
+        self, pg: PeerGroup, header: Header, staging: torch.Tensor, base: torch.Tensor | None, held: Held | None
+    ) -> tuple[list[int], str | None]:
+        """The version's bytes into ``staging``: their checksums (CPU only), and why a delta was not rebuilt."""
+        if header.kind == DELTA:
+            got = recv_records(pg, self.layout, held=held, base=base, out=staging)
+            self._decode_s = got.stats.decode_s
+            return got.sums or [], got.error
+        sums: list[int] = []
+        works = [pg.recv([staging[a:b]], 0, 0) for a, b, _ in self._pieces]
+        for (_, b, bucket), work in zip(self._pieces, works):
+            work.wait()
+            start, end = self.layout.buckets[bucket]
+            if b == end and not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
+                sums.append(to_int64(checksum(staging, start, end)))
+        return sums, None
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

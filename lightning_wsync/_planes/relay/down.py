@@ -18,8 +18,6 @@ from lightning_wsync._planes.delta.codec import DeltaHeader
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
 from lightning_wsync._planes.relay.head import (
     CHAIN_POLL_S,
-    DELTA,
-    FULL,
     POLL_S,
     Chain,
     Superseded,
@@ -28,7 +26,7 @@ from lightning_wsync._planes.relay.head import (
     join_hop,
     read_chain,
 )
-from lightning_wsync._planes.wire import PeerGroup, shutdown_group
+from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, shutdown_group
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import PeerGroup, make_group, shutdown_group, to_int64, trailer_mac
+from lightning_wsync._planes.wire import DELTA, FULL, Header, PeerGroup, make_group, shutdown_group, signed_trailer
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,8 @@ TAIL_BYTES = 1 << 16  # the size the version's last chunk is halved down to
 POLL_S = 0.002
 CHAIN_POLL_S = 0.05
 RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded down the chain
-# A hop message: header int64 [version, slot sequence, bytes, pieces, kind], then the full
-# version in chunks (kind FULL, pieces = len(chunks())) or a delta (kind DELTA, pieces =
-# buckets; see delta_link.send_records), then the trainer's trailer.
-FULL, DELTA = 0, 1
-HEADER_WORDS = 5
+# A hop message is the wire's message (see _planes.wire): the full version in chunks()
+# (kind FULL) or a delta (kind DELTA), then the trainer's trailer.
 
 
 def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
@@ -118,7 +115,7 @@ def read_chain(ctl: Control, epoch: int) -> Chain | None:
 
 def hop_header(version: int, seq: int, layout: Manifest, kind: int) -> torch.Tensor:
     pieces = len(chunks(layout)) if kind == FULL else len(layout.buckets)
-    return torch.tensor([version, seq, layout.total_bytes, pieces, kind], dtype=torch.int64)
+    return Header(version, seq, layout.total_bytes, pieces, kind).tensor()
 
 
 def wait_ready(ctl: Control, key: str, timeout_s: float, abandon: Callable[[], bool], peer: str) -> Held | None:
@@ -331,10 +328,9 @@ class RelayHead:
             stream, base = delta
             sums = send_delta(pg, ring, lease, stream, base, f"relay-e{self._epoch}")
             self._policy.observe(version, stream.stats())
-        intact = sums is not None and lease.intact()
-        words = [to_int64(x) for x in (sums or [0] * len(layout.buckets))]
-        mac = trailer_mac(ctl, self._epoch, RELAY_RID, version, seq, words)
-        pg.send([torch.tensor([seq if intact else -1] + words + mac, dtype=torch.int64)], 1, 0).wait()
+        trailer = signed_trailer(ctl, self._epoch, RELAY_RID, version, seq, sums, intact=lease.intact(),
+                                 buckets=len(layout.buckets))  # fmt: skip
+        pg.send([trailer], 1, 0).wait()
         log.debug("relay: version %d sent %s", version,
                   "in full" if delta is None else f"as a delta from {delta[0].header.base_version}")  # fmt: skip
 

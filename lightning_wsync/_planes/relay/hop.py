@@ -30,23 +30,21 @@ import xxhash
 from lightning_wsync._control.manifest import Manifest, checksum
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaDecoder, DeltaError, DeltaHeader
-from lightning_wsync._planes.delta.wire import DeltaStats, Held, held_of, ready_note, record_pieces
+from lightning_wsync._planes.delta.wire import DeltaStats, Held, ready_note, record_pieces
 from lightning_wsync._planes.relay.down import Downstream
-from lightning_wsync._planes.relay.head import (
+from lightning_wsync._planes.relay.head import RELAY_RID, chunks
+from lightning_wsync._planes.shm.ring import Draft, SnapshotRing
+from lightning_wsync._planes.verify import Arrival, verify
+from lightning_wsync._planes.wire import (
     DELTA,
     FULL,
     HEADER_WORDS,
-    RELAY_RID,
-    chunks,
-)
-from lightning_wsync._planes.shm.ring import Draft, SnapshotRing
-from lightning_wsync._planes.wire import (
-    MAC_WORDS,
+    OVERWRITTEN,
+    Header,
     PeerGroup,
     Work,
-    sums_mismatch,
     to_int64,
-    trailer_signed,
+    trailer_words,
 )
 
 log = logging.getLogger(__name__)
@@ -116,11 +114,9 @@ class HopReceiver:
         assert self._header_work is not None, "expect() first"
         self._header_work.wait()
         self._header_work = None
-        header = self._header
-        version, seq, total, pieces, kind = (int(x) for x in header)
-        want = len(self._pieces) if kind == FULL else len(layout.buckets)
-        if kind not in (FULL, DELTA) or total != layout.total_bytes or pieces != want:
-            raise RuntimeError(f"version {version}: layout mismatch ({total} bytes, {pieces} pieces, kind {kind})")
+        header = Header.unpack(self._header)
+        header.check(layout.total_bytes, len(self._pieces), len(layout.buckets))
+        version, seq, kind = header.version, header.seq, header.kind
         held = self.held
         self.draft = None if self._ring is None else self._ring.draft()
         self._target = self.staging if self.draft is None else self.draft.buffer
@@ -222,36 +218,27 @@ class HopReceiver:
         return Message(version, seq, True, trailer, None if decoder is None else sums, error, stats)
 
     def _trailer(self, pg: PeerGroup, down: Downstream, mode: int | None, *, rebuilt: bool) -> list[int]:
-        trailer = torch.empty(1 + len(self.layout.buckets) + MAC_WORDS, dtype=torch.int64)
+        trailer = torch.empty(trailer_words(len(self.layout.buckets)), dtype=torch.int64)
         pg.recv([trailer], 0, 0).wait()
         if mode is not None:
             out = trailer
             if mode == FULL and not rebuilt:  # what went down is not this version: the next leader drops it
                 out = trailer.clone()
-                out[0] = -1
+                out[0] = OVERWRITTEN
             down.send(out)
         return [int(x) for x in trailer.tolist()]
 
     def check(self, ctl: Control, epoch: int, msg: Message) -> tuple[bool, str | None]:
         """Accept ``msg`` (the buffer it was written into then holds it) or say why not:
         (accepted, rejection reason or None)."""
-        nb = len(self.layout.buckets)
-        values = msg.trailer
-        if values[0] != msg.seq:
-            log.debug("relay: version %d was overwritten on the trainer during its send, or not rebuilt upstream",
-                      msg.version)  # fmt: skip
-            return False, None
-        sent, mac = values[1 : 1 + nb], values[1 + nb :]
-        if not trailer_signed(ctl, epoch, RELAY_RID, msg.version, msg.seq, sent, mac):
-            return False, "relayed trailer not signed with this job's secret (secret= / WSYNC_SECRET)"
-        if msg.error is not None or msg.sums is None:
-            return False, f"delta not applied on the relay ({msg.error}); the next version comes in full"
-        mismatch = sums_mismatch(self.layout.buckets, msg.sums, sent, where=" on the relay")
-        if mismatch is not None:
-            return False, mismatch
-        self.held = held_of(msg.version, [s & (2**64 - 1) for s in sent])
+        error = msg.error if msg.sums is not None or msg.error is not None else "not rebuilt"
+        got = Arrival(msg.version, msg.seq, msg.trailer, msg.sums, error)
+        verdict = verify(ctl, self.layout, epoch=epoch, rid=RELAY_RID, got=got, where=" on the relay")
+        if not verdict.accepted:
+            return False, verdict.reason
+        self.held = verdict.held
         self._base = self._target
-        self._accepted = (msg.version, msg.seq, values)
+        self._accepted = (msg.version, msg.seq, msg.trailer)
         return True, None
 
     def resend(self, down: Downstream) -> bool:
