@@ -261,3 +261,34 @@ def test_the_writer_wakes_waiting_readers_and_clears_dead_ones(ring):
         assert not os.path.exists(stale)
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "private"])
+def test_acquire_newer_never_leases_a_slot_being_rewritten(shared, request):
+    """Both slot storages behave alike; the published slot claimed by a draft (every other
+    slot held) is not leased until a version is committed again (it failed before: the
+    lease came back on a slot whose bytes were being rewritten)."""
+    layout = _layout()
+    name = f"wsync-{os.getpid()}-0-{abs(hash(request.node.name)) % 10**8}"
+    segment = ShmSegment(name, layout.total_bytes, create=True, slots=2) if shared else None
+    ring_ = SnapshotRing(layout, segment=segment, device=torch.device("cpu"), slots=2, lease_s=5.0)
+    try:
+        v1, v2 = ring_.write(1, _fill(1.0)), ring_.write(2, _fill(2.0))
+        assert v1 is not None and v2 is not None and ring_.newest() == v2
+        held = ring_.acquire(v1)  # a link sending version 1 holds the other slot
+        assert held is not None
+        draft = ring_.draft()
+        assert draft is not None and draft.slot == v2.slot and ring_.seq(v2.slot) % 2 == 1
+        assert ring_.acquire_newer(None, 0.05) is None
+        assert ring_.acquire_newer(1, 0.05) is None
+        draft.buffer.view(torch.float32)[:1024] = 3.0
+        v3 = draft.commit(3)
+        lease = ring_.acquire_newer(2, 1.0)
+        assert lease is not None and lease.ref == v3 and lease.intact()
+        assert torch.equal(lease.buffer.view(torch.float32)[:1024], _fill(3.0)[0])
+        lease.release()
+        held.release()
+    finally:
+        ring_.close()
+        if segment is not None:
+            segment.close()

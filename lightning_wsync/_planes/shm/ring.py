@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
-from lightning_wsync._planes.shm.segment import PinBoard, ShmSegment, SlotRef
-from lightning_wsync._planes.shm.wake import Waker
+from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef
+from lightning_wsync._planes.shm.slots import slot_store
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Draft:
 
     def commit(self, version: int) -> SlotRef:
         """Publish what the buffer now holds as ``version``."""
-        return self.ring._end_write(self.slot, self.before, version)
+        return self.ring._end_write(self.slot, version)
 
     def discard(self) -> None:
         """Give the slot up unpublished: it stays marked as being written, so no reader ever
@@ -86,15 +86,9 @@ class SnapshotRing:
         self.layout = layout
         self.segment = segment
         self.lease_s = lease_s
-        if segment is not None:
-            self.buffers = list(segment.data)
-        else:
-            self.buffers = [torch.empty(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self._slots = slot_store(segment, layout.total_bytes, device, slots)
+        self.buffers = self._slots.buffers
         self._views = [entry_views(layout, b) for b in self.buffers]
-        self._board = PinBoard(segment) if segment is not None else None
-        self._waker = Waker(segment.pin_dir) if segment is not None else None
-        self._seqs = [0] * len(self.buffers)  # private rings: the slot words live here
-        self._versions = [-1] * len(self.buffers)
         self._cond = threading.Condition()
         self._leases: list[Lease] = []
         self._published: SlotRef | None = None
@@ -104,10 +98,10 @@ class SnapshotRing:
 
     # -- slot words -------------------------------------------------------------------
     def seq(self, slot: int) -> int:
-        return self.segment.seq(slot) if self.segment is not None else self._seqs[slot]
+        return self._slots.seq(slot)
 
     def _version(self, slot: int) -> int:
-        return self.segment.version(slot) if self.segment is not None else self._versions[slot]
+        return self._slots.version(slot)
 
     # -- writer -----------------------------------------------------------------------
     def write(
@@ -133,20 +127,16 @@ class SnapshotRing:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
             event.synchronize()
-        return self._end_write(slot, before, version, wake=wake)
+        return self._end_write(slot, version, wake=wake)
 
     def draft(self) -> Draft | None:
         """A free slot to be written in place and then committed or discarded; None when every slot is held."""
         claimed = self._claim()
         return None if claimed is None else Draft(self, *claimed)
 
-    def _end_write(self, slot: int, before: int, version: int, *, wake: bool = True) -> SlotRef:
+    def _end_write(self, slot: int, version: int, *, wake: bool = True) -> SlotRef:
         with self._cond:
-            if self.segment is not None:
-                seq = self.segment.end_write(slot, version)
-            else:
-                self._versions[slot] = version
-                seq = self._seqs[slot] = (before | 1) + 1
+            seq = self._slots.publish(slot, version)
             ref = SlotRef(slot, seq, version)
             current = self._published
             if current is None or current.slot == slot or version >= current.version:
@@ -158,8 +148,7 @@ class SnapshotRing:
 
     def wake_readers(self) -> None:
         """Poke same-host readers: they wait on their wake-up sockets for a new version."""
-        if self._waker is not None:
-            self._waker.wake()
+        self._slots.wake()
 
     def _claim(self) -> tuple[int, int] | None:
         """A slot nobody holds, now marked as being written, and its sequence before."""
@@ -173,15 +162,9 @@ class SnapshotRing:
                 held = [le for le in self._leases if le.ref.slot == slot and le.ref.seq == seq]
                 if any(now - le.progress_ns <= lease_ns for le in held):
                     continue
-                if self.segment is None:
-                    self._seqs[slot] = seq | 1  # odd: being written (still so after a discarded draft)
-                    return slot, seq
-                before = self.segment.begin_write(slot)
-                assert self._board is not None
-                if self._board.pinned(slot, before, self.lease_s):
-                    self.segment.abort_write(slot, before)
-                    continue
-                return slot, before
+                before = self._slots.claim(slot, self.lease_s)
+                if before is not None:
+                    return slot, before
         return None
 
     # -- in-process readers ---------------------------------------------------------------
@@ -189,17 +172,24 @@ class SnapshotRing:
         return self._published
 
     def acquire_newer(self, after_version: int | None, timeout_s: float) -> Lease | None:
-        """Wait up to ``timeout_s`` for a version above ``after_version``; lease its slot."""
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self.closed
-                or (self._published is not None and (after_version is None or self._published.version > after_version)),
-                timeout=timeout_s,
-            )
+        """Wait up to ``timeout_s`` for a version above ``after_version``; lease its slot.
+
+        Only a slot that still holds the published version: a writer may have claimed it
+        since (every other slot held, or a relay leader's draft), and a lease on it would
+        send bytes being rewritten.
+        """
+
+        def newer() -> bool:
             ref = self._published
-            if self.closed or ref is None or (after_version is not None and ref.version <= after_version):
+            return (ref is not None and (after_version is None or ref.version > after_version)
+                    and self.seq(ref.slot) == ref.seq)  # fmt: skip
+
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or newer(), timeout=timeout_s)
+            if self.closed or not newer():
                 return None
-            return self._lease(ref)
+            assert self._published is not None
+            return self._lease(self._published)
 
     def describe(self) -> str:
         """Slots as (sequence, version, leased), for logs."""
@@ -255,7 +245,4 @@ class SnapshotRing:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
-        if self._board is not None:
-            self._board.close()
-        if self._waker is not None:
-            self._waker.close()
+        self._slots.close()
