@@ -49,6 +49,7 @@ _PIN = struct.Struct("<qqqqq")
 _PIN_SLOT_OFFSET = 0
 _NO_SLOT = -1
 _CLAIM_WAIT_S = 20e-6
+_CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
 
 # A lock round trip is a full memory barrier on every platform CPython supports; it
 # orders the sequence and pin words against each other and against the bulk copies.
@@ -373,13 +374,18 @@ class ShmReader:
         return intact
 
     def _settled_seq(self, ref: SlotRef) -> int:
-        """The slot's sequence once a writer's claim of it is decided.
+        """The slot's sequence once a writer's claim of it is decided, or past _CLAIM_SETTLE_S.
 
         A writer marks a slot (sequence + 1) before it looks for pins, and puts the
         sequence back when it finds one: while that takes, the pinned bytes are intact.
+        A mark that stays longer is a write that went ahead (this pin had expired) and
+        was never completed: a writer killed inside it, or a relay leader's discarded
+        draft. The bytes are then not what was pinned; the slot stays odd until a writer
+        claims it again, and the caller copies the newest complete version instead.
         """
+        deadline = time.monotonic() + _CLAIM_SETTLE_S
         seq = self._segment.seq(ref.slot)
-        while seq == ref.seq + 1:
+        while seq == ref.seq + 1 and time.monotonic() < deadline:
             time.sleep(_CLAIM_WAIT_S)  # the writer is reading the pin directory: microseconds
             seq = self._segment.seq(ref.slot)
         return seq
