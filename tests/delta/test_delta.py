@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import pytest
 import torch
+import zstandard
 
 from lightning_wsync._control.manifest import (
     Manifest,
@@ -283,3 +285,26 @@ def test_versions_from_real_adamw_steps_round_trip() -> None:
         assert torch.equal(out, versions[v])
         held = out
     assert not torch.equal(versions[0], versions[-1])
+
+
+def test_a_frame_declaring_more_than_its_record_allows_is_refused_before_allocating() -> None:
+    """python-zstandard ignores max_output_size when the frame header declares its content
+    size: a 2 KiB frame declaring 64 MiB was decompressed in full before the size check
+    (issue 21 item 5). It is refused from its header now, with no large allocation."""
+    layout, tensors = _layout(torch.bfloat16, bucket_bytes=1 << 20)
+    base, new = _changed_pair(layout, tensors)
+    enc = DeltaEncoder(layout)
+    header = enc.header(version=2, base_version=1, base_sums=_sums(layout, base))
+    (record,) = enc.encode(base, new)
+    dec = DeltaDecoder(layout, header, held_version=1, held_digest=header.base_digest)
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    assert len(bomb) < 4096 and zstandard.get_frame_parameters(bomb).content_size == 64 << 20
+    out = base.clone()
+    tracemalloc.start()
+    try:
+        with pytest.raises(DeltaError, match=r"its frame declares 67108864 bytes, its record header allows \d+"):
+            dec.decode_bucket(struct.pack(_RECORD, 0, SPARSE, record.changed, 0) + bomb, out, out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated while refusing the frame"

@@ -354,6 +354,12 @@ class DeltaDecoder:
             raise DeltaError(f"sparse record for bucket {index} claims {n_long} long runs for {changed} changes")
         expected = changed * (1 + word) + 4 * n_long
         try:
+            # python-zstandard ignores max_output_size when the frame declares its size, and
+            # allocates what it declares: a 2 KiB frame can ask for 64 MiB before the trailer's MAC is checked.
+            declared = zstandard.get_frame_parameters(body).content_size
+            if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > expected:
+                raise DeltaError(f"sparse record for bucket {index} does not decompress: its frame declares "
+                                 f"{declared} bytes, its record header allows {expected}; refused unread")  # fmt: skip
             raw = self._zstd.decompress(body, max_output_size=expected)
         except zstandard.ZstdError as exc:
             raise DeltaError(f"sparse record for bucket {index} does not decompress: {exc}") from exc
