@@ -112,7 +112,7 @@ def send_records(
 ) -> None:
     """Every bucket's record: its size, then its bytes; the next bucket encodes while this one travels.
 
-    ``progress`` is called after each bucket went out (the caller's leases stay valid).
+    ``progress`` is called after each piece went out (the caller's leases stay valid).
     """  # fmt: skip
     header = torch.frombuffer(bytearray(stream.header.pack()), dtype=torch.uint8)
     pg.send([header.to(device)], 1, 0).wait()
@@ -125,15 +125,16 @@ def send_records(
         works += [pg.send([body[a:b]], 1, 0) for a, b in record_pieces(body.numel())]
         in_flight.append(works)
         while len(in_flight) > 2:  # bounded: at most two buckets in flight
-            for work in in_flight.pop(0):
-                work.wait()
-            if progress is not None:
-                progress()
+            _drain(in_flight.pop(0), progress)
     for works in in_flight:
-        for work in works:
-            work.wait()
-    if progress is not None:
-        progress()
+        _drain(works, progress)
+
+
+def _drain(works: list[Work], progress: Callable[[], None] | None) -> None:
+    for work in works:  # progress after every piece: a slow link that still moves keeps its leases
+        work.wait()
+        if progress is not None:
+            progress()
 
 
 def record_pieces(n: int) -> list[tuple[int, int]]:

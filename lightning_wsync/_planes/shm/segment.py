@@ -46,9 +46,10 @@ _MAX_SLOTS = 64
 _MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
 # a pin file: slot (-1: none), slot sequence, taken at (CLOCK_MONOTONIC ns), pid, pid namespace
 _PIN = struct.Struct("<qqqqq")
-_PIN_SLOT_OFFSET = 0
+_PIN_SLOT_OFFSET, _PIN_TAKEN_OFFSET = 0, 16
 _NO_SLOT = -1
 _CLAIM_WAIT_S = 20e-6
+_TOUCH_BYTES = 64 << 20  # a reader renews its pin after copying this much: a slow copy is not a stall
 _CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
 
 # A lock round trip is a full memory barrier on every platform CPython supports; it
@@ -231,6 +232,31 @@ def _created_here(path: str) -> bool:
         return False
 
 
+def _pieces(
+    dst: list[torch.Tensor], src: list[torch.Tensor], piece_bytes: int
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """``dst <- src`` as groups of about ``piece_bytes`` (one fused copy each); a tensor larger
+    than that is cut along its flat view where both sides allow it."""
+    out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], [])]
+    size = 0
+    for d, s in zip(dst, src):
+        nbytes = s.numel() * s.element_size()
+        if nbytes > piece_bytes and d.is_contiguous() and s.is_contiguous() and d.numel() == s.numel():
+            step = max(1, piece_bytes // s.element_size())
+            flat_d, flat_s = d.view(-1), s.view(-1)
+            out += [([flat_d[a : a + step]], [flat_s[a : a + step]]) for a in range(0, s.numel(), step)]
+            out.append(([], []))
+            size = 0
+            continue
+        if size and size + nbytes > piece_bytes:
+            out.append(([], []))
+            size = 0
+        out[-1][0].append(d)
+        out[-1][1].append(s)
+        size += nbytes
+    return [group for group in out if group[0]]
+
+
 class PinBoard:
     """The writer's view of the readers' pins on its segment."""
 
@@ -314,6 +340,10 @@ class ReaderPin:
         struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, ref.slot)  # the word the writer matches on
         _fence()
 
+    def touch(self) -> None:
+        """The copy made progress: the pin holds its slot for another lease from now."""
+        struct.pack_into("<q", self._mmap, _PIN_TAKEN_OFFSET, time.monotonic_ns())
+
     def release(self) -> None:
         struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, _NO_SLOT)
         _fence()
@@ -391,7 +421,12 @@ class ShmReader:
         return seq
 
     def copy_to(self, ref: SlotRef, tensors: list[torch.Tensor]) -> None:
-        copy_tensors(tensors, self._views[ref.slot])
+        """Copy the pinned slot into ``tensors``, renewing the pin every _TOUCH_BYTES: only a
+        reader that makes no progress for the writer's lease loses its slot."""
+        with torch.no_grad():  # flat views of parameters that require grad
+            for dst, src in _pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
+                copy_tensors(dst, src)
+                self._pin.touch()
 
     def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:
         staging.copy_(self._segment.data[ref.slot])
