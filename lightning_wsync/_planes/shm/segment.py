@@ -16,7 +16,6 @@ overwritten, and it notices (the sequence moved) and copies again.
 
 from __future__ import annotations
 
-import glob
 import logging
 import mmap
 import os
@@ -30,15 +29,15 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_wsync._control.host import pid_alive
+from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
-from lightning_wsync._planes.shm.files import open_segment
+from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
+from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
 from lightning_wsync._planes.shm.wake import WakeSocket
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.errors import WeightSyncConfigError, WeightSyncError
 
 log = logging.getLogger(__name__)
 
-_SHM_DIR = "/dev/shm"
 _PAGE = 4096
 _MAGIC = 0x7773796E6332  # "wsync2": the ring layout
 _MAX_SLOTS = 64
@@ -51,6 +50,7 @@ _NO_SLOT = -1
 _CLAIM_WAIT_S = 20e-6
 _TOUCH_BYTES = 64 << 20  # a reader renews its pin after copying this much: a slow copy is not a stall
 _CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
+_PIDNS = pid_namespace()
 
 # A lock round trip is a full memory barrier on every platform CPython supports; it
 # orders the sequence and pin words against each other and against the bulk copies.
@@ -60,16 +60,6 @@ _fence_lock = threading.Lock()
 def _fence() -> None:
     with _fence_lock:
         pass
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-_PIDNS = _pid_namespace()
 
 
 class SlotRef(NamedTuple):
@@ -85,10 +75,6 @@ def segment_name(job: str, epoch: int) -> str:
     return f"wsync-{os.getpid()}-{epoch}-{safe}"
 
 
-def _pin_dir(segment_path: str) -> str:
-    return segment_path + ".pins"
-
-
 def _stride(nbytes: int) -> int:
     return max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
 
@@ -98,34 +84,23 @@ class ShmSegment:
 
     def __init__(self, name: str, nbytes: int, *, create: bool, slots: int = 2) -> None:
         self.name = name
-        self.path = os.path.join(_SHM_DIR, name)
-        self._owner = create
+        self.path = os.path.join(SHM_DIR, name)
+        self.pin_dir = pin_dir(self.path)
+        self._lock = reserve(self.path) if create else None  # held while this segment lives
         size = _PAGE + slots * _stride(nbytes)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
-        fd = open_segment(self.path, flags)  # name checked, no symlink, a regular file of this user
         try:
-            if create:
-                try:
-                    # Reserve the pages now: a full /dev/shm then fails here, with an error,
-                    # instead of killing the trainer with SIGBUS on its first snapshot.
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    os.unlink(self.path)
-                    raise WeightSyncError(
-                        f"shared memory: cannot reserve {size / 2**20:.1f} MiB ({slots} snapshot slots) in "
-                        f"{_SHM_DIR} ({exc.strerror}); enlarge /dev/shm (docker: --shm-size), push fewer "
-                        f"tensors (include=/exclude=), cast (dtype='bfloat16'), or use transport='gloo'"
-                    ) from exc
-                os.mkdir(_pin_dir(self.path), 0o700)
-                with open(os.path.join(_pin_dir(self.path), "owner"), "w") as f:
-                    f.write(str(_PIDNS))  # lets remove_stale_segments judge the creator's PID
-            info = os.fstat(fd)
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
-            # MAP_POPULATE maps every page now: otherwise the first push pays one page
-            # fault per 4 KiB (at 1 GiB, ~0.6 s of the trainer's stall).
-            self._mmap = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
-        finally:
-            os.close(fd)
+            self._mmap = _map(self.path, size, create, slots)
+        except FileExistsError:
+            assert self._lock is not None
+            shutil.rmtree(self.pin_dir, ignore_errors=True)  # ours; the file someone else made is left alone
+            os.close(self._lock)
+            raise WeightSyncConfigError(
+                f"shared-memory segment {self.path!r} already exists without a pin directory: not one a live "
+                f"sender made; remove it, and check who else writes to {SHM_DIR}"
+            ) from None
+        except BaseException:
+            self._release()
+            raise
         with warnings.catch_warnings():
             # Readers map read-only on purpose; torch warns that it cannot write there.
             warnings.filterwarnings("ignore", message=".*not writable.*")
@@ -142,7 +117,6 @@ class ShmSegment:
         if not 1 <= self.slots <= _MAX_SLOTS or _PAGE + self.slots * stride > whole.numel() or stride < nbytes:
             raise WeightSyncError(f"shared memory segment {self.path!r} has a header that does not fit its size")
         self.data = [whole[_PAGE + i * stride : _PAGE + i * stride + nbytes] for i in range(self.slots)]
-        self.pin_dir = _pin_dir(self.path)
 
     # -- slot words -----------------------------------------------------------------
     def seq(self, slot: int) -> int:
@@ -195,41 +169,37 @@ class ShmSegment:
         # holds a reference to the mmap, not a buffer export), and a thread still reading the
         # header then faults. Dropping the references unmaps once the last view is gone.
         del self.header, self.data, self._mmap
-        if self._owner:
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
             unlink_segment(self.path)
+            os.close(self._lock)
+            self._lock = None
 
 
-def unlink_segment(path: str) -> None:
+def _map(path: str, size: int, create: bool, slots: int) -> mmap.mmap:
+    """Map the segment file (created with ``size`` bytes reserved when ``create``)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
+    fd = open_segment(path, flags)  # name checked, no symlink, a regular file of this user
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(_pin_dir(path), ignore_errors=True)
-
-
-def remove_stale_segments() -> None:
-    """Unlink segments whose creating process is gone (a sender that was SIGKILLed).
-
-    Only a creator in this PID namespace can be judged gone: another container sharing
-    this /dev/shm may own a live segment under a PID this namespace cannot see.
-    """
-    for path in glob.glob(os.path.join(_SHM_DIR, "wsync-*")):
-        base = os.path.basename(path)
-        match = re.match(r"wsync-(\d+)-", base)
-        if match is None or base.endswith(".pins") or not _created_here(path):
-            continue
-        if not pid_alive(int(match.group(1))):
-            unlink_segment(path)
-            log.info("removed stale shared-memory snapshot %s", path)
-
-
-def _created_here(path: str) -> bool:
-    """The segment's pin directory records the creator's PID namespace (its owner's marker file)."""
-    try:
-        with open(os.path.join(_pin_dir(path), "owner"), "rb") as f:
-            return int(f.read().decode() or "-1") == _PIDNS
-    except (OSError, ValueError):
-        return False
+        if create:
+            try:
+                # Reserve the pages now: a full /dev/shm then fails here, with an error,
+                # instead of killing the trainer with SIGBUS on its first snapshot.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise WeightSyncError(
+                    f"shared memory: cannot reserve {size / 2**20:.1f} MiB ({slots} snapshot slots) in "
+                    f"{SHM_DIR} ({exc.strerror}); enlarge /dev/shm (docker: --shm-size), push fewer "
+                    f"tensors (include=/exclude=), cast (dtype='bfloat16'), or use transport='gloo'"
+                ) from exc
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+        # MAP_POPULATE maps every page now: otherwise the first push pays one page
+        # fault per 4 KiB (at 1 GiB, ~0.6 s of the trainer's stall).
+        return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
+    finally:
+        os.close(fd)
 
 
 def _pieces(
