@@ -5,10 +5,10 @@ the newest complete slot straight into their own parameters while holding a *pin
 it, so its bytes cannot change under the copy. A pin is a few words in a small file of
 the reader's own in a directory beside the segment (readers never write the segment).
 
-Pinning is Dekker-style, with a full fence on both sides: the writer marks a slot as
-being written (odd sequence), fences, then looks for pins on it and backs off if it
-finds one; a reader writes its pin, fences, then re-reads the slot's sequence and lets
-go if it moved. At least one of the two sees the other, so a reader that passes the
+Pinning is Dekker-style, with a full fence on both sides (:mod:`.fence`): the writer
+marks a slot as being written (odd sequence), fences, then looks for pins on it and
+backs off if it finds one; a reader writes its pin, fences, then re-reads the slot's
+sequence and lets go if it moved. At least one of the two sees the other, so a reader that passes the
 re-check copies bytes that stay intact until it unpins. A pin expires when its process
 is gone or after ``lease_s``; only a reader stalled that long mid-copy can be
 overwritten, and it notices (the sequence moved) and copies again.
@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import struct
-import threading
 import time
 import warnings
 from typing import NamedTuple
@@ -31,6 +30,7 @@ import torch
 
 from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm.fence import fence
 from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
 from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
 from lightning_wsync._planes.shm.wake import WakeSocket
@@ -51,16 +51,6 @@ _CLAIM_WAIT_S = 20e-6
 _TOUCH_BYTES = 64 << 20  # a reader renews its pin after copying this much: a slow copy is not a stall
 _CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
 _PIDNS = pid_namespace()
-
-# A lock round trip is a full memory barrier on every platform CPython supports; it
-# orders the sequence and pin words against each other and against the bulk copies.
-_fence_lock = threading.Lock()
-
-
-def _fence() -> None:
-    with _fence_lock:
-        pass
-
 
 class SlotRef(NamedTuple):
     """One complete version in one slot: valid while the slot's sequence is still ``seq``."""
@@ -133,17 +123,17 @@ class ShmSegment:
         before = self.seq(slot)
         if before % 2 == 0:
             self.header[_SLOT_BASE + 2 * slot] = before + 1
-            _fence()
+            fence()
         return before
 
     def abort_write(self, slot: int, before: int) -> None:
         self.header[_SLOT_BASE + 2 * slot] = before
-        _fence()
+        fence()
 
     def end_write(self, slot: int, version: int) -> int:
-        _fence()
+        fence()
         self.header[_SLOT_BASE + 2 * slot + 1] = version
-        _fence()
+        fence()
         seq = self.seq(slot) + 1
         self.header[_SLOT_BASE + 2 * slot] = seq
         return seq
@@ -155,9 +145,9 @@ class ShmSegment:
             seq = self.seq(slot)
             if seq == 0 or seq % 2:
                 continue
-            _fence()
+            fence()
             version = self.version(slot)
-            _fence()
+            fence()
             if self.seq(slot) != seq:
                 continue
             if best is None or version > best.version:
@@ -306,9 +296,9 @@ class ReaderPin:
 
     def hold(self, ref: SlotRef) -> None:
         _PIN.pack_into(self._mmap, 0, _NO_SLOT, ref.seq, time.monotonic_ns(), os.getpid(), _PIDNS)
-        _fence()
+        fence()
         struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, ref.slot)  # the word the writer matches on
-        _fence()
+        fence()
 
     def touch(self) -> None:
         """The copy made progress: the pin holds its slot for another lease from now."""
@@ -316,7 +306,7 @@ class ReaderPin:
 
     def release(self) -> None:
         struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, _NO_SLOT)
-        _fence()
+        fence()
 
     def close(self) -> None:
         try:
@@ -368,7 +358,7 @@ class ShmReader:
 
     def unpin(self, ref: SlotRef) -> bool:
         """Let go of ``ref``; True when its bytes stayed intact the whole time."""
-        _fence()
+        fence()
         intact = self._settled_seq(ref) == ref.seq
         self._pin.release()
         return intact
