@@ -352,20 +352,7 @@ class DeltaDecoder:
             raise DeltaError(f"sparse record for bucket {index} lists no changes")
         if n_long > changed:
             raise DeltaError(f"sparse record for bucket {index} claims {n_long} long runs for {changed} changes")
-        expected = changed * (1 + word) + 4 * n_long
-        try:
-            # python-zstandard ignores max_output_size when the frame declares its size, and
-            # allocates what it declares: a 2 KiB frame can ask for 64 MiB before the trailer's MAC is checked.
-            declared = zstandard.get_frame_parameters(body).content_size
-            if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > expected:
-                raise DeltaError(f"sparse record for bucket {index} does not decompress: its frame declares "
-                                 f"{declared} bytes, its record header allows {expected}; refused unread")  # fmt: skip
-            raw = self._zstd.decompress(body, max_output_size=expected)
-        except zstandard.ZstdError as exc:
-            raise DeltaError(f"sparse record for bucket {index} does not decompress: {exc}") from exc
-        if len(raw) != expected:
-            raise DeltaError(f"sparse record for bucket {index} holds {len(raw)} bytes, expected {expected}")
-        data = np.frombuffer(raw, dtype=np.uint8)
+        data = self._inflate(index, body, changed * (1 + word) + 4 * n_long)
         short = data[:changed]
         positions = short.astype(np.int64)
         escaped = np.flatnonzero(short == _ESCAPE)
@@ -382,6 +369,23 @@ class DeltaDecoder:
         words = out[a:b].numpy().view(_NP_WORDS[word])
         words[positions] ^= xor
         return Decoded(int(index), mode, int(changed))
+
+
+    def _inflate(self, index: int, body: memoryview, expected: int) -> np.ndarray:
+        """A sparse record's body decompressed: exactly ``expected`` bytes, or DeltaError."""
+        try:
+            # python-zstandard ignores max_output_size when the frame declares its size, and
+            # allocates what it declares: a 2 KiB frame could ask for 64 MiB before the trailer's MAC is checked.
+            declared = zstandard.get_frame_parameters(body).content_size
+            if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > expected:
+                raise DeltaError(f"sparse record for bucket {index} does not decompress: its frame declares "
+                                 f"{declared} bytes, its record header allows {expected}; refused unread")  # fmt: skip
+            raw = self._zstd.decompress(body, max_output_size=expected)
+        except zstandard.ZstdError as exc:
+            raise DeltaError(f"sparse record for bucket {index} does not decompress: {exc}") from exc
+        if len(raw) != expected:
+            raise DeltaError(f"sparse record for bucket {index} holds {len(raw)} bytes, expected {expected}")
+        return np.frombuffer(raw, dtype=np.uint8)
 
 
 def _split(values: np.ndarray, planes: np.ndarray) -> None:
