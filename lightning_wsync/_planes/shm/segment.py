@@ -21,18 +21,17 @@ import mmap
 import os
 import re
 import shutil
-import struct
 import time
 import warnings
 from typing import NamedTuple
 
 import torch
 
-from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
 from lightning_wsync._planes.shm.fence import fence
 from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
 from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
+from lightning_wsync._planes.shm.pins import ReaderPin
 from lightning_wsync._planes.shm.wake import WakeSocket
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncError
 
@@ -43,14 +42,9 @@ _MAGIC = 0x7773796E6332  # "wsync2": the ring layout
 _MAX_SLOTS = 64
 # header int64 words: magic, slot count, slot stride in bytes, then (seq, version) per slot
 _MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
-# a pin file: slot (-1: none), slot sequence, taken at (CLOCK_MONOTONIC ns), pid, pid namespace
-_PIN = struct.Struct("<qqqqq")
-_PIN_SLOT_OFFSET, _PIN_TAKEN_OFFSET = 0, 16
-_NO_SLOT = -1
 _CLAIM_WAIT_S = 20e-6
 _TOUCH_BYTES = 64 << 20  # a reader renews its pin after copying this much: a slow copy is not a stall
 _CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
-_PIDNS = pid_namespace()
 
 class SlotRef(NamedTuple):
     """One complete version in one slot: valid while the slot's sequence is still ``seq``."""
@@ -217,108 +211,6 @@ def _pieces(
     return [group for group in out if group[0]]
 
 
-class PinBoard:
-    """The writer's view of the readers' pins on its segment."""
-
-    def __init__(self, segment: ShmSegment) -> None:
-        self._dir = segment.pin_dir
-        self._maps: dict[str, mmap.mmap] = {}
-
-    def pinned(self, slot: int, seq: int, lease_s: float) -> bool:
-        """Whether a live reader holds ``slot`` at sequence ``seq``."""
-        try:
-            names = [e.name for e in os.scandir(self._dir) if e.name.startswith("pin-")]
-        except FileNotFoundError:
-            return False
-        now = time.monotonic_ns()
-        found = False
-        for name in names:
-            pin = self._map(name)
-            if pin is None:
-                continue
-            p_slot, p_seq, taken, pid, pidns = _PIN.unpack_from(pin, 0)
-            if p_slot != slot or p_seq != seq:
-                continue
-            if now - taken > lease_s * 1e9:
-                continue  # stalled longer than the lease: it will see the sequence move
-            if pidns == _PIDNS and not pid_alive(pid):
-                self._forget(name)
-                continue
-            found = True
-        for name in set(self._maps) - set(names):
-            self._maps.pop(name).close()
-        return found
-
-    def _map(self, name: str) -> mmap.mmap | None:
-        pin = self._maps.get(name)
-        if pin is not None:
-            return pin
-        try:
-            fd = os.open(os.path.join(self._dir, name), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            if os.fstat(fd).st_size < _PIN.size:
-                return None
-            pin = self._maps[name] = mmap.mmap(fd, _PIN.size, mmap.MAP_SHARED, mmap.PROT_READ)
-            return pin
-        finally:
-            os.close(fd)
-
-    def _forget(self, name: str) -> None:
-        pin = self._maps.pop(name, None)
-        if pin is not None:
-            pin.close()
-        try:
-            os.unlink(os.path.join(self._dir, name))
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        for pin in self._maps.values():
-            pin.close()
-        self._maps.clear()
-
-
-class ReaderPin:
-    """A reader's pin file: which slot (at which sequence) it is copying now."""
-
-    def __init__(self, segment: ShmSegment) -> None:
-        path = os.path.join(segment.pin_dir, f"pin-{os.getpid()}-{id(self):x}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, _PIN.size)
-            self._mmap = mmap.mmap(fd, _PIN.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._path = path
-        _PIN.pack_into(self._mmap, 0, _NO_SLOT, 0, 0, os.getpid(), _PIDNS)
-
-    def hold(self, ref: SlotRef) -> None:
-        _PIN.pack_into(self._mmap, 0, _NO_SLOT, ref.seq, time.monotonic_ns(), os.getpid(), _PIDNS)
-        fence()
-        struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, ref.slot)  # the word the writer matches on
-        fence()
-
-    def touch(self) -> None:
-        """The copy made progress: the pin holds its slot for another lease from now."""
-        struct.pack_into("<q", self._mmap, _PIN_TAKEN_OFFSET, time.monotonic_ns())
-
-    def release(self) -> None:
-        struct.pack_into("<q", self._mmap, _PIN_SLOT_OFFSET, _NO_SLOT)
-        fence()
-
-    def close(self) -> None:
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
-        try:
-            os.unlink(self._path)
-        except OSError:
-            pass
-
-
 class ShmReader:
     """A receiver's access to a sender's (or host leader's) ring on this host."""
 
@@ -326,7 +218,7 @@ class ShmReader:
         self._segment = ShmSegment(segment_name_, layout.total_bytes, create=False)
         self._layout = layout
         self._views = [entry_views(layout, data) for data in self._segment.data]
-        self._pin = ReaderPin(self._segment)
+        self._pin = ReaderPin(self._segment.pin_dir)
         self._wake = WakeSocket.bind(self._segment.pin_dir)
 
     @property
@@ -350,7 +242,7 @@ class ShmReader:
 
     def pin(self, ref: SlotRef) -> bool:
         """Pin ``ref``'s slot; False (nothing held) when it is no longer that version."""
-        self._pin.hold(ref)
+        self._pin.hold(ref.slot, ref.seq)
         if self._segment.seq(ref.slot) != ref.seq:  # written meanwhile, or being claimed: take the newest
             self._pin.release()
             return False

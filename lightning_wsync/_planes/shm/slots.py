@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from lightning_wsync._planes.shm.segment import PinBoard, ShmSegment
+from lightning_wsync._planes.shm.pins import PinBoard
+from lightning_wsync._planes.shm.segment import ShmSegment
 from lightning_wsync._planes.shm.wake import Waker
 
 
@@ -83,7 +84,7 @@ class SharedSlots:
     def __init__(self, segment: ShmSegment) -> None:
         self.buffers = list(segment.data)
         self._segment = segment
-        self._board = PinBoard(segment)
+        self._board = PinBoard(segment.pin_dir)
         self._waker = Waker(segment.pin_dir)
 
     def seq(self, slot: int) -> int:
