@@ -12,6 +12,8 @@ delta, signed trailer). The sender holds a lease on the ring slot for the whole 
 renewed as each piece goes out, so a send is overwritten only when it makes no progress
 for the lease. The receiver stages the bytes privately and accepts them only as
 :func:`~lightning_wsync._planes.verify.verify` says.
+
+Both ends of a link are in this one module (~400 lines): they are one protocol, read side by side.
 """
 
 from __future__ import annotations
