@@ -6,6 +6,9 @@ announced, the checksums to verify it with, which sender epoch to follow and thr
 which plane, whether the sender closed or left, whether the store answers) so that
 ``update()`` on the caller's thread never has to ask the store. A
 :class:`~lightning_wsync._pull.receiver.WeightReceiver` owns one :class:`Watcher`.
+
+Longer than 300 lines: one thread's steps over one state (heartbeat, versions, checksums,
+close, sender switch); split by step, that state would travel between modules.
 """
 
 from __future__ import annotations

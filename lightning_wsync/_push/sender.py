@@ -9,10 +9,14 @@
                 handle = sender.push(step)          # returns after the snapshot
         print(handle.wait(timeout_s=30))            # PushReport(version=100, delivered=..., failed=...)
 
-``push`` blocks only while the weights are copied into the snapshot buffer. A
-background thread publishes the version on the store and, for receivers on other hosts,
-per-receiver threads send it over their own process groups. Receivers on this host copy
-it straight from the shared-memory snapshot.
+``push`` blocks only while the weights are copied into the snapshot ring. A background
+thread publishes the version on the store and tells the data planes
+(:mod:`~lightning_wsync._planes`): receivers on this host copy it straight from the
+shared-memory ring; other hosts get one copy each through the relay (or, with
+``cross_host="star"``, each receiver over a process group of its own).
+
+Longer than 300 lines: the public sender with its docstrings and its background step;
+what varies by plane is in :mod:`~lightning_wsync._planes.open`.
 """
 
 from __future__ import annotations
