@@ -39,7 +39,6 @@ from types import FrameType
 
 import torch
 
-from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync.bench import _hostbench
 from lightning_wsync.bench._bounds import BoundBench
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
@@ -48,6 +47,7 @@ from lightning_wsync.bench._report import format_table, summarize
 from lightning_wsync.config import APPLY_MODES, DELTA_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
+from lightning_wsync.testing.probes import pushed_bytes
 from lightning_wsync.testing.procs import BenchError, Children
 
 __all__ = ["add_arguments", "run"]
@@ -134,9 +134,9 @@ def _run_delta(args: argparse.Namespace) -> int:
         format_codec,
         format_links,
         links_result,
-        measure_codec,
         measure_links,
     )
+    from lightning_wsync.testing.probes import measure_codec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -181,22 +181,22 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     spec = spec_for_size(args.size_mb)
     model = build_model(spec, seed=args.seed)
     config = SenderConfig(dtype=args.dtype, bucket_mb=args.bucket_mb)
-    tensors = list(select_tensors(model).values())
-    pushed_bytes = build_manifest(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
-    fp32_bytes = build_manifest(select_tensors(model), None, config.bucket_bytes).total_bytes
+    tensors = list(model.state_dict().values())
+    pushed = pushed_bytes(model, config.wire_dtype, config.bucket_bytes)
+    fp32_bytes = pushed_bytes(model, None, config.bucket_bytes)
     # With a cast, the uncast pushes alternate with the cast ones (two receiver sets) when
     # memory allows, so the machine's drift reaches both alike; else they run afterwards.
     alongside = args.dtype is not None and _fits(
-        spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=fp32_bytes, bounds=False
+        spec.nbytes, pushed, args.receivers, args.transport, reference_bytes=fp32_bytes, bounds=False
     )
     reference_bytes = fp32_bytes if alongside else 0
-    interleave = _fits(spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=reference_bytes)
+    interleave = _fits(spec.nbytes, pushed, args.receivers, args.transport, reference_bytes=reference_bytes)
     schedule = {"bounds_schedule": "interleaved" if interleave else "before-and-after",
                 "uncast_schedule": None if args.dtype is None
                 else ("alternating" if alongside else "after")}  # fmt: skip
     reference: PushPhase | None = None
     with Children() as children:
-        bounds = BoundBench(children, args.receivers, pushed_bytes, args.timeout_s)
+        bounds = BoundBench(children, args.receivers, pushed, args.timeout_s)
         try:
             if interleave:
                 bounds.allocate(tensors, config.wire_dtype)

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lightning_wsync._control.manifest import copy_tensors
+from lightning_wsync.testing.probes import snapshot_copy
 from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
 
 _SHM_DIR = "/dev/shm"
@@ -328,7 +328,7 @@ def _gather_views(
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Each source tensor into its view, the way the sender's snapshot copies (casting)."""
-    copy_tensors([view for view, _ in pairs], [t for _, t in pairs])
+    snapshot_copy([view for view, _ in pairs], [t for _, t in pairs])
 
 
 def _read(sock: socket.socket, n: int) -> bytes:

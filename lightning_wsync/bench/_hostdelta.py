@@ -19,8 +19,8 @@ import statistics
 
 from lightning_wsync.bench._delta import delta_spec, keep_weights
 from lightning_wsync.bench._push import Placement, PushRun
-from lightning_wsync.bench._steps import Trainer
 from lightning_wsync.testing.hosts import SimHosts
+from lightning_wsync.testing.steps import Trainer
 
 
 def _pushed(run: PushRun, hosts: SimHosts, version: int, *, warmup: bool = False) -> dict[str, object]:

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
-from lightning_wsync._control.keys import ENV_HOST_ID
 from lightning_wsync.bench._memory import MemGrowth, MemSample, growth, reset_peak
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate
@@ -159,9 +158,9 @@ class Placement(NamedTuple):
 
 
 def _receiver_on_host(conn: Connection, netns: str, host_id: str, args: ReceiverArgs) -> None:
-    from lightning_wsync.testing.hosts import enter_netns
+    from lightning_wsync.testing.hosts import assume_host, enter_netns
 
-    os.environ[ENV_HOST_ID] = host_id
+    assume_host(host_id)
     enter_netns(netns)  # before any socket: the receiver's store client and links live there
     _receiver_main(conn, args)
 
