@@ -23,17 +23,62 @@ network namespace whose loopback is shaped (``tc ... tbf``) to measure a slow li
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
 from lightning_wsync.bench._push import PushRun, PushSample
+from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.models import ModelSpec, spec_for_size
-from lightning_wsync.testing.probes import DeltaSample
+from lightning_wsync.testing.probes import DeltaSample, measure_codec
+from lightning_wsync.testing.procs import BenchError, exit_on_sigterm
 from lightning_wsync.testing.steps import GPT2_SPEC, Trainer
 
 WIRE_SHARE_TARGET = 0.10  # issue 13: at lr 1e-6 in bf16, a delta push moves at most 10% of the full push
+
+
+def run_delta(args: argparse.Namespace) -> int:
+    """``lightning-wsync bench --delta`` on this host: the codec, and with ``--transport gloo`` real pushes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = delta_spec(args.size_mb)
+        wire = None if args.dtype is None else getattr(torch, args.dtype)
+        samples, model = measure_codec(spec=spec, lr=args.lr, dtype=wire, pushes=args.pushes,
+                                       bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
+        links = None
+        if args.transport == "gloo":
+            restore_signals = exit_on_sigterm()
+            try:
+                pairs = measure_links(spec=spec, lr=args.lr, dtype=args.dtype, pushes=args.pushes,
+                                      bucket_mb=args.bucket_mb, n_receivers=args.receivers,
+                                      timeout_s=args.timeout_s, seed=args.seed, mode=args.delta_mode)  # fmt: skip
+            except (BenchError, WeightSyncError, OSError) as exc:
+                print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            finally:
+                restore_signals()
+            links = links_result(pairs)
+    finally:
+        torch.set_num_threads(threads)
+    result = codec_result(samples, model, lr=args.lr)
+    result["config"] = {"size_mb": args.size_mb, "lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+                        "pushes": args.pushes, "transport": args.transport, "receivers": args.receivers,
+                        "delta_mode": args.delta_mode, "torch": torch.__version__, "cpus": os.cpu_count(),
+                        "threads_per_process": 1}  # fmt: skip
+    if links is not None:
+        result["links"] = links
+        result["ok"] = bool(result["ok"]) and bool(links["ok"])
+    text = format_codec(result, lr=args.lr, dtype=args.dtype)
+    if links is not None:
+        text += "\n" + format_links(links)
+    print(json.dumps(result, indent=2) if args.json else text)
+    return 0 if result["ok"] else 1
 
 
 def delta_spec(size_mb: float | None) -> ModelSpec:

@@ -34,7 +34,8 @@ import sys
 import torch
 
 from lightning_wsync.bench import _hostdelta
-from lightning_wsync.bench._push import Placement, PushRun
+from lightning_wsync.bench._push import PushRun
+from lightning_wsync.bench._receivers import Placement
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.hosts import (
     SimHosts,
