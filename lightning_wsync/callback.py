@@ -46,6 +46,9 @@ or relaunched trainer of the job, whose versions continue above the last one.
   delta: ``wsync/delta_bytes`` (on the wire, per receiver; compare ``wsync/bytes``),
   ``wsync/delta_receivers``, ``wsync/delta_changed_share``, ``wsync/delta_encode_s`` and,
   when reported in time, ``wsync/delta_decode_s`` (slowest receiver).
+
+Longer than 300 lines: one Lightning callback per file (hooks, state, FSDP gather and
+metrics), as Lightning's own callbacks are.
 """
 
 from __future__ import annotations

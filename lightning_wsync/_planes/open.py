@@ -1,41 +1,137 @@
-"""The one place that picks a receiver's data plane for one sender epoch.
+"""The one place that picks the data planes: a sender's (:func:`open_send_side`) and,
+for one sender epoch, a receiver's (:func:`open_source`).
 
-:func:`open_source` reads the sender's record: shared memory when the sender's ring is on
-this host (:mod:`~lightning_wsync._planes.shm`), else the network link
-(:mod:`~lightning_wsync._planes.net`). Relay hosts get theirs from
-:mod:`~lightning_wsync._planes.relay.host`.
+A sender snapshots into a ring (in shared memory unless it sends from the GPU) and feeds
+it to every plane it has: same-host readers (:mod:`~lightning_wsync._planes.shm`), a link
+per receiver that asks for one (:mod:`~lightning_wsync._planes.net`), and the chain of host
+leaders (:mod:`~lightning_wsync._planes.relay`). A receiver reads the sender's record
+and takes the ring when it is on this host, its host's relay when the sender relays,
+else its own network link. No other module branches on the transport.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from lightning_wsync._control.manifest import Manifest, dtype_to_name
-from lightning_wsync._planes.base import ReceiveSource
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import ReceiveSource, SendPlane
+from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetReceiveLink
+from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.shm.segment import ShmReader
+from lightning_wsync._planes.relay.host import open_relay_source
+from lightning_wsync._planes.relay.send import RelaySendPlane
+from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
+from lightning_wsync._planes.shm.send import ShmSendPlane
 from lightning_wsync._planes.shm.source import SharedMemorySource
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncSchemaError
 
 log = logging.getLogger(__name__)
 
+_PIN_LEASE_MAX_S = 5.0  # a same-host reader that makes no progress this long no longer holds its slot
+
+
+@dataclass(frozen=True, kw_only=True)
+class SenderSpec:
+    """What a sender asks of its planes (from its :class:`~lightning_wsync.config.SenderConfig`)."""
+
+    job: str
+    epoch: int
+    host: str
+    addr: str
+    transport: str  # auto | shm | gloo | nccl
+    cross_host: str  # relay | star
+    delta: str  # off | on | auto
+    device: torch.device  # where the module's tensors are
+    timeout_s: float
+    heartbeat_timeout_s: float
+
+
+class SendSide:
+    """A sender's snapshot ring and the planes that deliver from it."""
+
+    def __init__(self, ctl: Control, layout: Manifest, spec: SenderSpec) -> None:
+        from_device = spec.device.type == "cuda" and spec.transport == "nccl"
+        segment = None
+        if not from_device and spec.transport in ("auto", "shm"):
+            remove_stale_segments()
+            segment = ShmSegment(segment_name(spec.job, spec.epoch), layout.total_bytes, create=True, slots=2)
+        self.segment = segment
+        self.backend = "nccl" if from_device else "gloo"
+        lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        self.ring = SnapshotRing(layout, segment=segment, device=spec.device if from_device else torch.device("cpu"),
+                                 slots=2, lease_s=lease_s)  # fmt: skip
+        # Deltas between ring slots, for network receivers and the relay (one encoding per base for all).
+        self.deltas = DeltaStreams(layout) if spec.delta != "off" and not from_device else None
+        policy = AutoPolicy(spec.delta)
+        relay = spec.transport == "auto" and spec.cross_host == "relay" and not from_device
+        net = NetSendPlane(ctl, self.ring, epoch=spec.epoch, backend=self.backend, addr=spec.addr,
+                           timeout_s=spec.timeout_s, deltas=self.deltas, policy=policy)  # fmt: skip
+        planes: list[SendPlane] = [net]
+        if segment is not None:
+            planes.append(ShmSendPlane(ctl, self.ring))
+        if relay:
+            planes.append(RelaySendPlane(
+                ctl, self.ring, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
+                timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
+                policy=policy,
+            ))  # fmt: skip
+        self.net = net
+        self.planes: tuple[SendPlane, ...] = tuple(planes)
+        # What receivers read from the sender's record to pick their plane (open_source).
+        self.record: dict[str, object] = {
+            "transport": spec.transport, "backend": self.backend, "relay": relay,
+            "shm": segment.name if segment is not None else None,
+        }  # fmt: skip
+
+    def stop(self) -> None:
+        """Ask every plane's threads to end now."""
+        for plane in self.planes:
+            plane.stop()
+
+    def close(self, deadline: float) -> list[str]:
+        """Join the planes against ``deadline`` and free the ring; name what still runs."""
+        stuck: list[str] = []
+        try:
+            self.ring.close()
+            for plane in self.planes:
+                stuck += plane.close(deadline)
+            if self.deltas is not None:
+                self.deltas.close(timeout_s=max(0.0, deadline - time.monotonic()))
+        finally:
+            if self.segment is not None:
+                self.segment.close()
+        return stuck
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverSpec:
+    """What a receiver brings to whichever plane serves it."""
+
+    ctl: Control
+    rid: int
+    host: str
+    name: str
+    addr: str
+    device: torch.device
+    timeout_s: float
+    swap: bool  # apply='swap': the module's tensors point at the staged buffer (network plane only)
+    on_staged: Callable[[int], None]
+    on_rejected: Callable[[int, str], None]
+    newest: Callable[[], int | None]  # the newest version announced on the store
+
 
 def open_source(
-    epoch: int,
-    layout: Manifest,
-    record: dict[str, object],
-    ordered: list[torch.Tensor],
-    *,
-    host: str,
-    name: str,
-    net: Callable[[str], NetReceiveLink],
-    swap: bool = False,
-    fallback: bool = True,
-) -> ReceiveSource:
+    epoch: int, layout: Manifest, record: dict[str, object], ordered: list[torch.Tensor], me: ReceiverSpec,
+    *, fallback: bool = True,
+) -> ReceiveSource:  # fmt: skip
     """The data plane the sender's record allows from this host.
 
     Same host by its host id, but the segment cannot be opened here (missing: another
@@ -44,6 +140,17 @@ def open_source(
     segment that opens but is not a wsync ring (a bad name, a symlink, not a regular file,
     no wsync header) stays a configuration error.
     """
+    host, name = me.host, me.name
+    if record.get("relay") and record["host"] != host:
+        if me.swap:
+            log.warning(
+                "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
+                "shared memory); the sender's cross_host='star' keeps the network path", name,
+            )  # fmt: skip
+        return open_relay_source(
+            me.ctl, layout, ordered, record, epoch=epoch, rid=me.rid, host=host, job=me.ctl.job, name=name,
+            addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
+        )  # fmt: skip
     transport = str(record["transport"])
     backend = str(record["backend"])
     same_host = record["host"] == host and record["shm"] is not None
@@ -71,9 +178,14 @@ def open_source(
                 "path, or set a distinct WSYNC_HOST_ID per container to choose the network path without this "
                 "warning", name, record["shm"], exc.strerror or exc, backend,
             )  # fmt: skip
-    if swap:
+    if me.swap:
         _check_swappable(layout, ordered, name, backend)
-    return NetworkSource(epoch, layout, ordered, net(backend), swap=swap)
+    link = NetReceiveLink(
+        me.ctl, layout, epoch=epoch, rid=me.rid, backend=backend, addr=me.addr, timeout_s=me.timeout_s,
+        device=me.device if backend == "nccl" else torch.device("cpu"), on_staged=me.on_staged,
+        on_rejected=me.on_rejected, newest=me.newest,
+    )  # fmt: skip
+    return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
 
 
 def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, backend: str) -> None:

@@ -28,14 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync._control import keys
 from lightning_wsync._control.host import default_receiver_name, host_id
-from lightning_wsync._control.manifest import select_tensors
+from lightning_wsync._control.manifest import Manifest, select_tensors
 from lightning_wsync._control.store import Control, connect_store, resolve_job, resolve_secret
-from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._pull.target import ApplyTarget, TargetTensors
-from lightning_wsync._pull.watcher import SLOW_POLL_S, Published, PublishedSums, ReceiverWatcher
-from lightning_wsync._push.membership import StateReport
+from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.errors import (
     WeightSyncClosedError,
@@ -47,7 +44,7 @@ from lightning_wsync.errors import (
 
 log = logging.getLogger(__name__)
 
-class WeightReceiver(ReceiverWatcher):
+class WeightReceiver:
     """Receives the versions a :class:`WeightSender` publishes into ``module``.
 
     Args:
@@ -87,34 +84,33 @@ class WeightReceiver(ReceiverWatcher):
         handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
         self._store_address = handle.address
         self._ctl = Control(handle.store, job_name, resolve_secret(cfg.secret))
-        self._watch_ctl = self._ctl.clone()
-        self._host = host_id()
         self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
-
         self.version: int | None = None
-        self.rejected = 0  # versions refused on verification (checksum or signature)
-        self._source: ReceiveSource | None = None
-        self._latest: Published | None = None  # the newest version announced on the store
-        self._error: WeightSyncError | None = None
-        self._last_refusal = ""
-        self._sums: PublishedSums | None = None  # with verify
-        self._store_lost_since: float | None = None
-        self._rejected_version = -2
-        self._refused_epochs: set[int] = set()
-        self._sender_closed = False
-        self._sender_left = False
         self._closed = False
-        self._cond = threading.Condition()
         self._apply_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._kick = threading.Event()  # wakes the watcher early (an ack to send, or stop)
-
         self.name = cfg.name or default_receiver_name()
-        self._state = StateReport()
-        self._register(self._ctl)
-        self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
-        self._thread.start()
+        self._watcher = Watcher(
+            self._ctl, cfg, name=self.name, host=host_id(), store_address=handle.address, device=self._device,
+            bind=self._bind, apply_lock=self._apply_lock,
+        )  # fmt: skip
         log.info("WeightReceiver %r (rid=%d) joined job %r", self.name, self.rid, job_name)
+
+    @property
+    def rid(self) -> int:
+        """This receiver's id in the job (a new one if the sender forgot it while it was silent)."""
+        return self._watcher.rid
+
+    @property
+    def rejected(self) -> int:
+        """Versions refused on verification (checksum or signature)."""
+        return self._watcher.rejected
+
+    def _bind(self, layout: Manifest) -> list[torch.Tensor]:
+        """The tensors a sender's versions are written into, in its layout's order."""
+        if self._target is not None:
+            self._tensors = self._target.tensors_for(layout)
+        layout.check_module(self._tensors, self.name)
+        return [self._tensors[e.name] for e in layout.entries]
 
     # -- user API -----------------------------------------------------------------
     def update(self) -> int | None:
@@ -126,13 +122,14 @@ class WeightReceiver(ReceiverWatcher):
         it (None only after a :class:`WeightSyncIntegrityError`).
         """
         self._raise_if_unusable()
+        watcher = self._watcher
         with self._apply_lock:
-            source = self._source
+            source = watcher.source
             if source is None:
                 return None
             try:
                 applied = source.apply(
-                    self.version, self._published_sums if self.config.verify else None, self._on_rejected
+                    self.version, watcher.published_sums if self.config.verify else None, watcher.on_rejected
                 )
             except WeightSyncIntegrityError:
                 self.version = None  # the module may hold a torn copy now; say so
@@ -141,8 +138,7 @@ class WeightReceiver(ReceiverWatcher):
                 self._hand_over(applied)
         if applied is not None:
             self.version = applied
-            self._state.held(applied)
-            self._kick.set()  # the watcher writes the acknowledgement now, not at its next poll
+            watcher.held(applied)
             log.debug("applied version %d", applied)
         return applied
 
@@ -160,12 +156,12 @@ class WeightReceiver(ReceiverWatcher):
             self.update()
             if self.version is not None and self.version >= min_version:
                 return self.version
-            if self._sender_closed and not self._newer_pending():
+            if self._watcher.sender_closed and not self._watcher.newer_pending(self.version):
                 raise WeightSyncClosedError(
                     f"WeightReceiver {self.name!r}: the sender of job {self._ctl.job!r} closed; the newest "
                     f"version held is {self.version!r}, below min_version={min_version!r}"
                 )
-            lost = self._store_lost_since
+            lost = self._watcher.store_lost_since
             if lost is not None and time.monotonic() - lost >= timeout_s:
                 raise WeightSyncStoreError(
                     f"WeightReceiver {self.name!r}: the control-plane store {self._store_address!r} has been "
@@ -181,47 +177,34 @@ class WeightReceiver(ReceiverWatcher):
                     f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
                     f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
                 )
-            self._wait_for_news_until(time.monotonic() + min(remaining, SLOW_POLL_S))
+            self._watcher.wait_for_news(time.monotonic() + min(remaining, SLOW_POLL_S))
 
     @property
     def latest_published(self) -> int | None:
         """Newest version the sender has published (as last seen on the store)."""
-        return None if self._latest is None else self._latest.version
+        latest = self._watcher.latest
+        return None if latest is None else latest.version
 
     @property
     def sender_closed(self) -> bool:
         """Training finished: the sender closed for good (a completed ``fit()`` or
         ``close(final=True)``). Leave the rollout loop once ``update()`` returns None."""
-        return self._sender_closed
+        return self._watcher.sender_closed
 
     @property
     def sender_left(self) -> bool:
         """The sender went away without finishing (an exception in ``fit()``, SIGTERM, a
         relaunch); training may go on. The next sender of the job is followed as soon as
         it starts, with higher versions, and this turns False again."""
-        return self._sender_left
+        return self._watcher.sender_left
 
     @property
     def store_lost_s(self) -> float | None:
         """Seconds since the store became unreachable, or None while it answers."""
-        lost = self._store_lost_since
+        lost = self._watcher.store_lost_since
         return None if lost is None else time.monotonic() - lost
 
     # -- applying -------------------------------------------------------------------
-    def _wait_for_news_until(self, until: float) -> None:
-        """Block until something may have changed, or ``until``.
-
-        From shared memory update() reads the segment's header itself, so a waiter watches
-        the segment rather than waiting for the watcher's signal of the store's announcement.
-        """
-        source = self._source
-        if source is not None and not self.config.verify:
-            give_up = lambda: self._source is not source or bool(self._error or self._sender_closed)  # noqa: E731
-            if source.wait_change(until, give_up):
-                return
-        with self._cond:  # the watcher (or a link's on_staged) notifies when something moves on
-            self._cond.wait(timeout=max(0.0, until - time.monotonic()))
-
     def _hand_over(self, version: int) -> None:
         assert self._target is not None
         try:
@@ -234,15 +217,11 @@ class WeightReceiver(ReceiverWatcher):
                 f"{version!r}, so version is None until the next update() hands over the newest again"
             ) from exc
 
-    def _newer_pending(self) -> bool:
-        source = self._source
-        return source is not None and source.pending_above(self.version)
-
     def _raise_if_unusable(self) -> None:
         if self._closed:
             raise WeightSyncClosedError(f"WeightReceiver {self.name!r} is closed; create a new one")
-        if self._error is not None:
-            raise self._error
+        if self._watcher.error is not None:
+            raise self._watcher.error
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
@@ -250,18 +229,7 @@ class WeightReceiver(ReceiverWatcher):
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._kick.set()
-        self._thread.join(timeout=10)
-        try:
-            self._state.write(self._ctl)
-            self._ctl.set_json(keys.member_gone(self.rid), True)
-        except RuntimeError:
-            pass  # store already gone: the sender sees the heartbeat stop instead
-        with self._apply_lock:
-            if self._source is not None:
-                self._source.close()
-                self._source = None
+        self._watcher.close()
         log.info("WeightReceiver %r (rid=%d) closed at version %r", self.name, self.rid, self.version)
 
     def __enter__(self) -> WeightReceiver:

@@ -1,11 +1,14 @@
-"""The receiver's background thread: heartbeats, acknowledgements, following the sender.
+"""The receiver's watcher: a background thread for heartbeats, acknowledgements and
+following the sender.
 
-It registers nothing and applies nothing: it keeps the receiver's view of the job
-current (the newest version announced, the checksums to verify it with, which sender
-epoch to follow and through which :mod:`~lightning_wsync._planes.open`, whether the sender
-closed or left, whether the store answers) so that ``update()`` on the caller's thread
-never has to ask the store. :class:`WeightReceiver` inherits these steps; its own module
-holds only the user API.
+It applies nothing: it keeps the receiver's view of the job current (the newest version
+announced, the checksums to verify it with, which sender epoch to follow and through
+which plane, whether the sender closed or left, whether the store answers) so that
+``update()`` on the caller's thread never has to ask the store. A
+:class:`~lightning_wsync._pull.receiver.WeightReceiver` owns one :class:`Watcher`.
+
+Longer than 300 lines: one thread's steps over one state (heartbeat, versions, checksums,
+close, sender switch); split by step, that state would travel between modules.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,13 +25,10 @@ import torch
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.member_state import StateReport
 from lightning_wsync._control.store import Control, local_address
 from lightning_wsync._planes.base import ReceiveSource
-from lightning_wsync._planes.net.link import NetReceiveLink
-from lightning_wsync._planes.open import open_source
-from lightning_wsync._planes.relay.host import open_relay_source
-from lightning_wsync._pull.target import TargetTensors
-from lightning_wsync._push.membership import StateReport
+from lightning_wsync._planes.open import ReceiverSpec, open_source
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -58,38 +59,99 @@ class PublishedSums(NamedTuple):
     sums: list[int]
 
 
-class ReceiverWatcher:
-    """The watcher thread's steps, over the state a :class:`WeightReceiver` holds."""
+Bind = Callable[[Manifest], "list[torch.Tensor]"]  # a sender's layout -> the tensors to write, in its order
 
-    name: str
-    rid: int
-    config: ReceiverConfig
-    rejected: int
-    version: int | None
-    _ctl: Control
-    _watch_ctl: Control
-    _host: str
-    _store_address: str | None
-    _device: torch.device
-    _tensors: dict[str, torch.Tensor]
-    _target: TargetTensors | None
-    _state: StateReport
-    _source: ReceiveSource | None
-    _latest: Published | None
-    _error: WeightSyncError | None
-    _last_refusal: str
-    _sums: PublishedSums | None
-    _store_lost_since: float | None
-    _rejected_version: int
-    _refused_epochs: set[int]
-    _sender_closed: bool
-    _sender_left: bool
-    _cond: threading.Condition
-    _apply_lock: threading.Lock
-    _stop: threading.Event
-    _kick: threading.Event
-    _beat: int  # the heartbeat counter's last value
 
+class Watcher:
+    """Registers a receiver, then follows the job for it on a thread of its own.
+
+    Args:
+        ctl: the receiver's control (the watcher's thread uses a clone of it).
+        bind: checks the receiver's tensors against a sender's layout and returns them
+            in the layout's order (raises ``WeightSyncSchemaError`` when they differ).
+        apply_lock: held by ``update()`` while it applies; the watcher takes it to swap planes.
+    """
+
+    def __init__(
+        self, ctl: Control, config: ReceiverConfig, *, name: str, host: str, store_address: str | None,
+        device: torch.device, bind: Bind, apply_lock: threading.Lock,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.config = config
+        self.rejected = 0  # versions refused on verification (checksum or signature)
+        self.source: ReceiveSource | None = None
+        self.latest: Published | None = None  # the newest version announced on the store
+        self.error: WeightSyncError | None = None
+        self.sender_closed = False
+        self.sender_left = False
+        self.store_lost_since: float | None = None
+        self.cond = threading.Condition()  # notified when anything above moves on
+        self._ctl = ctl
+        self._watch_ctl = ctl.clone()
+        self._host = host
+        self._store_address = store_address
+        self._device = device
+        self._bind = bind
+        self._apply_lock = apply_lock
+        self._sums: PublishedSums | None = None  # with verify
+        self._last_refusal = ""
+        self._rejected_version = -2
+        self._refused_epochs: set[int] = set()
+        self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the thread early (an ack to send, or stop)
+        self._state = StateReport()
+        self._beat = 0  # the heartbeat counter's last value
+        self._applied: int | None = None  # the version update() last applied (for logs)
+        self.rid = -1
+        self._register(ctl)
+        self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
+        self._thread.start()
+
+    # -- what update() and wait_for_version() ask -------------------------------------
+    def held(self, version: int) -> None:
+        """The receiver applied ``version``: acknowledge it now, not at the next poll."""
+        self._applied = version
+        self._state.held(version)
+        self._kick.set()
+
+    def published_sums(self, version: int) -> list[int] | None:
+        held = self._sums
+        return held.sums if held is not None and held.version == version else None
+
+    def newer_pending(self, version: int | None) -> bool:
+        source = self.source
+        return source is not None and source.pending_above(version)
+
+    def wait_for_news(self, until: float) -> None:
+        """Block until something may have changed, or ``until``.
+
+        From shared memory update() reads the segment's header itself, so a waiter watches
+        the segment rather than waiting for the watcher's signal of the store's announcement.
+        """
+        source = self.source
+        if source is not None and not self.config.verify:
+            give_up = lambda: self.source is not source or bool(self.error or self.sender_closed)  # noqa: E731
+            if source.wait_change(until, give_up):
+                return
+        with self.cond:  # the watcher (or a link's on_staged) notifies when something moves on
+            self.cond.wait(timeout=max(0.0, until - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the thread, say goodbye on the store, and close the plane."""
+        self._stop.set()
+        self._kick.set()
+        self._thread.join(timeout=10)
+        try:
+            self._state.write(self._ctl)
+            self._ctl.set_json(keys.member_gone(self.rid), True)
+        except RuntimeError:
+            pass  # store already gone: the sender sees the heartbeat stop instead
+        with self._apply_lock:
+            if self.source is not None:
+                self.source.close()
+                self.source = None
+
+    # -- the thread -------------------------------------------------------------------
     def _watch(self) -> None:
         ctl = self._watch_ctl
         next_beat = next_slow = 0.0
@@ -110,7 +172,7 @@ class ReceiverWatcher:
                 # Versions arrive through a network link itself, and a shared segment's header
                 # is read by update() directly: then `latest` only feeds latest_published and
                 # is read at the slow pace too. With verify, the published checksums are needed.
-                source = self._source
+                source = self.source
                 fast = source is None or self.config.verify
                 steps = ((self._follow_sender, self._follow_close) if slow else ()) + (
                     (self._follow_versions, self._follow_sums) if fast or slow else ()
@@ -120,16 +182,16 @@ class ReceiverWatcher:
                         step(ctl)
                     except WeightSyncAuthError as exc:
                         self._refuse(exc)
-                if self._store_lost_since is not None:
+                if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
-                    self._store_lost_since = None
+                    self.store_lost_since = None
             except WeightSyncStoreError as exc:  # the store boundary (Control); nothing else means "lost"
-                if self._store_lost_since is None:
-                    self._store_lost_since = time.monotonic()
+                if self.store_lost_since is None:
+                    self.store_lost_since = time.monotonic()
                     log.warning("receiver %r: store %s unreachable (%s); keeping version %r", self.name,
-                                self._store_address, str(exc).strip().splitlines()[0][:200], self.version)  # fmt: skip
-                    with self._cond:
-                        self._cond.notify_all()
+                                self._store_address, str(exc).strip().splitlines()[0][:200], self._applied)  # fmt: skip
+                    with self.cond:
+                        self.cond.notify_all()
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
@@ -155,7 +217,7 @@ class ReceiverWatcher:
         self._register(ctl)
         log.warning("receiver %r was forgotten by the sender while silent (rid=%d); registered again as rid=%d",
                     self.name, old, self.rid)  # fmt: skip
-        source = self._source
+        source = self.source
         if source is None:
             return
         record, layout_text = ctl.get_json(keys.sender_record(source.epoch)), ctl.get_json(keys.manifest(source.epoch))
@@ -163,65 +225,61 @@ class ReceiverWatcher:
             self._switch(ctl, source.epoch, record, layout_text)
 
     def _follow_versions(self, ctl: Control) -> None:
-        source = self._source
-        if isinstance(self._error, WeightSyncSchemaError):
+        source = self.source
+        if isinstance(self.error, WeightSyncSchemaError):
             latest = ctl.get_json(keys.LATEST)
             version = -1 if latest is None else int(latest["version"])
             if version > self._rejected_version:  # tell the sender, version by version
                 self._rejected_version = version
-                self._state.rejected(version, str(self._error))
+                self._state.rejected(version, str(self.error))
             return
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json(keys.LATEST) if self._latest is None else ctl.open(keys.LATEST, ctl.get_raw(keys.LATEST))
+        latest = ctl.get_json(keys.LATEST) if self.latest is None else ctl.open(keys.LATEST, ctl.get_raw(keys.LATEST))
         if latest is not None:
             record = Published(int(latest["version"]), int(latest["epoch"]))
-            if record != self._latest and (self._latest is None or record.version > self._latest.version):
-                with self._cond:
-                    self._latest = record
-                    self._cond.notify_all()
-
-    def _published_sums(self, version: int) -> list[int] | None:
-        held = self._sums
-        return held.sums if held is not None and held.version == version else None
+            if record != self.latest and (self.latest is None or record.version > self.latest.version):
+                with self.cond:
+                    self.latest = record
+                    self.cond.notify_all()
 
     def _follow_sums(self, ctl: Control) -> None:
         """With ``verify``, fetch the checksums of the newest shared version for update()."""
-        latest, held = self._latest, self._sums
+        latest, held = self.latest, self._sums
         if not self.config.verify or latest is None or (held is not None and held.version == latest.version):
             return
         record = ctl.get_json(keys.version_sums(latest.version))
         if record is not None and int(record["version"]) == latest.version:
             self._sums = PublishedSums(latest.version, [int(s) for s in record["sums"]])
-            with self._cond:
-                self._cond.notify_all()
+            with self.cond:
+                self.cond.notify_all()
 
     def _follow_close(self, ctl: Control) -> None:
-        source = self._source
+        source = self.source
         if source is None:
             return
         closed_key = keys.closed(source.epoch)
-        if not (self._sender_closed or self._sender_left) and ctl.has(closed_key):
+        if not (self.sender_closed or self.sender_left) and ctl.has(closed_key):
             self._on_closed(ctl.get_json(closed_key))
 
     def _on_closed(self, record: object) -> None:
         """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
         final = record is True or (isinstance(record, dict) and record.get("final") is True)  # True: older senders
-        with self._cond:
+        with self.cond:
             if final:
-                self._sender_closed = True
+                self.sender_closed = True
             else:
-                self._sender_left = True
-            self._cond.notify_all()
+                self.sender_left = True
+            self.cond.notify_all()
 
     def _refuse(self, exc: WeightSyncError) -> None:
         """A record failed authentication, or a sender cannot be used from here (a
         configuration error): fatal before a valid sender is known, else ignored."""
-        if self._source is None:
-            self._error = exc
-            with self._cond:
-                self._cond.notify_all()
+        if self.source is None:
+            self.error = exc
+            with self.cond:
+                self.cond.notify_all()
             self._stop.set()
         if str(exc) != self._last_refusal:
             log.error("receiver %r refused a record: %s", self.name, exc)
@@ -233,7 +291,7 @@ class ReceiverWatcher:
         if pointer is None:
             return
         current = int(pointer["epoch"])
-        floor = self._source.epoch if self._source is not None else 0
+        floor = self.source.epoch if self.source is not None else 0
         if current <= floor:
             return
         refusal: WeightSyncAuthError | None = None
@@ -257,16 +315,14 @@ class ReceiverWatcher:
         layout = Manifest.from_json(layout_text)
         closed_key = keys.closed(epoch)
         try:
-            if self._target is not None:
-                self._tensors = self._target.tensors_for(layout)
-            layout.check_module(self._tensors, self.name)
+            ordered = self._bind(layout)
             # A sender that has ended leaves no segment: that is not a reason for the network path.
-            source = self._make_source(epoch, layout, record, fallback=not ctl.has(closed_key))
+            source = self._make_source(epoch, layout, record, ordered, fallback=not ctl.has(closed_key))
         except WeightSyncSchemaError as exc:
-            self._error = exc  # raised by update()/wait_for_version(); reported on each version
+            self.error = exc  # raised by update()/wait_for_version(); reported on each version
             log.error("%s", exc)
-            with self._cond:
-                self._cond.notify_all()
+            with self.cond:
+                self.cond.notify_all()
             return
         except OSError as exc:  # its shared segment is gone: that sender has ended
             self._refused_epochs.add(epoch)
@@ -281,49 +337,31 @@ class ReceiverWatcher:
             self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
         with self._apply_lock:
-            if self._source is not None:
-                self._source.close()
-            self._source = source
-            self._sender_closed = self._sender_left = False
+            if self.source is not None:
+                self.source.close()
+            self.source = source
+            self.sender_closed = self.sender_left = False
         log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
-                 self._source.describe())  # fmt: skip
+                 self.source.describe())  # fmt: skip
 
     def _make_source(
-        self, epoch: int, layout: Manifest, record: dict[str, object], *, fallback: bool = True
+        self, epoch: int, layout: Manifest, record: dict[str, object], ordered: list[torch.Tensor], *, fallback: bool
     ) -> ReceiveSource:
-        if record.get("relay") and record["host"] != self._host:
-            if self.config.apply == "swap":
-                log.warning(
-                    "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
-                    "shared memory); the sender's cross_host='star' keeps the network path", self.name,
-                )  # fmt: skip
-            return open_relay_source(
-                self._ctl, layout, self._ordered_for(layout), record, epoch=epoch, rid=self.rid, host=self._host,
-                job=self._ctl.job, name=self.name, addr=local_address(self._store_address),
-                timeout_s=self.config.timeout_s, on_published=self._on_staged, on_rejected=self._on_rejected,
-            )  # fmt: skip
-        return open_source(
-            epoch, layout, record, self._ordered_for(layout), host=self._host, name=self.name,
-            swap=self.config.apply == "swap", fallback=fallback,
-            net=lambda backend: NetReceiveLink(
-                self._ctl, layout, epoch=epoch, rid=self.rid, backend=backend,
-                addr=local_address(self._store_address), timeout_s=self.config.timeout_s,
-                device=self._device if backend == "nccl" else torch.device("cpu"),
-                on_staged=self._on_staged, on_rejected=self._on_rejected,
-                newest=lambda: None if self._latest is None else self._latest.version,
-            ),
+        me = ReceiverSpec(
+            ctl=self._ctl, rid=self.rid, host=self._host, name=self.name, addr=local_address(self._store_address),
+            device=self._device, timeout_s=self.config.timeout_s, swap=self.config.apply == "swap",
+            on_staged=self._on_staged, on_rejected=self.on_rejected,
+            newest=lambda: None if self.latest is None else self.latest.version,
         )  # fmt: skip
-
-    def _ordered_for(self, layout: Manifest) -> list[torch.Tensor]:
-        return [self._tensors[e.name] for e in layout.entries]
+        return open_source(epoch, layout, record, ordered, me, fallback=fallback)
 
     def _on_staged(self, version: int) -> None:
         self._state.held(version)
         self._kick.set()  # the watcher acknowledges it now, not at its next (slow) poll
-        with self._cond:
-            self._cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
-    def _on_rejected(self, version: int, reason: str) -> None:
+    def on_rejected(self, version: int, reason: str) -> None:
         self.rejected += 1
         log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
         self._state.rejected(version, reason)

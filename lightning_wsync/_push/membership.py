@@ -14,16 +14,15 @@ its heartbeat has not moved for ``heartbeat_timeout_s``.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive, pid_namespace
+from lightning_wsync._control.member_state import encode_state
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.net.link import NetSendLink
+from lightning_wsync._planes.base import Peer
 from lightning_wsync.errors import WeightSyncAuthError
 
 log = logging.getLogger(__name__)
@@ -40,10 +39,8 @@ class Member:
     hb: int = 0
     hb_seen_at: float = 0.0  # time.monotonic() when hb last changed
     gone_reason: str | None = None
-    link: NetSendLink | None = None
     verify: bool = False  # wants per-bucket checksums on the shared-memory path
     pidns: int = 0  # its PID namespace (0: unknown); its pid is checked only from the same one
-    cleaned_gen: int = 0  # process-group keys of link generations up to this one are deleted
     gone_at: float = 0.0  # time.monotonic() when gone_reason was set
     retired: bool = False  # gone for good and its keys deleted from the store
 
@@ -51,88 +48,44 @@ class Member:
     def label(self) -> str:
         return self.name
 
-
-class Rejection(NamedTuple):
-    """A version a receiver refused, and why."""
-
-    version: int
-    reason: str
+    @property
+    def peer(self) -> Peer:
+        """As the data planes see it."""
+        return Peer(self.rid, self.name, self.host, self.verify)
 
 
-class MemberState(NamedTuple):
-    """What ``member/<rid>/state`` says: the newest version held, the last rejection."""
-
-    acked: int
-    rejected: Rejection | None
 
 
-def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
-    return {"acked": acked, "error": list(error) if error else None}
 
 
-def decode_state(ctl: Control, rid: int, raw: bytes) -> MemberState:
-    value = ctl.open(keys.member_state(rid), raw)
-    error = value["error"]
-    return MemberState(int(value["acked"]), None if error is None else Rejection(int(error[0]), str(error[1])))
 
 
-class StateReport:
-    """The receiver's side of ``member/<rid>/state``: newest version held, last rejection.
 
-    Producers (``update()``, the network link) only queue; the watcher thread writes.
-    """
 
-    def __init__(self, rid: int = -1) -> None:
-        self._rid = rid
-        self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
-        self._held = -1
-
-    def held(self, version: int) -> None:
-        self._queue.put((version, None))
-
-    def rejected(self, version: int, reason: str) -> None:
-        self._queue.put((-1, (version, reason)))
-
-    def moved_to(self, rid: int) -> None:
-        """Report under ``rid`` from now on (a receiver registered again keeps what it holds)."""
-        self._rid = rid
-
-    def write(self, ctl: Control, *, force: bool = False) -> None:
-        """Write what was queued since the last write (one store round trip, if any)."""
-        error: tuple[int, str] | None = None
-        changed = force
-        while True:
-            try:
-                version, err = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            changed = True
-            self._held = max(self._held, version)
-            error = err or error
-        if changed:
-            ctl.set_json(keys.member_state(self._rid), encode_state(self._held, error))
 
 
 class Membership:
     """The sender's view of the receivers, refreshed from its background thread.
 
-    It also keeps the store bounded: the keys of a receiver gone for good, and the
-    process-group keys of its links once a link is in use or replaced, are deleted;
-    ``members/low`` records the lowest id that may still be live, so a later sender
-    does not look through every id the job ever handed out.
+    It also keeps the store bounded: the keys of a receiver gone for good are deleted
+    (its planes free what they held for it: :meth:`take_changes`); ``members/low``
+    records the lowest id that may still be live, so a later sender does not look
+    through every id the job ever handed out. A retired receiver is forgotten here too,
+    ``_FORGET_AFTER`` heartbeat timeouts later, so days of churn keep nothing.
     """
 
-    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float, epoch: int = 0) -> None:
+    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float) -> None:
         self._ctl = control
         self._host_id = host_id
         self._heartbeat_timeout_s = heartbeat_timeout_s
-        self._epoch = epoch
         self._pidns = pid_namespace()
         low = control.get_json(keys.MEMBERS_LOW)
         self._next_rid = self._low = 0 if low is None else int(low)
         self._unrecorded: dict[int, float] = {}  # rid reserved, record not seen yet -> since
         self._members: dict[int, Member] = {}
         self._lock = threading.Lock()
+        self._gone: list[Member] = []  # since the last take_changes()
+        self._retired: list[Member] = []
         self._retire_lock = threading.Lock()  # a report never reads state keys being deleted
 
     def refresh(self) -> None:
@@ -179,25 +132,33 @@ class Membership:
             reason = self._gone_reason(member, now)
             if reason is not None:
                 member.gone_reason, member.gone_at = reason, now
-                if member.link is not None:
-                    member.link.close(timeout_s=0)
-            elif (link := member.link) is not None and link.gen > member.cleaned_gen and link.sent_version is not None:
-                self._delete_groups(member, link.gen)  # both ends joined: the group's keys are spent
+                with self._lock:
+                    self._gone.append(member)
+        self._forget_retired(now)
         self._advance_low()
 
-    def _delete_groups(self, member: Member, up_to_gen: int) -> None:
-        for gen in range(member.cleaned_gen + 1, up_to_gen + 1):
-            for key in keys.group_keys(keys.link_prefix(self._epoch, member.rid, gen)):
-                self._ctl.delete(key)
-        member.cleaned_gen = max(member.cleaned_gen, up_to_gen)
+    def take_changes(self) -> tuple[list[Peer], list[Peer]]:
+        """Receivers gone, and retired, since the last call (for the planes to let go of)."""
+        with self._lock:
+            gone, retired = self._gone, self._retired
+            self._gone, self._retired = [], []
+        return [m.peer for m in gone], [m.peer for m in retired]
 
     def _retire(self, member: Member) -> None:
         """Delete the keys of a receiver gone for good (reports keep its name and reason)."""
-        self._delete_groups(member, self._ctl.add(keys.member_link(member.rid), 0))
+        with self._lock:
+            self._retired.append(member)  # its network plane deletes its link counter and groups
         with self._retire_lock:
             member.retired = True
             for key in keys.member_keys(member.rid):
-                self._ctl.delete(key)
+                if key != keys.member_link(member.rid):
+                    self._ctl.delete(key)
+
+    def _forget_retired(self, now: float) -> None:
+        with self._lock:
+            for rid, m in list(self._members.items()):
+                if m.retired and now - m.gone_at >= _FORGET_AFTER * self._heartbeat_timeout_s:
+                    del self._members[rid]
 
     def _advance_low(self) -> None:
         with self._lock:
@@ -256,8 +217,6 @@ class Membership:
             return member.gone_reason
         if (silent := self._silent_reason(member)) is not None:
             return silent
-        if member.link is not None and member.link.error is not None:
-            return f"network link failed: {member.link.error}"
         if self._exited(member):
             return f"process {member.pid} exited"
         return None

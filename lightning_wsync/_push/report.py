@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lightning_wsync._push.membership import Member
-    from lightning_wsync._push.sender import WeightSender
+from lightning_wsync._control.member_state import decode_state
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import SendPlane
+from lightning_wsync._planes.delta.encode import DeltaStreams
+from lightning_wsync._push.membership import Member, Membership
+
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -56,33 +61,125 @@ class PushHandle:
     """Returned by :meth:`WeightSender.push`; ``wait()`` reports who got the version."""
 
     def __init__(
-        self, sender: WeightSender, version: int, started: float, stall_s: float, *, dropped: bool = False
-    ) -> None:
+        self, reporter: Reporter, version: int, started: float, stall_s: float, *, dropped: bool = False,
+        targets: Sequence[Member] = (),
+    ) -> None:  # fmt: skip
         self.version = version
         self.dropped = dropped
         self.stall_s = stall_s
-        self._sender = sender
-        self._started = started
+        self.started = started
+        self._reporter = reporter
         self._published = threading.Event()
-        self._targets: list[Member] = []
+        self._targets: list[Member] = list(targets)
         self._report: PushReport | None = None
 
-    def _set_targets(self, targets: list[Member]) -> None:
-        self._targets = targets
+    def published(self, live: Sequence[Member]) -> None:
+        """The version is announced: its targets are the receivers live at push time plus any found since."""
+        known = {m.rid for m in self._targets}
+        self._targets += [m for m in live if m.rid not in known]
         self._published.set()
 
     def wait(self, timeout_s: float | None = None) -> PushReport:
         """Wait up to ``timeout_s`` (default: the sender's) for every receiver that was
         live at publication to hold this version; never longer."""
-        if self._report is not None:
-            return self._report
-        if self.dropped:
-            self._report = PushReport(
-                self.version, (), stall_s=self.stall_s, bytes=self._sender.layout.total_bytes, dropped=True
-            )
-            return self._report
-        timeout_s = self._sender.config.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        self._published.wait(timeout=timeout_s)
-        self._report = self._sender._collect(self, self._targets, deadline, timeout_s)
+        if self._report is None:
+            timeout_s = self._reporter.timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + timeout_s
+            if not self.dropped:
+                self._published.wait(timeout=timeout_s)
+            self._report = self._reporter.collect(self, self._targets, deadline, timeout_s)
         return self._report
+
+
+class Reporter:
+    """Builds push reports from what the receivers acknowledge on the store and what the
+    planes saw; it holds the sender's pieces, never the sender."""
+
+    def __init__(
+        self, ctl: Control, members: Membership, planes: Callable[[], Sequence[SendPlane]],
+        deltas: DeltaStreams | None, *, total_bytes: int, timeout_s: float,
+    ) -> None:  # fmt: skip
+        self._ctl = ctl.clone()
+        self._lock = threading.Lock()
+        self._members = members
+        self._planes = planes
+        self._deltas = deltas
+        self._bytes = total_bytes
+        self.timeout_s = timeout_s
+
+    def collect(self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float) -> PushReport:
+        if handle.dropped:
+            return PushReport(handle.version, (), stall_s=handle.stall_s, bytes=self._bytes, dropped=True)
+        delivered, failed, last = self._settle(handle, targets, deadline, timeout_s)
+        return self._report(handle, targets, delivered, failed, last)
+
+    def _failure(self, rid: int) -> str | None:
+        reason = self._members.failure(rid)
+        for plane in self._planes():
+            reason = reason or plane.failure(rid)
+        return reason
+
+    def _settle(
+        self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float
+    ) -> tuple[list[str], dict[str, str], float | None]:
+        """Poll the targets' states until each has the version, refused it, or failed."""
+        pending = {m.rid: m for m in targets}
+        delivered: list[str] = []
+        failed: dict[str, str] = {}
+        last_delivery: float | None = None
+        while pending:
+            with self._lock:
+                states = self._members.read_states(self._ctl, list(pending))
+            for (rid, member), raw in zip(list(pending.items()), states):
+                state = decode_state(self._ctl, rid, raw)
+                if state.acked >= handle.version:
+                    delivered.append(member.label)
+                    last_delivery = time.perf_counter()
+                elif (rejected := state.rejected) is not None and rejected.version >= handle.version:
+                    failed[member.label] = f"rejected version {rejected.version}: {rejected.reason}"
+                elif (reason := self._failure(rid)) is not None:
+                    failed[member.label] = reason
+                else:
+                    continue
+                del pending[rid]
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                for rid, member in pending.items():
+                    age = self._members.heartbeat_age_s(rid)
+                    failed[member.label] = (
+                        f"no acknowledgement of version {handle.version} within timeout_s={timeout_s} "
+                        f"(last heartbeat {age:.1f} s ago); it is stalled or slow: check it, or raise timeout_s"
+                    )
+                break
+            # Poll often at first (small pushes), then at 1% of the time spent so far: the
+            # report's latency stays within ~1% while a long push costs the store few requests.
+            elapsed = time.perf_counter() - handle.started
+            time.sleep(min(_POLL_MAX_S, max(_POLL_MIN_S, elapsed / 100)))
+        return delivered, failed, last_delivery
+
+    def _report(
+        self, handle: PushHandle, targets: list[Member], delivered: list[str], failed: dict[str, str],
+        last_delivery: float | None,
+    ) -> PushReport:  # fmt: skip
+        peers = [m.peer for m in targets]
+        by_delta: dict[str, float | None] = {}
+        for plane in self._planes():
+            seen = plane.deliveries(handle.version, peers)
+            # A receiver that failed after its host got the delta did not get it; one that took it and refused it did.
+            by_delta.update({name: d.decode_s for name, d in seen.items() if d.delta and (d.own or name not in failed)})
+        stats = self._deltas.stats_for(handle.version) if self._deltas is not None and by_delta else None
+        decode_times = [t for t in by_delta.values() if t is not None]
+        return PushReport(
+            version=handle.version,
+            delivered=tuple(delivered),
+            failed=failed,
+            stall_s=handle.stall_s,
+            latency_s=None if last_delivery is None else last_delivery - handle.started,
+            bytes=self._bytes,
+            delta_receivers=tuple(by_delta),
+            delta_bytes=None if stats is None else stats.wire_bytes,
+            delta_changed_share=None if stats is None else stats.changed_share,
+            delta_encode_s=None if stats is None else stats.encode_s,
+            delta_decode_s=max(decode_times) if decode_times else None,
+        )

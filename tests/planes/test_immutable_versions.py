@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from lightning_wsync import WeightReceiver, WeightSender
+from lightning_wsync._pull import receiver as receiver_module
+from lightning_wsync._pull.watcher import Watcher
 
 PUSHES = 300
 _SIDE = 512  # 4 tensors of 512x512 fp32: 4 MiB, a copy of about a millisecond
@@ -43,14 +45,24 @@ def held_values(module: nn.Module) -> set[float]:
     return {float(v) for t in module.parameters() for v in (t.detach().min(), t.detach().max())}
 
 
-class TimedReceiver(WeightReceiver):
+class TimedWatcher(Watcher):
     """Notes when each version finished arriving over its network link."""
 
-    staged_at: list[tuple[float, int]]
+    staged_at: list[tuple[float, int]] = []
 
     def _on_staged(self, version: int) -> None:
         self.staged_at.append((time.monotonic(), version))
         super()._on_staged(version)
+
+
+class TimedReceiver(WeightReceiver):
+    """A receiver whose watcher notes staging times (in the child process only)."""
+
+    staged_at = TimedWatcher.staged_at
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        receiver_module.Watcher = TimedWatcher  # type: ignore[misc]
+        super().__init__(*args, **kwargs)
 
 
 def stress_receiver(
@@ -62,7 +74,7 @@ def stress_receiver(
     fill(module, -1.0)
     mixes, checks, applies = 0, 0, []
     seen: list[Any] = []
-    TimedReceiver.staged_at = []
+    TimedWatcher.staged_at.clear()
     with TimedReceiver(module, store=store, job=job, timeout_s=20, **options) as receiver:
         receiver.wait_for_version(0, timeout_s=60)
         if started is not None:
@@ -154,7 +166,7 @@ _KILLED_SENDER = textwrap.dedent(
     """
     import os, sys, torch
     from torch import nn
-    sys.path[:0] = [{tests!r}, {support!r}]
+    sys.path.insert(0, {tests!r})
     from test_immutable_versions import fill, flat_model
     from lightning_wsync import WeightSender
     model = flat_model()
@@ -174,16 +186,13 @@ _KILLED_SENDER = textwrap.dedent(
 def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
     store = f"127.0.0.1:{port}"
     job = "killed-mid-snapshot"
-    tests, support = str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "support")
-
-    def script(first: int) -> str:
-        return _KILLED_SENDER.format(tests=tests, support=support, store=store, job=job, first=first)
-
+    tests = str(Path(__file__).resolve().parent)
     host = WeightSender(nn.Linear(1, 1), store=store, job="store-host")  # keeps the store up across trainers
     ctx = mp.get_context("spawn")
     results, stop, started = ctx.Queue(), ctx.Event(), ctx.Queue()
     try:
-        first = subprocess.Popen([sys.executable, "-c", script(0)], stdout=subprocess.PIPE, text=True)
+        first = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, store=store, job=job,
+                                 first=0)], stdout=subprocess.PIPE, text=True)  # fmt: skip
         children.track(first.pid)
         assert first.stdout is not None and first.stdout.readline().startswith("ready")
         procs = [ctx.Process(target=stress_receiver, args=(store, job, {}, stop, results, None, started))
@@ -197,7 +206,7 @@ def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
         probe_module = flat_model()
         with WeightReceiver(probe_module, store=store, job=job, name="watch") as probe:
             probe.wait_for_version(0, timeout_s=60)
-            segment = probe._source._reader._segment  # type: ignore[union-attr]
+            segment = probe._watcher.source._reader._segment  # type: ignore[union-attr]
             # SIGKILL while a slot is being written: poll the header for an odd sequence.
             deadline = time.monotonic() + 60
             while True:
@@ -216,7 +225,8 @@ def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
             assert before is not None and held_values(probe_module) == {float(probe.version)}
             # A restarted trainer: its versions reach every receiver at once.
             restart = 10**5
-            second = subprocess.Popen([sys.executable, "-c", script(restart)], stdout=subprocess.PIPE, text=True)
+            second = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, store=store,
+                                      job=job, first=restart)], stdout=subprocess.PIPE, text=True)  # fmt: skip
             children.track(second.pid)
             assert second.stdout is not None and second.stdout.readline().startswith("ready")
             assert probe.wait_for_version(restart, timeout_s=20) >= restart

@@ -63,7 +63,7 @@ def test_link_the_sender_dropped_is_rebuilt(children, port):
         assert sender.push(1).wait(timeout_s=60).delivered == ("r0",)
         newest_held(results, "r0", 1, digest(model), 30)
         member = next(m for m in sender._members.members() if m.name == "r0")
-        old = member.link
+        old = sender._side.net._links.get(member.rid)
         assert old is not None
         old.close()
 
@@ -77,7 +77,8 @@ def test_link_the_sender_dropped_is_rebuilt(children, port):
         print(f"dropped link: version 2 delivered {took:.2f} s after the push (timeout_s={TIMEOUT_S})")
         assert took < TIMEOUT_S + 20
         newest_held(results, "r0", 2, digest(model), 30)
-        assert member.link is not None and member.link.gen > old.gen
+        new = sender._side.net._links.get(member.rid)
+        assert new is not None and new.gen > old.gen
 
         prefix = f"pg/{sender.epoch}/{member.rid}/{old.gen}/"
         left = [k for k in ("ready/0", "ready/1", "ann/0", "ann/1", "0/0", "0/1") if job_store(port, "drop").check(

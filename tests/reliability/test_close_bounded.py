@@ -34,7 +34,7 @@ def wsync_threads() -> list[str]:
 
 def sending(sender: WeightSender, keys: dist.Store, count: int) -> bool:
     """``count`` links announced version 2's send (their receivers, stopped, never read it)."""
-    links = [m.link for m in sender._members.members() if m.link is not None]
+    links = list(sender._side.net._links.values())
     return sum(bool(keys.check([f"pg/{sender.epoch}/{link.rid}/{link.gen}/ann/1"])) for link in links) >= count
 
 

@@ -1,0 +1,74 @@
+"""``member/<rid>/state``: what a receiver says it holds and what it last refused.
+
+The receiver writes it (:class:`StateReport`); the sender's push reports read it
+(:func:`decode_state`).
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import NamedTuple
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+
+
+class Rejection(NamedTuple):
+    """A version a receiver refused, and why."""
+
+    version: int
+    reason: str
+
+
+class MemberState(NamedTuple):
+    """What ``member/<rid>/state`` says: the newest version held, the last rejection."""
+
+    acked: int
+    rejected: Rejection | None
+
+
+def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
+    return {"acked": acked, "error": list(error) if error else None}
+
+
+def decode_state(ctl: Control, rid: int, raw: bytes) -> MemberState:
+    value = ctl.open(keys.member_state(rid), raw)
+    error = value["error"]
+    return MemberState(int(value["acked"]), None if error is None else Rejection(int(error[0]), str(error[1])))
+
+
+class StateReport:
+    """The receiver's side of ``member/<rid>/state``: newest version held, last rejection.
+
+    Producers (``update()``, the network link) only queue; the watcher thread writes.
+    """
+
+    def __init__(self, rid: int = -1) -> None:
+        self._rid = rid
+        self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
+        self._held = -1
+
+    def held(self, version: int) -> None:
+        self._queue.put((version, None))
+
+    def rejected(self, version: int, reason: str) -> None:
+        self._queue.put((-1, (version, reason)))
+
+    def moved_to(self, rid: int) -> None:
+        """Report under ``rid`` from now on (a receiver registered again keeps what it holds)."""
+        self._rid = rid
+
+    def write(self, ctl: Control, *, force: bool = False) -> None:
+        """Write what was queued since the last write (one store round trip, if any)."""
+        error: tuple[int, str] | None = None
+        changed = force
+        while True:
+            try:
+                version, err = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            self._held = max(self._held, version)
+            error = err or error
+        if changed:
+            ctl.set_json(keys.member_state(self._rid), encode_state(self._held, error))

@@ -1,0 +1,75 @@
+"""The relay plane's send side: the chain of host leaders, fed by :class:`RelayHead`.
+
+At each membership refresh the chain is re-formed from the live receivers that lead a
+host other than the sender's (each host elects its leader on the store:
+:mod:`~lightning_wsync._planes.relay.host`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import Delivery, Peer
+from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
+from lightning_wsync._planes.relay.head import RelayHead, leader_record
+from lightning_wsync._planes.shm.ring import SnapshotRing
+
+
+class RelaySendPlane:
+    """One copy of each version into each other host, relayed leader to leader."""
+
+    def __init__(
+        self, control: Control, ring: SnapshotRing, *, epoch: int, host: str, backend: str, addr: str,
+        timeout_s: float, heartbeat_timeout_s: float, deltas: DeltaStreams | None, policy: AutoPolicy,
+    ) -> None:  # fmt: skip
+        self._ctl = control
+        self._report_ctl = control.clone()  # push reports read receipts from the callers' threads
+        self._report_lock = threading.Lock()
+        self._epoch = epoch
+        self._host = host
+        self._delta = deltas is not None
+        self._head = RelayHead(
+            control, ring, epoch=epoch, backend=backend, addr=addr, timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas, policy=policy,
+        )  # fmt: skip
+
+    def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
+        by_rid = {p.rid: p for p in live}
+        leaders: dict[int, str] = {}
+        for host in sorted({p.host for p in live if p.host != self._host}):
+            record = leader_record(self._ctl, self._epoch, host)
+            if record is not None and int(str(record["rid"])) in by_rid:
+                leaders[int(str(record["rid"]))] = host
+        self._head.update_chain(leaders)
+
+    def published(self, version: int, live: Sequence[Peer]) -> None:
+        pass  # the head's thread waits on the ring for the next version itself
+
+    def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
+        """A receiver on a relay host got ``version`` the way its host's leader did."""
+        if not self._delta:
+            return {}
+        with self._report_lock:
+            receipts = self._head.receipts(self._report_ctl, version)
+        return {
+            p.name: Delivery(True, receipts[p.host].decode_s, own=False)
+            for p in peers
+            if p.host in receipts and receipts[p.host].delta
+        }
+
+    def failure(self, rid: int) -> str | None:
+        return None  # a failed hop is bypassed; the receivers behind it report through their state
+
+    @property
+    def superseded(self) -> int:
+        return 0
+
+    def stop(self) -> None:
+        pass  # close() stops the head and joins it against the deadline
+
+    def close(self, deadline: float) -> list[str]:
+        self._head.close(timeout_s=max(0.0, deadline - time.monotonic()))
+        return []
