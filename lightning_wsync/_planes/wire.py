@@ -5,7 +5,7 @@ format every hop (a direct link, a relay hop) sends a version in:
     body    ``pieces`` pieces of the version (FULL), or a delta (DELTA: one record per bucket)
     trailer int64 [slot sequence after the send (-1: overwritten), checksum per bucket, HMAC]
 
-:mod:`~lightning_wsync._planes.verify` is the one check of a received trailer.
+:func:`verify` is the one check of a received version, on every hop.
 
 Groups are ``ProcessGroupGloo``/``ProcessGroupNCCL`` objects on a prefix of the shared
 store, never the default group (that one belongs to Lightning's DDP): a peer that dies or
@@ -15,6 +15,7 @@ stalls fails only its own group.
 from __future__ import annotations
 
 import hmac
+import logging
 import struct
 import threading
 from collections.abc import Sequence
@@ -24,7 +25,10 @@ from typing import NamedTuple, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
+
+log = logging.getLogger(__name__)
 
 
 class Work(Protocol):
@@ -203,3 +207,50 @@ def sums_mismatch(buckets: Sequence[tuple[int, int]], got: list[int], sent: list
         return None
     a, b = buckets[bad[0]]
     return f"checksum mismatch{where} in {len(bad)} bucket(s), first bytes [{a}, {b})"
+
+
+class Verdict(NamedTuple):
+    """What became of one received version."""
+
+    accepted: bool
+    reason: str | None  # why it was rejected; None when accepted or dropped (overwritten during its send)
+    sums: list[int] | None  # accepted with checksums: the trailer's (unsigned), naming what the buffer holds
+
+
+class Arrival(NamedTuple):
+    """One version as it came in, for :func:`verify`."""
+
+    version: int
+    seq: int  # the slot sequence its header announced
+    trailer: list[int]
+    sums: list[int] | None  # checksums computed here; None: none can be (a CUDA buffer)
+    delta_error: str | None  # why a delta could not be rebuilt
+
+
+def verify(ctl: Control, layout: Manifest, *, epoch: int, rid: int, got: Arrival, where: str = "") -> Verdict:
+    """The one check of a version received on any hop (a direct link, a relay hop), in this order.
+
+    The trailer's slot sequence must equal the header's (else the sender's slot was
+    overwritten during the send, or an upstream leader could not rebuild it: dropped
+    without a rejection, the next version follows); its MAC must verify for (``epoch``,
+    ``rid``) with the job's secret; a delta must have been rebuilt; every checksum
+    computed here must equal the trailer's. ``where`` goes into the messages.
+    """
+    nb = len(layout.buckets)
+    if len(got.trailer) != trailer_words(nb):
+        raise RuntimeError(f"version {got.version}: a trailer of {len(got.trailer)} words; the hop is out of step")
+    if got.trailer[0] != got.seq:
+        log.debug("version %d%s was overwritten during its send, or not rebuilt upstream; waiting for the next",
+                  got.version, where)  # fmt: skip
+        return Verdict(False, None, None)
+    sent, mac = got.trailer[1 : 1 + nb], got.trailer[1 + nb :]
+    if not trailer_signed(ctl, epoch, rid, got.version, got.seq, sent, mac):
+        return Verdict(False, f"trailer not signed with this job's secret{where} (secret= / WSYNC_SECRET)", None)
+    if got.delta_error is not None:
+        return Verdict(False, f"delta not applied{where} ({got.delta_error}); the next version comes in full", None)
+    if got.sums is None:
+        return Verdict(True, None, None)
+    mismatch = sums_mismatch(layout.buckets, got.sums, sent, where=where)
+    if mismatch is not None:
+        return Verdict(False, mismatch, None)
+    return Verdict(True, None, [s & (2**64 - 1) for s in sent])

@@ -8,9 +8,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control.manifest import build_manifest, checksum
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.delta.wire import held_of
-from lightning_wsync._planes.verify import Arrival, verify
-from lightning_wsync._planes.wire import DELTA, FULL, Header, pieces, signed_trailer, to_int64
+from lightning_wsync._planes.wire import DELTA, FULL, Arrival, Header, pieces, signed_trailer, to_int64, verify
 
 
 def _setup():
@@ -48,7 +46,7 @@ def test_verify_checks_sequence_then_signature_then_delta_then_checksums(secret)
         return verify(ctl, layout, epoch=2, rid=5, got=Arrival(9, 6, trailer, got_sums, error), where=where)
 
     good = _trailer(ctl, sums)
-    assert run(good) == (True, None, held_of(9, sums))
+    assert run(good) == (True, None, sums)
     assert run(good, None) == (True, None, None)  # a CUDA buffer: nothing to hash here
     # overwritten during its send: dropped without a rejection, whatever else is wrong
     assert run(_trailer(ctl, sums, intact=False), error="bad") == (False, None, None)

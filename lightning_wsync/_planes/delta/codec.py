@@ -21,6 +21,8 @@ version and checks it against the sender's per-bucket checksums of that version
 header names the base version and a digest of the base's bucket checksums, so a
 receiver that holds anything else refuses the delta before touching its buffer
 (:class:`DeltaBaseMismatch`) and asks for a full version instead.
+
+Longer than 300 lines: the record format, its encoder and its decoder agree byte for byte, read side by side.
 """
 
 from __future__ import annotations

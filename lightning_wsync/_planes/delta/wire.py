@@ -21,12 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum
 from lightning_wsync._planes.delta.codec import (
+    BucketDelta,
     DeltaDecoder,
     DeltaError,
     DeltaHeader,
@@ -34,9 +35,6 @@ from lightning_wsync._planes.delta.codec import (
 )
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import PeerGroup, Work, to_int64
-
-if TYPE_CHECKING:
-    from lightning_wsync._planes.delta.encode import DeltaStream
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +68,16 @@ def parse_ready_note(text: str | None) -> tuple[Held | None, float | None]:
         )
     except (ValueError, TypeError, KeyError, IndexError):
         return None, None
+
+
+class DeltaStream(Protocol):
+    """What a delta send reads (:class:`~lightning_wsync._planes.delta.encode.DeltaStream`):
+    its header, then each bucket's record, in order."""
+
+    @property
+    def header(self) -> DeltaHeader: ...
+
+    def record(self, index: int) -> BucketDelta: ...
 
 
 @dataclass

@@ -11,9 +11,9 @@ A version travels as an announcement key on the store, then the message every ho
 delta, signed trailer). The sender holds a lease on the ring slot for the whole send,
 renewed as each piece goes out, so a send is overwritten only when it makes no progress
 for the lease. The receiver stages the bytes privately and accepts them only as
-:func:`~lightning_wsync._planes.verify.verify` says.
+:func:`~lightning_wsync._planes.wire.verify` says.
 
-Both ends of a link are in this one module (~400 lines): they are one protocol, read side by side.
+Longer than 300 lines: both ends of a link, one protocol, read side by side.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest, checksum
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
-from lightning_wsync._planes.delta.wire import Held, parse_ready_note, ready_note, recv_records, send_delta
+from lightning_wsync._planes.delta.wire import Held, held_of, parse_ready_note, ready_note, recv_records, send_delta
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.verify import Arrival, verify
 from lightning_wsync._planes.wire import (
     DELTA,
     FULL,
     HEADER_WORDS,
+    Arrival,
     Header,
     Interruptible,
     PeerGroup,
@@ -45,6 +45,7 @@ from lightning_wsync._planes.wire import (
     signed_trailer,
     to_int64,
     trailer_words,
+    verify,
 )
 from lightning_wsync.errors import WeightSyncStoreError
 
@@ -374,8 +375,8 @@ class NetReceiveLink:
             with self.lock:
                 self.staged_version = version
                 self._taken.clear()
-            if verdict.held is not None:
-                self._held, self._held_buffer = verdict.held, staging
+            if verdict.sums is not None:
+                self._held, self._held_buffer = held_of(version, verdict.sums), staging
             self._hold_s = time.monotonic() - started
             self._on_staged(version)
 

@@ -30,21 +30,22 @@ import xxhash
 from lightning_wsync._control.manifest import Manifest, checksum
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaDecoder, DeltaError, DeltaHeader
-from lightning_wsync._planes.delta.wire import DeltaStats, Held, ready_note, record_pieces
+from lightning_wsync._planes.delta.wire import DeltaStats, Held, held_of, ready_note, record_pieces
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.head import RELAY_RID, chunks
 from lightning_wsync._planes.shm.ring import Draft, SnapshotRing
-from lightning_wsync._planes.verify import Arrival, verify
 from lightning_wsync._planes.wire import (
     DELTA,
     FULL,
     HEADER_WORDS,
     OVERWRITTEN,
+    Arrival,
     Header,
     PeerGroup,
     Work,
     to_int64,
     trailer_words,
+    verify,
 )
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class HopReceiver:
         verdict = verify(ctl, self.layout, epoch=epoch, rid=RELAY_RID, got=got, where=" on the relay")
         if not verdict.accepted:
             return False, verdict.reason
-        self.held = verdict.held
+        self.held = None if verdict.sums is None else held_of(msg.version, verdict.sums)
         self._base = self._target
         self._accepted = (msg.version, msg.seq, msg.trailer)
         return True, None
