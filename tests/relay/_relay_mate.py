@@ -4,24 +4,16 @@ relay's log lines."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 
 import torch
+from _relay_receiver import emit  # tests/multihost
 from _workers import build, digest
 
 from lightning_wsync import WeightReceiver
 from lightning_wsync._control.host import pid_namespace
-
-
-def emit(path: str, **fields: object) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(fields) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def main(store: str, job: str, name: str, events: str, last: int) -> None:

@@ -59,7 +59,7 @@ class Host:
 
     def start(self, name: str, prefix: list[str]) -> int:
         """Start host-mate ``name`` under ``prefix``; its rid once it has registered."""
-        path = os.pathsep.join([str(HERE.parents[1]), str(SUPPORT)])
+        path = os.pathsep.join([str(HERE.parents[1]), str(SUPPORT), str(HERE.parent / "multihost")])
         env = {**os.environ, "WSYNC_HOST_ID": HOST, "PYTHONPATH": path}
         # It applies versions until the test ends (a receiver that closes resigns: the record must stay).
         argv = [sys.executable, str(HERE / "_relay_mate.py"), str(self.sender.store_address), self.job, name,
