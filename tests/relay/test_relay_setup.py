@@ -7,6 +7,7 @@ PID namespace of its own, or a /dev/shm of its own (full, or just separate).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from _workers import build, digest, mutate
 from lightning_wsync import WeightSender
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.shm.segment import unlink_segment
 from lightning_wsync.testing.procs import Children
 
 pytestmark = [
@@ -115,6 +117,8 @@ def sender(monkeypatch: pytest.MonkeyPatch, port: int, request: pytest.FixtureRe
         sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, timeout_s=10, heartbeat_timeout_s=3)
     with sender:
         yield sender, model, job
+    for path in glob.glob(f"/dev/shm/wsync-*-relay-{job[:20]}*"):  # the leaders' rings: SIGKILLed, they left them
+        unlink_segment(path)
 
 
 def test_leader_in_another_pid_namespace_is_judged_by_heartbeat(children, tmp_path, sender) -> None:

@@ -9,6 +9,7 @@ forward) are in :mod:`~lightning_wsync._planes.relay.hop` and :mod:`~lightning_w
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -75,8 +76,9 @@ class RelayMember:
         self._on_published = on_published
         self._on_rejected = on_rejected
         self._fall_back = fall_back
-        # One segment name per process and host: simulated hosts may share a process or /dev/shm.
-        shm = segment_name(f"{job}-relay-{keys.host_key(host)}", epoch)
+        # Unique to this member: simulated hosts may share a process or /dev/shm, and a restarted
+        # container reuses PIDs while a SIGKILLed predecessor's segment may still be there.
+        shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
         self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
