@@ -9,13 +9,15 @@
 
 - **Leaders.** On each host the receivers elect one leader through the store
   (``compare_set`` on ``relay/<epoch>/leader/<host>``, keyed by :func:`host_id`). A
-  leader whose process is gone (same host: checked by PID) or whose heartbeat has not
-  moved for the sender's ``heartbeat_timeout_s`` is replaced by a host-mate; no process
-  restarts. Only the leader receives from the network; it verifies each version into a
-  private staging buffer, then writes it into the host's shared-memory segment under
-  the same sequence-counter rules as the trainer's snapshot, and every receiver on the
-  host (the leader included) applies from there exactly as same-host receivers of the
-  trainer do.
+  leader whose process is gone (checked by PID only from the leader's own PID namespace)
+  or whose heartbeat has not moved for the sender's ``heartbeat_timeout_s`` is replaced by
+  a host-mate; no process restarts. A leader that cannot create the host segment resigns;
+  it, and a host-mate that cannot open the leader's segment (another /dev/shm or user),
+  receive over the network from the sender instead (:mod:`~lightning_wsync._planes.relay.host`).
+  Only the leader receives from the network; it verifies each version into a private
+  staging buffer, then writes it into the host's shared-memory segment under the same
+  sequence-counter rules as the trainer's snapshot, and every receiver on the host (the
+  leader included) applies from there exactly as same-host receivers of the trainer do.
 - **Chain.** The sender orders the live leaders into a chain (``relay/<epoch>/chain``:
   a generation and a list of receiver ids; hosts that join are appended) and sends each
   version once, to the first. Every leader forwards chunk k downstream as soon as it has
@@ -42,7 +44,9 @@
   (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
   heartbeat stops) and publishes a new generation; every leader rebuilds its hops and
   the head sends the newest version again. A dropped leader is re-admitted after
-  ``heartbeat_timeout_s`` if still live.
+  ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it leaves it;
+  the sender deletes what dead leaders and replaced chains left once ``timeout_s +
+  heartbeat_timeout_s`` have passed (:mod:`~lightning_wsync._planes.relay.tidy`).
 
 Why a chain and not a tree: measured on simulated hosts (see the README), a chain keeps
 every link at one copy per version, so the trainer's egress and each host's egress stay
