@@ -26,6 +26,7 @@ from lightning_wsync._planes.relay.head import (
     join_hop,
     read_chain,
 )
+from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, shutdown_group
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class Downstream:
         self._works: list[object] = []
         self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
         self._n = 0  # messages started on this hop
+        self._notes_read = 0  # ready notes read (and deleted) on this hop
         self._broken = False
         self._ready = threading.Event()
         self._closed = threading.Event()
@@ -107,7 +109,7 @@ class Downstream:
                     with self._notes_cv:
                         self._notes[n] = held
                         self._notes_cv.notify_all()
-                    n += 1
+                    n = self._notes_read = n + 1
                     continue
                 now = time.monotonic()
                 if now >= next_check:
@@ -215,3 +217,5 @@ class Downstream:
         if self._connector is not None:
             self._connector.join(timeout=1.0)
         shutdown_group(self._pg)
+        if self._prefix is not None:
+            forget_hop(self._ctl, self._prefix, 0, spent=self._pg is not None, notes=(self._notes_read,))

@@ -9,13 +9,15 @@
 
 - **Leaders.** On each host the receivers elect one leader through the store
   (``compare_set`` on ``relay/<epoch>/leader/<host>``, keyed by :func:`host_id`). A
-  leader whose process is gone (same host: checked by PID) or whose heartbeat has not
-  moved for the sender's ``heartbeat_timeout_s`` is replaced by a host-mate; no process
-  restarts. Only the leader receives from the network; it verifies each version into a
-  private staging buffer, then writes it into the host's shared-memory segment under
-  the same sequence-counter rules as the trainer's snapshot, and every receiver on the
-  host (the leader included) applies from there exactly as same-host receivers of the
-  trainer do.
+  leader whose process is gone (checked by PID only from the leader's own PID namespace)
+  or whose heartbeat has not moved for the sender's ``heartbeat_timeout_s`` is replaced by
+  a host-mate; no process restarts. A leader that cannot create the host segment resigns;
+  it, and a host-mate that cannot open the leader's segment (another /dev/shm or user),
+  receive over the network from the sender instead (:mod:`~lightning_wsync._planes.relay.host`).
+  Only the leader receives from the network; it verifies each version into a private
+  staging buffer, then writes it into the host's shared-memory segment under the same
+  sequence-counter rules as the trainer's snapshot, and every receiver on the host (the
+  leader included) applies from there exactly as same-host receivers of the trainer do.
 - **Chain.** The sender orders the live leaders into a chain (``relay/<epoch>/chain``:
   a generation and a list of receiver ids; hosts that join are appended) and sends each
   version once, to the first. Every leader forwards chunk k downstream as soon as it has
@@ -42,7 +44,9 @@
   (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
   heartbeat stops) and publishes a new generation; every leader rebuilds its hops and
   the head sends the newest version again. A dropped leader is re-admitted after
-  ``heartbeat_timeout_s`` if still live.
+  ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it leaves it;
+  the sender deletes what dead leaders and replaced chains left once ``timeout_s +
+  heartbeat_timeout_s`` have passed (:mod:`~lightning_wsync._planes.relay.tidy`).
 
 Why a chain and not a tree: measured on simulated hosts (see the README), a chain keeps
 every link at one copy per version, so the trainer's egress and each host's egress stay
@@ -67,8 +71,10 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
+from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import DELTA, FULL, Header, PeerGroup, make_group, shutdown_group, signed_trailer
+from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +216,8 @@ class RelayHead:
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._pieces = chunks(ring.layout)
+        self._sweeper = RelaySweeper(epoch, linger_s=timeout_s + heartbeat_timeout_s)
+        self._notes = 0  # ready notes taken on the current hop to the first leader
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)
         self._thread.start()
 
@@ -226,8 +234,11 @@ class RelayHead:
         wanted = {rid for rid in leaders if rid not in self._excluded}
         kept = [r for r in self.chain.rids if r in wanted]
         rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
+        self._sweeper.sweep(ctl, leaders)
         if rids == self.chain.rids:
             return
+        if self.chain.gen:
+            self._sweeper.replaced(self.chain.gen, self.chain.rids)
         self.chain = Chain(self.chain.gen + 1, rids)
         ctl.set_json(keys.relay_chain(self._epoch), {"gen": self.chain.gen, "rids": list(rids)})
         log.info("relay chain gen %d: %s", self.chain.gen, list(rids))
@@ -252,10 +263,11 @@ class RelayHead:
                 self._changed.wait(CHAIN_POLL_S)
                 continue
             first = chain.rids[0]
+            prefix = keys.relay_hop_prefix(self._epoch, chain.gen, first)
             pg: PeerGroup | None = None
+            self._notes = 0
             try:
-                pg = join_hop(ctl, keys.relay_hop_prefix(self._epoch, chain.gen, first), 0, self._backend, self._addr,
-                              self._timeout_s, self._superseded)  # fmt: skip
+                pg = join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s, self._superseded)
                 self._feed(pg, ctl, chain)
             except Superseded:
                 continue
@@ -266,6 +278,7 @@ class RelayHead:
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
                 shutdown_group(pg)
+                forget_hop(ctl, prefix, 0, spent=pg is not None, notes=(self._notes,))
 
     def _superseded(self) -> bool:
         return self._stop.is_set() or self._changed.is_set()
@@ -295,6 +308,7 @@ class RelayHead:
             finally:
                 lease.release()
             sent, n = lease.ref.version, n + 1
+            self._notes = n
 
     def _wait_ready(self, ctl: Control, key: str, sent: int | None, first: int) -> Held | None:
         """The first leader's ``ready`` note: waited for without a bound while there is nothing
@@ -338,10 +352,12 @@ class RelayHead:
         self._stop.set()
         self._changed.set()
         self._thread.join(timeout=timeout_s)
+        try:
+            self._sweeper.close(self._control, self.chain.gen, self.chain.rids)
+        except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
+            log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)
 
 
 def leader_record(ctl: Control, epoch: int, host: str) -> dict[str, object] | None:
     value = ctl.get_json(keys.relay_leader(epoch, host))
     return None if value is None else dict(value)
-
-

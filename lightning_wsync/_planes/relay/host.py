@@ -1,14 +1,15 @@
-"""A rollout host of the relay: leader election, the host's ring, and the receivers' data plane.
+"""A rollout host of the relay: each receiver's member thread (elect, lead, relay) and its data plane.
 
-See :mod:`~lightning_wsync._planes.relay.head` for the chain; the leader's hops (receive,
-rebuild, verify, forward) are in :mod:`~lightning_wsync._planes.relay.hop` and
-:mod:`~lightning_wsync._planes.relay.down`.
+Election is in :mod:`~lightning_wsync._planes.relay.elect`, the host ring (and the
+network fallback) in :mod:`~lightning_wsync._planes.relay.source`, the chain in
+:mod:`~lightning_wsync._planes.relay.head`; the leader's hops (receive, rebuild, verify,
+forward) are in :mod:`~lightning_wsync._planes.relay.hop` and :mod:`~lightning_wsync._planes.relay.down`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -16,11 +17,12 @@ from collections.abc import Callable
 import torch
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.host import pid_alive
 from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.base import Reject, SumsLookup
+from lightning_wsync._planes.net.link import NetReceiveLink
+from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.down import Downstream
+from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.head import (
     CHAIN_POLL_S,
     POLL_S,
@@ -31,62 +33,16 @@ from lightning_wsync._planes.relay.head import (
     read_chain,
 )
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.source import HostSegment, RelaySource
+from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.shm.ring import SnapshotRing
-from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
-from lightning_wsync._planes.shm.source import SharedMemorySource
+from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.wire import PeerGroup, shutdown_group
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-_SEGMENT_POLL_S = 0.005  # a waiting host-mate reads the segment header this often (~0.5% of a core)
 _RECEIPTS = 8  # versions a leader reports how it got (push reports read them)
-
-
-class HostSegment:
-    """The host's ring of verified versions, read as same-host receivers read the trainer's."""
-
-    def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], name: str) -> None:
-        self.epoch = epoch
-        self.layout = layout
-        self._ordered = ordered
-        self._name = name
-        self._source: SharedMemorySource | None = None
-        self._segment: str | None = None
-        self._lock = threading.Lock()
-
-    def follow(self, segment: str | None) -> None:
-        """Read from the ring ``segment`` from now on (the current leader's)."""
-        with self._lock:
-            if segment == self._segment and self._source is not None:
-                return
-            if self._source is not None:
-                self._source.close()
-                self._source = None
-            self._segment = segment
-            if segment is not None:
-                try:
-                    reader = ShmReader(segment, self.layout)
-                except (OSError, ValueError, WeightSyncError) as exc:  # a new leader is creating it: retried
-                    log.debug("host ring %s not readable yet: %s", segment, exc)
-                    self._segment = None
-                    return
-                self._source = SharedMemorySource(self.epoch, self.layout, self._ordered, reader, self._name)
-
-    def current(self) -> SharedMemorySource | None:
-        return self._source
-
-    def apply(self, held: int | None, reject: Reject) -> int | None:
-        with self._lock:  # follow() cannot close the ring under a copy
-            source = self._source
-            return None if source is None else source.apply(held, None, reject)  # verified by the leader
-
-    def pending_above(self, held: int | None) -> bool:
-        with self._lock:
-            return self._source is not None and self._source.pending_above(held)
-
-    def close(self) -> None:
-        self.follow(None)
 
 
 class RelayMember:
@@ -95,13 +51,16 @@ class RelayMember:
     One named thread: every ``CHAIN_POLL_S`` it reads the host's leader record, takes
     over when the leader is gone or silent, points the :class:`HostSegment` at the
     leader's segment, and while this receiver leads, runs the hop loop (receive from
-    upstream, forward downstream, publish into the host segment).
+    upstream, forward downstream, publish into the host segment). When this receiver
+    cannot create the host segment (as leader) or open its leader's, it resigns and stands
+    no more, and ``fall_back(reason)`` serves it another way (over the network).
     """
 
     def __init__(
         self, control: Control, layout: Manifest, segment: HostSegment, *, epoch: int, rid: int, host: str, job: str,
         backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
+        fall_back: Callable[[str], None],
     ) -> None:  # fmt: skip
         self.layout = layout
         self.segment = segment
@@ -110,90 +69,84 @@ class RelayMember:
         self._epoch = epoch
         self._rid = rid
         self._host = host
-        self._job = job
         self._backend = backend
         self._addr = addr
         self._timeout_s = timeout_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._on_published = on_published
         self._on_rejected = on_rejected
+        self._fall_back = fall_back
+        # Unique to this member: simulated hosts may share a process or /dev/shm, and a restarted
+        # container reuses PIDs while a SIGKILLed predecessor's segment may still be there.
+        shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
+        self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
         self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, list[object]] = {}
-        self._leader_hb: tuple[int, int, float] | None = None  # (rid, hb, seen at)
-        self._next_leader_check = 0.0  # when the leader's gone key and heartbeat are read next
+        self._notes = 0  # ready notes written on the current hop from upstream
         self._failed_gen: int | None = None  # the chain generation whose hop from upstream failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
         self._thread.start()
 
     # -- election -----------------------------------------------------------------
-    def _leader_gone(self, ctl: Control, record: dict[str, object]) -> str | None:
-        rid, pid = int(str(record["rid"])), int(str(record["pid"]))
-        if rid == self._rid:
-            return None
-        if not pid_alive(pid):
-            return f"leader rid={rid} (pid {pid}) is gone"
-        seen = self._leader_hb
-        now = time.monotonic()
-        if seen is not None and seen[0] == rid and now < self._next_leader_check:
-            return None
-        # The leader's pid is looked at every CHAIN_POLL_S, its gone key and heartbeat every
-        # heartbeat_timeout_s / 8: every receiver on every host runs this loop, and two store
-        # requests each CHAIN_POLL_S were most of a host's steady load on the store.
-        self._next_leader_check = now + max(CHAIN_POLL_S, self._heartbeat_timeout_s / 8)
-        if ctl.has(keys.member_gone(rid)):
-            return f"leader rid={rid} left"
-        hb = ctl.add(keys.member_heartbeat(rid), 0)
-        if seen is None or seen[0] != rid or seen[1] != hb:
-            self._leader_hb = (rid, hb, now)
-            return None
-        if now - seen[2] > self._heartbeat_timeout_s:
-            silent = now - seen[2]
-            return f"leader rid={rid} silent for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
-        return None
-
-    def _elect(self, ctl: Control) -> dict[str, object] | None:
-        key = keys.relay_leader(self._epoch, self._host)
-        raw = ctl.get_text(key)
-        record = None if raw is None else ctl.open(key, raw)
-        reason = "no leader" if record is None else self._leader_gone(ctl, record)
-        if reason is None:
-            return record
-        term = 0 if record is None else int(record["term"]) + 1
-        name = segment_name(f"{self._job}-relay", self._epoch)
-        mine = {"rid": self._rid, "pid": os.getpid(), "term": term, "shm": name}
-        sealed = ctl.seal(key, mine)
-        now = ctl.store.compare_set(key, raw or "", sealed)
-        if bytes(now).decode() == sealed:
-            log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, term, reason)
-            return mine
-        return dict(ctl.open(key, bytes(now)))
-
     def _run(self) -> None:
         ctl = self._control.clone()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._election.standing:
             try:
-                record = self._elect(ctl)
-                leading = record is not None and int(str(record["rid"])) == self._rid
-                if leading and self._own is None:
-                    assert record is not None
-                    remove_stale_segments()  # a SIGKILLed predecessor's ring, among others
-                    segment = ShmSegment(str(record["shm"]), self.layout.total_bytes, create=True, slots=2)
-                    self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
-                                             lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
-                    self._hop = HopReceiver(self.layout, self._own)
-                self.segment.follow(None if record is None else str(record["shm"]))
-                if leading:
-                    self._lead(ctl)  # returns when the chain changes, a hop fails, or leadership is lost
-                else:
-                    self._step_down()
-                    self._stop.wait(CHAIN_POLL_S)
+                self._step(ctl)
             except Exception as exc:  # noqa: BLE001 - the relay must outlive any one bad step
                 if not self._stop.is_set():
                     log.warning("relay: receiver rid=%d step failed: %s", self._rid, error_text(exc))
                     self._stop.wait(CHAIN_POLL_S)
         self._step_down()
+        try:  # a leader that leaves takes its record and receipts with it (the store stays bounded)
+            self._election.resign(ctl)
+            if self._receipts:
+                ctl.delete(keys.relay_received(self._epoch, self._rid))
+        except Exception as exc:  # noqa: BLE001 - the store may be gone with the job
+            log.debug("relay: receiver rid=%d left its keys: %s", self._rid, error_text(exc))
+
+    def _step(self, ctl: Control) -> None:
+        record = self._election.elect(ctl)
+        leading = record is not None and record.rid == self._rid
+        if record is not None and leading and self._own is None:
+            if not self._create_ring(ctl, record.shm):
+                return
+            self._election.mark_ready(ctl)
+        unreadable = None if record is None else self.segment.follow(record.shm, ready=record.ready or leading)
+        if record is not None and unreadable is not None and self._election.read(ctl)[1] == record:
+            self._give_up(ctl, f"cannot open its leader's (rid={record.rid}) host segment {record.shm!r} "
+                               f"({unreadable})", how="run host-mates in one IPC namespace as one user, or give "
+                               "each container its own WSYNC_HOST_ID (it is then a relay host of its own)")  # fmt: skip
+        elif leading:
+            self._lead(ctl)  # returns when the chain changes, a hop fails, or leadership is lost
+        else:
+            self._step_down()
+            self._stop.wait(CHAIN_POLL_S)
+
+    def _create_ring(self, ctl: Control, name: str) -> bool:
+        try:
+            remove_stale_segments()  # a SIGKILLed predecessor's ring, among others
+            segment = ShmSegment(name, self.layout.total_bytes, create=True, slots=2)
+        except (OSError, WeightSyncError) as exc:
+            self._give_up(ctl, f"cannot create the host segment {name!r} as its leader ({exc})",
+                          how="it resigned so that a host-mate leads")  # fmt: skip
+            return False
+        self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
+                                 lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
+        self._hop = HopReceiver(self.layout, self._own)
+        return True
+
+    def _give_up(self, ctl: Control, why: str, *, how: str) -> None:
+        """Stand no more (resigning if leading) and be served another way; said once."""
+        self._election.standing = False
+        self._step_down()
+        self._election.resign(ctl)
+        self.segment.follow(None)
+        log.warning("relay: receiver rid=%d on host %s %s; it receives over the network from the sender "
+                    "instead (one more copy into this host); %s", self._rid, self._host, why, how)  # fmt: skip
+        self._fall_back(why)
 
     def _step_down(self) -> None:
         if self._own is not None:
@@ -203,10 +156,6 @@ class RelayMember:
                 self._own.segment.close()
             self._own = None
             self._hop = None
-
-    def _still_leader(self, ctl: Control) -> bool:
-        raw = ctl.get_text(keys.relay_leader(self._epoch, self._host))
-        return raw is not None and int(ctl.open(keys.relay_leader(self._epoch, self._host), raw)["rid"]) == self._rid
 
     # -- leading ------------------------------------------------------------------
     def _lead(self, ctl: Control) -> None:
@@ -219,13 +168,14 @@ class RelayMember:
             self._stop.wait(CHAIN_POLL_S)
             return
         pos = chain.rids.index(self._rid)
+        self._notes = 0
         up_prefix = keys.relay_hop_prefix(self._epoch, chain.gen, self._rid)
         down = Downstream(ctl, self._epoch, chain, pos, self.layout, self._backend, self._addr, self._timeout_s)
         pg: PeerGroup | None = None
 
         def superseded() -> bool:
             current = read_chain(ctl, self._epoch)
-            return self._stop.is_set() or current is None or current.gen != chain.gen or not self._still_leader(ctl)
+            return self._stop.is_set() or current is None or current.gen != chain.gen or not self._election.leads(ctl)
 
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
@@ -241,11 +191,12 @@ class RelayMember:
         finally:
             down.close()
             shutdown_group(pg)
+            forget_hop(ctl, up_prefix, 1, spent=pg is not None, notes=(self._notes,))
 
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: Downstream) -> None:
         hop = self._hop
         assert hop is not None
-        n = 0
+        n = self._notes = 0
         next_check = 0.0
         while not self._stop.is_set():
             ctl.set_text(keys.ready(prefix, n), hop.ready_note())  # what a delta may be made against
@@ -259,10 +210,10 @@ class RelayMember:
                 if now >= next_check:  # a new chain or a lost election ends this hop
                     next_check = now + CHAIN_POLL_S
                     current = read_chain(ctl, self._epoch)
-                    if current is None or current.gen != chain.gen or not self._still_leader(ctl):
+                    if current is None or current.gen != chain.gen or not self._election.leads(ctl):
                         return
             msg = hop.receive(pg, down)
-            n += 1
+            n = self._notes = n + 1
             self._accept(ctl, hop, msg)
             down.finish()
 
@@ -302,46 +253,31 @@ class RelayMember:
         self._thread.join(timeout=timeout_s)
 
 
-class RelaySource:
-    """A receiver's data plane on a relay host (a ``ReceiveSource``): the host's ring, fed by its leader."""
-
-    def __init__(self, epoch: int, segment: HostSegment, member: RelayMember) -> None:
-        self.epoch = epoch
-        self.segment = segment
-        self.member = member
-
-    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
-        return self.segment.apply(held, reject)
-
-    def pending_above(self, held: int | None) -> bool:
-        return self.segment.pending_above(held)
-
-    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
-        source = self.segment.current()
-        if source is None:
-            return False
-        source._poll_s = _SEGMENT_POLL_S  # many waiting host-mates: a lighter watch of the ring header
-        return source.wait_change(until, lambda: give_up() or self.segment.current() is not source)
-
-    def describe(self) -> str:
-        return "relay across hosts (host ring)"
-
-    def close(self) -> None:
-        self.member.close()
-        self.segment.close()
-
-
 def open_relay_source(
     control: Control, layout: Manifest, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
     rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
 ) -> RelaySource:  # fmt: skip
     """The data plane of a receiver on a host other than the sender's, when the sender relays."""
+    backend = str(record["backend"])
+    ctl = control.clone()
+
+    def newest() -> int | None:  # read by the link only after timeout_s without an announcement
+        latest = ctl.get_json(keys.LATEST)
+        return None if latest is None else int(latest["version"])
+
+    def net() -> NetworkSource:
+        link = NetReceiveLink(control, layout, epoch=epoch, rid=rid, backend=backend, addr=addr, timeout_s=timeout_s,
+                              device=torch.device("cpu"), on_staged=on_published, on_rejected=on_rejected,
+                              newest=newest)  # fmt: skip
+        return NetworkSource(epoch, layout, ordered, link, swap=False)
+
     segment = HostSegment(epoch, layout, ordered, name)
-    member = RelayMember(
-        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=str(record["backend"]),
+    source = RelaySource(epoch, segment, net)
+    source.member = RelayMember(
+        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
         addr=addr, timeout_s=float(str(record.get("timeout_s", timeout_s))),
         heartbeat_timeout_s=float(str(record["heartbeat_timeout_s"])),
-        on_published=on_published, on_rejected=on_rejected,
+        on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back,
     )  # fmt: skip
-    return RelaySource(epoch, segment, member)
+    return source

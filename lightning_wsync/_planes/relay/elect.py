@@ -1,0 +1,132 @@
+"""Electing a relay host's leader through the store (``relay/<epoch>/leader/<hostkey>``).
+
+The record names the leader's receiver id, its PID and PID namespace, a term that each
+takeover bumps, the host segment it serves, and whether that segment exists yet. A
+host-mate replaces the leader by compare-and-set when it is gone: closed (its ``gone``
+key, or its keys deleted), exited (judged by PID only from the leader's own PID
+namespace: containers that share a host id see each other's PIDs as meaningless), or
+silent (its heartbeat has not moved for ``heartbeat_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import NamedTuple
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.host import pid_alive, pid_namespace
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.head import CHAIN_POLL_S
+from lightning_wsync._planes.relay.tidy import peek
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+class LeaderRecord(NamedTuple):
+    """A host's leader, as its record on the store says."""
+
+    rid: int
+    pid: int
+    pidns: int  # 0: unknown (an older writer): its PID is never judged, its heartbeat is
+    term: int
+    shm: str  # the host segment this leader serves
+    ready: bool  # the segment exists: a host-mate that cannot open it now never will
+
+    @classmethod
+    def decode(cls, key: str, value: object) -> LeaderRecord:
+        try:
+            if not isinstance(value, dict):
+                raise TypeError(f"a JSON object was expected, not {type(value).__name__}")
+            return cls(int(value["rid"]), int(value["pid"]), int(value.get("pidns", 0)), int(value["term"]),
+                       str(value["shm"]), bool(value.get("ready", False)))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightSyncError(f"relay leader record {key!r} is malformed ({value!r}): {exc!r}") from exc
+
+    def to_json(self) -> dict[str, object]:
+        return self._asdict()
+
+
+class Election:
+    """One receiver's view of its host's leader: reads, judges, takes over, resigns.
+
+    ``standing=False``: this receiver no longer takes over (it could not create the host
+    segment, or cannot open a leader's); it still follows the record.
+    """
+
+    def __init__(self, *, epoch: int, host: str, rid: int, shm: str, heartbeat_timeout_s: float) -> None:
+        self.key = keys.relay_leader(epoch, host)
+        self.standing = True
+        self._host = host
+        self._rid = rid
+        self._shm = shm
+        self._pidns = pid_namespace()
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._seen: tuple[int, int, float] | None = None  # the leader's (rid, heartbeat, seen at)
+        self._next_check = 0.0  # when the leader's gone key and heartbeat are read next
+
+    def read(self, ctl: Control) -> tuple[str | None, LeaderRecord | None]:
+        raw = peek(ctl, self.key)
+        return raw, None if raw is None else LeaderRecord.decode(self.key, ctl.open(self.key, raw))
+
+    def elect(self, ctl: Control) -> LeaderRecord | None:
+        """The host's leader after this poll: the current one, or this receiver if it took over."""
+        raw, record = self.read(ctl)
+        if not self.standing:
+            return record
+        reason = "no leader" if record is None else self._gone(ctl, record)
+        if reason is None:
+            return record
+        mine = LeaderRecord(self._rid, os.getpid(), self._pidns, 0 if record is None else record.term + 1,
+                            self._shm, False)  # fmt: skip
+        sealed = ctl.seal(self.key, mine.to_json())
+        now = bytes(ctl.store.compare_set(self.key, raw or "", sealed)).decode()
+        if now == sealed:
+            log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, mine.term, reason)
+            return mine
+        return LeaderRecord.decode(self.key, ctl.open(self.key, now)) if now else None
+
+    def mark_ready(self, ctl: Control) -> None:
+        """Say that this leader's segment exists (a host-mate that then cannot open it stops waiting)."""
+        raw, record = self.read(ctl)
+        if raw is not None and record is not None and record.rid == self._rid and not record.ready:
+            ctl.store.compare_set(self.key, raw, ctl.seal(self.key, record._replace(ready=True).to_json()))
+
+    def resign(self, ctl: Control) -> None:
+        """Delete the record if it names this receiver: a host-mate takes over at its next poll."""
+        _, record = self.read(ctl)
+        if record is not None and record.rid == self._rid:
+            ctl.delete(self.key)
+
+    def leads(self, ctl: Control) -> bool:
+        _, record = self.read(ctl)
+        return record is not None and record.rid == self._rid
+
+    def _gone(self, ctl: Control, record: LeaderRecord) -> str | None:
+        if record.rid == self._rid:
+            return None
+        if record.pidns != 0 and record.pidns == self._pidns and not pid_alive(record.pid):
+            return f"leader rid={record.rid} (pid {record.pid}) is gone"
+        seen = self._seen
+        now = time.monotonic()
+        if seen is not None and seen[0] == record.rid and now < self._next_check:
+            return None
+        # The leader's pid is looked at every CHAIN_POLL_S, its gone key and heartbeat every
+        # heartbeat_timeout_s / 8: every receiver on every host runs this loop, and two store
+        # requests each CHAIN_POLL_S were most of a host's steady load on the store.
+        self._next_check = now + max(CHAIN_POLL_S, self._heartbeat_timeout_s / 8)
+        if ctl.has(keys.member_gone(record.rid)):
+            return f"leader rid={record.rid} left"
+        text = peek(ctl, keys.member_heartbeat(record.rid))  # never add(): a deleted key stays deleted
+        if text is None:
+            return f"leader rid={record.rid} is gone (its keys were deleted)"
+        hb = int(text)
+        if seen is None or seen[0] != record.rid or seen[1] != hb:
+            self._seen = (record.rid, hb, now)
+            return None
+        if now - seen[2] > self._heartbeat_timeout_s:
+            return (f"leader rid={record.rid} silent for {now - seen[2]:.1f} s "
+                    f"(heartbeat_timeout_s={self._heartbeat_timeout_s})")  # fmt: skip
+        return None

@@ -1,0 +1,132 @@
+"""A receiver's data plane on a relay host: the host's ring, fed by its leader, or the
+network when this receiver cannot share that ring (see :mod:`~lightning_wsync._planes.relay.host`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._planes.base import Reject, SumsLookup
+from lightning_wsync._planes.net.source import NetworkSource
+from lightning_wsync._planes.shm.segment import ShmReader
+from lightning_wsync._planes.shm.source import SharedMemorySource
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+_SEGMENT_POLL_S = 0.005  # a waiting host-mate reads the segment header this often (~0.5% of a core)
+
+
+class Member(Protocol):
+    def close(self, timeout_s: float = 10.0) -> None: ...
+
+
+class HostSegment:
+    """The host's ring of verified versions, read as same-host receivers read the trainer's."""
+
+    def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], name: str) -> None:
+        self.epoch = epoch
+        self.layout = layout
+        self._ordered = ordered
+        self._name = name
+        self._source: SharedMemorySource | None = None
+        self._segment: str | None = None
+        self._lock = threading.Lock()
+
+    def follow(self, segment: str | None, *, ready: bool = False) -> str | None:
+        """Read from the ring ``segment`` from now on (the current leader's).
+
+        Returns why it cannot be opened when its leader says it exists (``ready``): this
+        process does not share /dev/shm or a user with the leader, and never will.
+        """
+        with self._lock:
+            if segment == self._segment and self._source is not None:
+                return None
+            if self._source is not None:
+                self._source.close()
+                self._source = None
+            self._segment = segment
+            if segment is None:
+                return None
+            try:
+                reader = ShmReader(segment, self.layout)
+            except (OSError, ValueError, WeightSyncError) as exc:
+                self._segment = None
+                if ready:
+                    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+                log.debug("host ring %s not readable yet: %s", segment, exc)  # its leader is creating it
+                return None
+            self._source = SharedMemorySource(self.epoch, self.layout, self._ordered, reader, self._name)
+            return None
+
+    def current(self) -> SharedMemorySource | None:
+        return self._source
+
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        with self._lock:  # follow() cannot close the ring under a copy
+            source = self._source
+            return None if source is None else source.apply(held, sums, reject)
+
+    def pending_above(self, held: int | None) -> bool:
+        with self._lock:
+            return self._source is not None and self._source.pending_above(held)
+
+    def close(self) -> None:
+        self.follow(None)
+
+
+class RelaySource:
+    """A receiver's data plane on a relay host (a ``ReceiveSource``): the host's ring, fed by its leader.
+
+    With ``verify``, versions from the host ring are checked against the published
+    checksums like any shared-memory version (the leader verified the trainer's signed
+    trailer; this also catches a ring damaged on the host). A receiver that cannot take
+    part in its host's ring (see :meth:`fall_back`) is served over the network instead.
+    """
+
+    def __init__(self, epoch: int, segment: HostSegment, net: Callable[[], NetworkSource]) -> None:
+        self.epoch = epoch
+        self.segment = segment
+        self.member: Member | None = None
+        self._net_factory = net
+        self._net: NetworkSource | None = None
+        self._lock = threading.Lock()
+
+    def fall_back(self, why: str) -> None:
+        """Receive over the network from the sender from now on (``why``: what the host ring lacks)."""
+        with self._lock:
+            if self._net is None:
+                self._net = self._net_factory()
+
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        net = self._net
+        if net is not None:
+            return net.apply(held, sums, reject)
+        return self.segment.apply(held, sums, reject)
+
+    def pending_above(self, held: int | None) -> bool:
+        net = self._net
+        return net.pending_above(held) if net is not None else self.segment.pending_above(held)
+
+    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
+        source = self.segment.current()
+        if source is None or self._net is not None:
+            return False  # the network link's on_staged callback wakes the receiver's waiters
+        source._poll_s = _SEGMENT_POLL_S  # many waiting host-mates: a lighter watch of the ring header
+        return source.wait_change(until, lambda: give_up() or self.segment.current() is not source)
+
+    def describe(self) -> str:
+        return "relay across hosts (host ring)" if self._net is None else "network (relay host fallback)"
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+        self.segment.close()
+        with self._lock:
+            if self._net is not None:
+                self._net.close()

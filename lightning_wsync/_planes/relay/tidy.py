@@ -1,0 +1,128 @@
+"""What the relay deletes so that the store stays bounded however often its chain changes,
+and :func:`peek`, the read that tolerates a key deleted under it.
+
+Each side of a hop deletes its keys when it leaves the hop (:func:`forget_hop`). What a
+side cannot delete because it was SIGKILLed, the sender's :class:`RelaySweeper` does once
+nobody can still be using it: the hops of chains replaced ``linger_s`` ago, and the
+``received``, ``broken`` and ``leader`` keys of leaders that left the chain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+from lightning_wsync.errors import WeightSyncError
+
+_ABSENT = "\x00wsync-absent"  # never a stored value: compare_set against it reads without writing
+
+
+def peek(ctl: Control, key: str) -> str | None:
+    """The value at ``key``, or None, in one request that never waits.
+
+    ``has`` then ``get`` waits the store's whole timeout when the key is deleted in
+    between (a leader resigning, a member's keys retired), and blocks every other request
+    of that client meanwhile. ``compare_set`` with an expected value no key ever holds
+    answers at once: the current value, or ``expected`` itself when there is none.
+    """
+    value = bytes(ctl.store.compare_set(key, _ABSENT, _ABSENT + "!")).decode()
+    return None if value == _ABSENT else value
+
+
+def forget_hop(ctl: Control, prefix: str, rank: int, *, spent: bool, notes: Iterable[int] = ()) -> None:
+    """Delete side ``rank``'s mark on the hop under ``prefix``, which it has left.
+
+    ``spent``: its group was built, so it can never be joined again: the peer's mark,
+    gloo's keys and the ``ready`` notes ``notes`` go too. A hop that was never built keeps
+    the peer's mark (the peer may be waiting on this side, which may come back to it).
+    """
+    names = [keys.joined(prefix, rank)]
+    if spent:
+        names += [keys.joined(prefix, 1 - rank), *gloo_keys(prefix), *(keys.ready(prefix, n) for n in notes)]
+    for name in names:
+        ctl.delete(name)
+
+
+def gloo_keys(prefix: str) -> tuple[str, str]:
+    """The keys gloo's rendezvous writes through ``Control.prefix_store(prefix)``.
+
+    ``PrefixStore`` joins its prefix and a key with a ``/`` of its own, so under a prefix
+    that ends in ``/`` they are ``<prefix>/0/<rank>`` (``keys.group_keys`` leaves out that
+    second ``/``, so what is deleted through it stays on the store).
+    """
+    return (prefix + "/0/0", prefix + "/0/1")
+
+
+@dataclass(frozen=True)
+class _Departed:
+    rid: int
+    host: str
+    at: float
+
+
+class RelaySweeper:
+    """The sender's side: deletes the relay keys of chains and leaders that are gone.
+
+    ``linger_s`` (the hop timeout plus the heartbeat timeout) is how long a replaced chain's
+    hops, or a departed leader, may still be touched by a process that has not noticed.
+    """
+
+    def __init__(self, epoch: int, linger_s: float) -> None:
+        self._epoch = epoch
+        self._linger_s = linger_s
+        self._replaced: list[tuple[int, tuple[int, ...], float]] = []  # (gen, rids, when replaced)
+        self._leaders: dict[int, str] = {}  # rid -> host, as last seen
+        self._departed: list[_Departed] = []
+
+    def replaced(self, gen: int, rids: tuple[int, ...]) -> None:
+        """Chain ``gen`` was just replaced by a newer one."""
+        self._replaced.append((gen, rids, time.monotonic()))
+
+    def sweep(self, ctl: Control, leaders: dict[int, str]) -> None:
+        """Called with the live leaders (rid -> host) at every chain update."""
+        now = time.monotonic()
+        for rid, host in self._leaders.items():
+            if rid not in leaders:
+                self._departed.append(_Departed(rid, host, now))
+                self._forget_leader(ctl, rid)
+        self._leaders = dict(leaders)
+        due = now - self._linger_s
+        while self._replaced and self._replaced[0][2] <= due:
+            gen, rids, _ = self._replaced.pop(0)
+            self._forget_chain(ctl, gen, rids)
+        hosts = set(leaders.values())
+        while self._departed and self._departed[0].at <= due:
+            gone = self._departed.pop(0)
+            if gone.rid not in leaders:
+                self._forget_leader(ctl, gone.rid, host=None if gone.host in hosts else gone.host)
+
+    def close(self, ctl: Control, gen: int, rids: tuple[int, ...]) -> None:
+        """The sender leaves: everything it remembers, the current chain ``gen`` included."""
+        for old_gen, old_rids, _ in self._replaced:
+            self._forget_chain(ctl, old_gen, old_rids)
+        self._forget_chain(ctl, gen, rids)
+        for rid in self._leaders:
+            self._forget_leader(ctl, rid)
+        for gone in self._departed:
+            self._forget_leader(ctl, gone.rid)
+        ctl.delete(keys.relay_chain(self._epoch))
+
+    def _forget_chain(self, ctl: Control, gen: int, rids: tuple[int, ...]) -> None:
+        for rid in rids:
+            forget_hop(ctl, keys.relay_hop_prefix(self._epoch, gen, rid), 0, spent=True, notes=(0,))
+
+    def _forget_leader(self, ctl: Control, rid: int, host: str | None = None) -> None:
+        ctl.delete(keys.relay_received(self._epoch, rid))
+        ctl.delete(keys.relay_broken(self._epoch, rid))
+        if host is not None:  # its host has had no live leader since: a record naming it is stale
+            key = keys.relay_leader(self._epoch, host)
+            raw = peek(ctl, key)
+            try:
+                record = None if raw is None else ctl.open(key, raw)
+            except (WeightSyncError, ValueError):  # unreadable or forged: nobody can follow it either
+                record = {"rid": rid}
+            if isinstance(record, dict) and record.get("rid") == rid:
+                ctl.delete(key)

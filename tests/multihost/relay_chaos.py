@@ -1,0 +1,217 @@
+"""Scenario: relay chaos. Host leaders and host-mates SIGKILLed and SIGSTOPped at random
+while the trainer keeps pushing, with deltas on.
+
+The trainer (this process, host 0) changes a small GPT-shaped model sparsely (so
+``delta="auto"`` sends most versions as deltas) and pushes ``pushes`` versions, one every
+``interval_s``, to ``per_host`` receivers on each of ``hosts`` hosts, relayed host to
+host. Every ``every`` pushes it picks, with a seeded RNG, one of: SIGKILL a host's leader
+or a random receiver (a replacement starts on that host), or SIGSTOP one (resumed with
+SIGCONT 0.5 to 2.5 heartbeat timeouts later). Before the last push every stopped receiver
+is resumed and every replacement has registered. The scenario records every version each
+receiver applied with its digest, the store's key count after every push, and how long
+the live receivers took to hold the last version; the test judges them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _scenario import Procs, main, wait_until
+
+from lightning_wsync import WeightSender
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.tidy import gloo_keys
+from lightning_wsync.testing.hosts import SimHosts
+from lightning_wsync.testing.models import ModelSpec, build_model, digest
+
+HERE = Path(__file__).resolve().parent
+SPEC = ModelSpec(d_model=128, vocab=2048, n_layers=2)  # ~0.66M parameters: 2.6 MB of float32
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def step(model: torch.nn.Module, version: int) -> None:
+    """Change one element in 61 of every float tensor: a sparse update, as a small optimiser step."""
+    with torch.no_grad():
+        for i, t in enumerate(model.state_dict().values()):
+            if t.is_floating_point():
+                t.view(-1)[(version + i) % 61 :: 61] += 1e-3 * version
+
+
+def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str], int]:
+    """Relay keys on the store that name no current leader or chain generation, and how many relay keys there are."""
+    rids = range(int(ctl.add(keys.MEMBERS_NEXT, 0)))
+    chain = ctl.get_json(keys.relay_chain(epoch))
+    gen, current = (int(chain["gen"]), set(chain["rids"])) if chain else (0, set())
+    stale, count = [], 0
+    for h in range(1, n_hosts + 1):
+        record = leader_record(ctl, epoch, f"simh{h}")
+        count += record is not None
+        if record is not None and int(str(record["rid"])) not in current:  # a host with no leader in the chain
+            stale.append(f"{keys.relay_leader(epoch, f'simh{h}')} (rid {record['rid']})")
+    for rid in rids:
+        names = [keys.relay_broken(epoch, rid), keys.relay_received(epoch, rid)]
+        for g in range(1, gen + 1):
+            prefix = keys.relay_hop_prefix(epoch, g, rid)
+            names += [keys.joined(prefix, 0), keys.joined(prefix, 1), *gloo_keys(prefix),
+                      *(keys.ready(prefix, n) for n in range(4))]  # fmt: skip
+        for name in names:
+            if ctl.has(name):
+                count += 1
+                if rid not in current or (f"/pg/{gen}/" not in name and "/pg/" in name):
+                    stale.append(name)
+    return stale, count
+
+
+class Fleet:
+    """The receivers on hosts 1..H: started, killed, stopped, resumed, each known by name."""
+
+    def __init__(self, procs: Procs, sender: WeightSender, events: Path, timeout_s: float) -> None:
+        self.procs, self.sender, self.events, self.timeout_s = procs, sender, events, timeout_s
+        self.hosts: dict[str, int] = {}  # name -> host
+        self.killed: set[str] = set()
+        self.stopped: dict[str, float] = {}  # name -> when to resume (time.monotonic())
+        self._n = 0
+
+    def start(self, host: int) -> str:
+        name = f"h{host}n{self._n}"
+        self._n += 1
+        argv = [sys.executable, str(HERE / "_relay_receiver.py"), "--store", str(self.sender.store_address),
+                "--job", "chaos", "--name", name, "--size-mb", "1", "--events", str(self.events),
+                "--spec", f"{SPEC.d_model},{SPEC.vocab},{SPEC.n_layers}", "--timeout-s", "120"]  # fmt: skip
+        self.procs.start(name, host, argv)
+        self.hosts[name] = host
+        return name
+
+    def live(self) -> list[str]:
+        return sorted(n for n in self.hosts if n not in self.killed)
+
+    def registered(self) -> bool:
+        return set(self.live()) <= set(self.sender.receivers())
+
+    def pick(self, rng: random.Random, ctl: Control) -> str | None:
+        """A host's leader (half the time) or any running receiver; None when none is running."""
+        running = [n for n in self.live() if n not in self.stopped]
+        if not running:
+            return None
+        if rng.random() < 0.5:
+            host = rng.choice(sorted({self.hosts[n] for n in running}))
+            record = leader_record(ctl, self.sender.epoch, f"simh{host}")
+            pid = None if record is None else int(str(record["pid"]))
+            leader = [n for n in running if self.procs.started[n].pid == pid]
+            if leader:
+                return leader[0]
+        return rng.choice(running)
+
+    def kill(self, name: str) -> str:
+        os.kill(self.procs.started[name].pid, signal.SIGKILL)
+        self.procs.started[name].wait(timeout=30)
+        self.killed.add(name)
+        return self.start(self.hosts[name])
+
+    def stop(self, name: str, for_s: float) -> None:
+        os.kill(self.procs.started[name].pid, signal.SIGSTOP)
+        self.stopped[name] = time.monotonic() + for_s
+
+    def resume(self, everyone: bool = False) -> None:
+        now = time.monotonic()
+        for name, at in list(self.stopped.items()):
+            if everyone or at <= now:
+                os.kill(self.procs.started[name].pid, signal.SIGCONT)
+                del self.stopped[name]
+
+
+def scenario(argv: list[str]) -> dict[str, Any]:
+    out, n_hosts, per_host, pushes, seed = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
+    interval_s, every, timeout_s, heartbeat_timeout_s = 0.2, 8, 10.0, 2.0
+    events = out / "events.jsonl"
+    rng = random.Random(seed)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
+    with SimHosts(n_hosts + 1) as hosts:
+        os.environ["WSYNC_HOST_ID"] = hosts.name(0)
+        hosts.enter(0)
+        torch.manual_seed(0)
+        model = build_model(SPEC, seed=0)
+        with WeightSender(model, store=f"{hosts.address(0)}:0", job="chaos", timeout_s=timeout_s,
+                          heartbeat_timeout_s=heartbeat_timeout_s, delta="auto") as sender:  # fmt: skip
+            ctl = Control(sender.store, "chaos")
+            procs = Procs(hosts, out)
+            fleet = Fleet(procs, sender, events, timeout_s)
+            for host in range(1, n_hosts + 1):
+                for _ in range(per_host):
+                    fleet.start(host)
+            wait_until("every receiver to register", fleet.registered, 180, procs)
+            expected: dict[int, str] = {}
+            key_counts: list[int] = []
+            actions: list[dict[str, Any]] = []
+            delta_pushes = 0
+            started = time.monotonic()
+            for version in range(1, pushes + 1):
+                last = version == pushes
+                if last:  # the last version goes to everyone: resumed, and replacements registered
+                    fleet.resume(everyone=True)
+                    wait_until("every replacement to register", fleet.registered, 180, procs)
+                step(model, version)
+                expected[version] = digest(model, None)
+                handle = sender.push(version)
+                pushed_at = time.monotonic()
+                fleet.resume()
+                if version % every == 0 and version < pushes - every and (target := fleet.pick(rng, ctl)):
+                    if rng.random() < 0.5:
+                        actions.append({"version": version, "kill": target, "replacement": fleet.kill(target),
+                                        "t": round(time.monotonic() - started, 2)})  # fmt: skip
+                    else:
+                        for_s = rng.uniform(0.5, 2.5) * heartbeat_timeout_s
+                        fleet.stop(target, for_s)
+                        actions.append({"version": version, "stop": target, "for_s": round(for_s, 2),
+                                        "t": round(time.monotonic() - started, 2)})  # fmt: skip
+                key_counts.append(sender.store.num_keys())
+                if not last:
+                    time.sleep(interval_s)  # the push rate (no wait on the receivers: they may be stopped)
+            live = fleet.live()
+
+            def all_hold_last() -> bool:
+                got = {r["name"] for r in read(events) if r["event"] == "applied" and r["version"] == pushes}
+                return got >= set(live)
+
+            wait_until("every live receiver to apply the last version", all_hold_last, 120, procs)
+            catch_up_s = time.monotonic() - pushed_at
+            report = handle.wait(timeout_s)
+            delta_pushes = len(report.delta_receivers)
+            run_s = time.monotonic() - started
+            # What dead leaders and replaced chains left is deleted once nobody can use it
+            # (timeout_s + heartbeat_timeout_s): then only the live chain's keys remain.
+            settle_until = time.monotonic() + 3 * (timeout_s + heartbeat_timeout_s)
+            stale, relay_keys = stale_relay_keys(ctl, sender.epoch, n_hosts)
+            while stale and time.monotonic() < settle_until:
+                time.sleep(0.5)
+                stale, relay_keys = stale_relay_keys(ctl, sender.epoch, n_hosts)
+            settled = sender.store.num_keys()
+        applied = [r for r in read(events) if r["event"] == "applied"]
+        torn = [r for r in applied if r["digest"] != expected.get(r["version"])]
+        return {
+            "pushes": pushes, "hosts": n_hosts, "per_host": per_host, "seed": seed, "timeout_s": timeout_s,
+            "actions": actions, "live": live, "applied": len(applied), "torn": torn,
+            "key_counts": key_counts, "keys_settled": settled, "relay_keys": relay_keys, "stale_relay_keys": stale,
+            "catch_up_s": catch_up_s, "run_s": run_s,
+            "last_report": {"delivered": sorted(report.delivered), "failed": report.failed},
+            "last_delta_receivers": delta_pushes,
+        }  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(scenario)
