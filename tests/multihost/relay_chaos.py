@@ -37,6 +37,8 @@ from lightning_wsync.testing.models import ModelSpec, build_model, digest
 
 HERE = Path(__file__).resolve().parent
 SPEC = ModelSpec(d_model=128, vocab=2048, n_layers=2)  # ~0.66M parameters: 2.6 MB of float32
+INTERVAL_S, EVERY = 0.2, 8  # a push every INTERVAL_S; a chaos action every EVERY pushes
+TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 10.0, 2.0
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -79,8 +81,8 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
 class Fleet:
     """The receivers on hosts 1..H: started, killed, stopped, resumed, each known by name."""
 
-    def __init__(self, procs: Procs, sender: WeightSender, events: Path, timeout_s: float) -> None:
-        self.procs, self.sender, self.events, self.timeout_s = procs, sender, events, timeout_s
+    def __init__(self, procs: Procs, sender: WeightSender, events: Path) -> None:
+        self.procs, self.sender, self.events = procs, sender, events
         self.hosts: dict[str, int] = {}  # name -> host
         self.killed: set[str] = set()
         self.stopped: dict[str, float] = {}  # name -> when to resume (time.monotonic())
@@ -134,82 +136,96 @@ class Fleet:
                 del self.stopped[name]
 
 
+def act(fleet: Fleet, rng: random.Random, ctl: Control, heartbeat_timeout_s: float) -> dict[str, Any] | None:
+    """One chaos action on a random target: SIGKILL (and start a replacement) or SIGSTOP."""
+    target = fleet.pick(rng, ctl)
+    if target is None:
+        return None
+    if rng.random() < 0.5:
+        return {"kill": target, "replacement": fleet.kill(target)}
+    for_s = rng.uniform(0.5, 2.5) * heartbeat_timeout_s
+    fleet.stop(target, for_s)
+    return {"stop": target, "for_s": round(for_s, 2)}
+
+
+def push_through_chaos(
+    sender: WeightSender, model: torch.nn.Module, fleet: Fleet, ctl: Control, rng: random.Random, pushes: int
+) -> dict[str, Any]:
+    """Push 1..pushes, one every INTERVAL_S, with a chaos action every EVERY pushes; the last to everyone."""
+    expected: dict[int, str] = {}
+    key_counts: list[int] = []
+    actions: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for version in range(1, pushes + 1):
+        last = version == pushes
+        if last:  # the last version goes to everyone: resumed, and replacements registered
+            fleet.resume(everyone=True)
+            wait_until("every replacement to register", fleet.registered, 180, fleet.procs)
+        step(model, version)
+        expected[version] = digest(model, None)
+        handle = sender.push(version)
+        pushed_at = time.monotonic()
+        fleet.resume()
+        if version % EVERY == 0 and version < pushes - EVERY:
+            if (action := act(fleet, rng, ctl, HEARTBEAT_TIMEOUT_S)) is not None:
+                actions.append({"version": version, "t": round(pushed_at - started, 2), **action})
+        key_counts.append(sender.store.num_keys())
+        if not last:
+            time.sleep(INTERVAL_S)  # the push rate (no wait on the receivers: they may be stopped)
+    return {"expected": expected, "key_counts": key_counts, "actions": actions, "handle": handle,
+            "pushed_at": pushed_at, "started": started}  # fmt: skip
+
+
+def settle(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str], int]:
+    """What dead leaders and replaced chains left is deleted once nobody can use it
+    (timeout_s + heartbeat_timeout_s): wait (bounded) until only the live chain's keys remain."""
+    until = time.monotonic() + 3 * (TIMEOUT_S + HEARTBEAT_TIMEOUT_S)
+    stale, relay_keys = stale_relay_keys(ctl, epoch, n_hosts)
+    while stale and time.monotonic() < until:
+        time.sleep(0.5)
+        stale, relay_keys = stale_relay_keys(ctl, epoch, n_hosts)
+    return stale, relay_keys
+
+
 def scenario(argv: list[str]) -> dict[str, Any]:
     out, n_hosts, per_host, pushes, seed = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
-    interval_s, every, timeout_s, heartbeat_timeout_s = 0.2, 8, 10.0, 2.0
     events = out / "events.jsonl"
-    rng = random.Random(seed)
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
     with SimHosts(n_hosts + 1) as hosts:
         os.environ["WSYNC_HOST_ID"] = hosts.name(0)
         hosts.enter(0)
-        torch.manual_seed(0)
         model = build_model(SPEC, seed=0)
-        with WeightSender(model, store=f"{hosts.address(0)}:0", job="chaos", timeout_s=timeout_s,
-                          heartbeat_timeout_s=heartbeat_timeout_s, delta="auto") as sender:  # fmt: skip
+        with WeightSender(model, store=f"{hosts.address(0)}:0", job="chaos", timeout_s=TIMEOUT_S,
+                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, delta="auto") as sender:  # fmt: skip
             ctl = Control(sender.store, "chaos")
-            procs = Procs(hosts, out)
-            fleet = Fleet(procs, sender, events, timeout_s)
+            fleet = Fleet(Procs(hosts, out), sender, events)
             for host in range(1, n_hosts + 1):
                 for _ in range(per_host):
                     fleet.start(host)
-            wait_until("every receiver to register", fleet.registered, 180, procs)
-            expected: dict[int, str] = {}
-            key_counts: list[int] = []
-            actions: list[dict[str, Any]] = []
-            delta_pushes = 0
-            started = time.monotonic()
-            for version in range(1, pushes + 1):
-                last = version == pushes
-                if last:  # the last version goes to everyone: resumed, and replacements registered
-                    fleet.resume(everyone=True)
-                    wait_until("every replacement to register", fleet.registered, 180, procs)
-                step(model, version)
-                expected[version] = digest(model, None)
-                handle = sender.push(version)
-                pushed_at = time.monotonic()
-                fleet.resume()
-                if version % every == 0 and version < pushes - every and (target := fleet.pick(rng, ctl)):
-                    if rng.random() < 0.5:
-                        actions.append({"version": version, "kill": target, "replacement": fleet.kill(target),
-                                        "t": round(time.monotonic() - started, 2)})  # fmt: skip
-                    else:
-                        for_s = rng.uniform(0.5, 2.5) * heartbeat_timeout_s
-                        fleet.stop(target, for_s)
-                        actions.append({"version": version, "stop": target, "for_s": round(for_s, 2),
-                                        "t": round(time.monotonic() - started, 2)})  # fmt: skip
-                key_counts.append(sender.store.num_keys())
-                if not last:
-                    time.sleep(interval_s)  # the push rate (no wait on the receivers: they may be stopped)
+            wait_until("every receiver to register", fleet.registered, 180, fleet.procs)
+            run = push_through_chaos(sender, model, fleet, ctl, random.Random(seed), pushes)
             live = fleet.live()
 
             def all_hold_last() -> bool:
                 got = {r["name"] for r in read(events) if r["event"] == "applied" and r["version"] == pushes}
                 return got >= set(live)
 
-            wait_until("every live receiver to apply the last version", all_hold_last, 120, procs)
-            catch_up_s = time.monotonic() - pushed_at
-            report = handle.wait(timeout_s)
-            delta_pushes = len(report.delta_receivers)
-            run_s = time.monotonic() - started
-            # What dead leaders and replaced chains left is deleted once nobody can use it
-            # (timeout_s + heartbeat_timeout_s): then only the live chain's keys remain.
-            settle_until = time.monotonic() + 3 * (timeout_s + heartbeat_timeout_s)
-            stale, relay_keys = stale_relay_keys(ctl, sender.epoch, n_hosts)
-            while stale and time.monotonic() < settle_until:
-                time.sleep(0.5)
-                stale, relay_keys = stale_relay_keys(ctl, sender.epoch, n_hosts)
+            wait_until("every live receiver to apply the last version", all_hold_last, 120, fleet.procs)
+            catch_up_s = time.monotonic() - run["pushed_at"]
+            report = run["handle"].wait(TIMEOUT_S)
+            run_s = time.monotonic() - run["started"]
+            stale, relay_keys = settle(ctl, sender.epoch, n_hosts)
             settled = sender.store.num_keys()
         applied = [r for r in read(events) if r["event"] == "applied"]
-        torn = [r for r in applied if r["digest"] != expected.get(r["version"])]
+        torn = [r for r in applied if r["digest"] != run["expected"].get(r["version"])]
         return {
-            "pushes": pushes, "hosts": n_hosts, "per_host": per_host, "seed": seed, "timeout_s": timeout_s,
-            "actions": actions, "live": live, "applied": len(applied), "torn": torn,
-            "key_counts": key_counts, "keys_settled": settled, "relay_keys": relay_keys, "stale_relay_keys": stale,
-            "catch_up_s": catch_up_s, "run_s": run_s,
-            "last_report": {"delivered": sorted(report.delivered), "failed": report.failed},
-            "last_delta_receivers": delta_pushes,
+            "pushes": pushes, "hosts": n_hosts, "per_host": per_host, "seed": seed, "timeout_s": TIMEOUT_S,
+            "actions": run["actions"], "live": live, "applied": len(applied), "torn": torn,
+            "key_counts": run["key_counts"], "keys_settled": settled, "relay_keys": relay_keys,
+            "stale_relay_keys": stale, "catch_up_s": catch_up_s, "run_s": run_s,
+            "last_report": {"delivered": sorted(report.delivered), "failed": report.failed,
+                            "delta_receivers": sorted(report.delta_receivers)},
         }  # fmt: skip
 
 

@@ -52,7 +52,8 @@ def test_a_segment_left_in_another_pid_namespace_is_reclaimed_and_a_live_one_is_
     assert dead.wait(30) == 0
     live, live_name = _in_new_pid_namespace(children, f"running{os.getpid()}", stay=True)
     try:
-        assert os.path.exists(f"/dev/shm/{dead_name}") and os.path.exists(f"/dev/shm/{live_name}")
+        # (Any sender's sweep on this host may reclaim the dead one first: only what is left after ours counts.)
+        assert os.path.exists(f"/dev/shm/{live_name}")
         remove_stale_segments()
         assert not os.path.exists(f"/dev/shm/{dead_name}") and not os.path.exists(f"/dev/shm/{dead_name}.pins")
         assert os.path.exists(f"/dev/shm/{live_name}") and os.path.exists(f"/dev/shm/{live_name}.pins")
