@@ -44,7 +44,8 @@ from typing_extensions import Self
 
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._commit import StagedVersion, agree, apply, outcome
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.engines._vllm_names import check_names
+from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
 if TYPE_CHECKING:
     from lightning_wsync._pull.receiver import WeightReceiver
@@ -61,6 +62,7 @@ class _Worker(Protocol):
     """What the extension uses of the vLLM worker it is mixed into."""
 
     rank: int
+    vllm_config: Any
 
     def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -91,6 +93,8 @@ class WsyncWorkerExtension:
     _wsync_receiver: WeightReceiver | None = None
     _wsync_staged: StagedVersion | None = None
     _wsync_loaded: int | None = None
+    _wsync_checked: frozenset[str] = frozenset()
+    _wsync_refused: tuple[frozenset[str], str] | None = None  # names refused, and why
 
     def wsync_start(self, store: str | None, job: str | None, options: dict[str, Any]) -> str:
         """Join the job as a receiver that stages versions for this worker; return its name."""
@@ -120,9 +124,30 @@ class WsyncWorkerExtension:
                 receiver.update()
             elif staged.version is None or staged.version < min_version:
                 receiver.wait_for_version(min_version, timeout_s)
+            if staged.version is not None:
+                self._wsync_check_names(receiver.name, staged)
             return staged.version
 
         return outcome(stage)
+
+    def _wsync_check_names(self, name: str, staged: StagedVersion) -> None:
+        """Refuse a staged version whose tensor names the model would not load (once per name set)."""
+        names = frozenset(staged.tensors)
+        if names == self._wsync_checked:
+            return
+        if self._wsync_refused is None or self._wsync_refused[0] != names:
+            refused, missing = check_names(cast(_Worker, self).vllm_config, staged.tensors.items())
+            if not refused:
+                if missing:
+                    log.warning("vLLM worker %r: no trainer tensor reaches %s; they keep their values", name, missing)
+                self._wsync_checked, self._wsync_refused = names, None
+                return
+            self._wsync_refused = names, (
+                f"vLLM worker {name!r}: {len(refused)} of the trainer's {len(names)} tensors would not load "
+                f"into the engine's model: {refused!r}. Publish the names the model's Hugging Face "
+                f"checkpoint uses, or leave these out with exclude=[...] on the sender and VllmWeightSync"
+            )
+        raise WeightSyncSchemaError(self._wsync_refused[1])
 
     def wsync_load(self, version: int) -> dict[str, Any]:
         """Load the staged ``version`` into the model (vLLM's layer-by-layer reload)."""
