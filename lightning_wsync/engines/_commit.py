@@ -17,22 +17,49 @@ model is written, so the engine stays on its previous version everywhere.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
 from lightning_wsync import errors
 from lightning_wsync.errors import WeightSyncError, WeightSyncTimeoutError
 
+T = TypeVar("T")
+
 RPC_MARGIN_S = 30.0
 """Slack on top of ``timeout_s`` for one collective call (process hops, a slow reload)."""
 
 
-class Workers(Protocol):
-    """Runs one method of the worker extension in every worker; results in worker order."""
+class Call(NamedTuple):
+    """One method of the worker extension, to run in every worker (results in worker order)."""
 
-    def __call__(self, method: str, *args: Any, timeout_s: float) -> list[dict[str, Any]]: ...
+    method: str
+    args: tuple[Any, ...]
+    timeout_s: float
+
+
+Results = list[dict[str, Any]]
+Steps = Generator[Call, Results, T]
+"""A round as the calls it needs: the sync (``run``) and async (``run_async``) drivers make them."""
+
+
+def run(steps: Steps[T], workers: Callable[[Call], Results]) -> T:
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(workers(call))
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+async def run_async(steps: Steps[T], workers: Callable[[Call], Awaitable[Results]]) -> T:
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(await workers(call))
+    except StopIteration as done:
+        return cast(T, done.value)
 
 
 class StagedVersion:
@@ -71,7 +98,7 @@ def unwrap(results: Sequence[dict[str, Any]], names: Sequence[str], step: str) -
     return [r["version"] for r in results]
 
 
-def agree(workers: Workers, names: Sequence[str], min_version: int | None, timeout_s: float) -> int | None:
+def agree(names: Sequence[str], min_version: int | None, timeout_s: float) -> Steps[int | None]:
     """Stage one version in every worker (>= ``min_version`` if given); return it, or None.
 
     None: some worker has no version staged yet and ``min_version`` is None.
@@ -83,7 +110,7 @@ def agree(workers: Workers, names: Sequence[str], min_version: int | None, timeo
     deadline = time.monotonic() + timeout_s
     first_s = 0.0 if min_version is None else timeout_s
     try:
-        staged = unwrap(workers("wsync_stage", min_version, first_s, timeout_s=first_s + RPC_MARGIN_S), names, "stage")
+        staged = unwrap((yield Call("wsync_stage", (min_version, first_s), first_s + RPC_MARGIN_S)), names, "stage")
     except WeightSyncTimeoutError as exc:
         raise WeightSyncTimeoutError(f"engine: {exc}; no worker loaded a new version") from exc
     while True:
@@ -97,9 +124,7 @@ def agree(workers: Workers, names: Sequence[str], min_version: int | None, timeo
         try:
             if remaining <= 0:
                 raise WeightSyncTimeoutError("out of time")
-            staged = unwrap(
-                workers("wsync_stage", target, remaining, timeout_s=remaining + RPC_MARGIN_S), names, "stage"
-            )
+            staged = unwrap((yield Call("wsync_stage", (target, remaining), remaining + RPC_MARGIN_S)), names, "stage")
         except WeightSyncTimeoutError as exc:
             behind = [n for n, v in zip(names, staged) if v != target]
             raise WeightSyncTimeoutError(
@@ -109,14 +134,14 @@ def agree(workers: Workers, names: Sequence[str], min_version: int | None, timeo
             ) from exc
 
 
-def apply(workers: Workers, names: Sequence[str], version: int, timeout_s: float) -> None:
+def load(names: Sequence[str], version: int, timeout_s: float) -> Steps[None]:
     """Every worker loads its staged ``version``.
 
     Raises:
         WeightSyncError: a worker's load failed; the engine may hold part of ``version``.
     """
     try:
-        loaded = unwrap(workers("wsync_load", version, timeout_s=timeout_s + RPC_MARGIN_S), names, "load")
+        loaded = unwrap((yield Call("wsync_load", (version,), timeout_s + RPC_MARGIN_S)), names, "load")
     except WeightSyncError as exc:
         raise WeightSyncError(
             f"engine: loading version {version} failed ({exc}); workers may hold parts of different "

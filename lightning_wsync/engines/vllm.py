@@ -43,7 +43,7 @@ import torch
 from typing_extensions import Self
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import StagedVersion, agree, apply, outcome
+from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run
 from lightning_wsync.engines._vllm_names import check_names
 from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
@@ -256,7 +256,7 @@ class VllmWeightSync:
             WeightSyncTimeoutError: a worker could not stage the version the others staged
                 within ``timeout_s``; the engine keeps its previous version everywhere.
         """
-        return self._commit(agree(self._workers, self.names, None, self.timeout_s))
+        return self._commit(run(agree(self.names, None, self.timeout_s), self._workers))
 
     def wait_for_version(self, min_version: int = 0, timeout_s: float | None = None) -> int:
         """Block until every worker holds one version >= ``min_version``; return it.
@@ -268,7 +268,7 @@ class VllmWeightSync:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.update()
         if self.version is None or self.version < min_version:
-            self._commit(agree(self._workers, self.names, min_version, timeout_s))
+            self._commit(run(agree(self.names, min_version, timeout_s), self._workers))
         assert self.version is not None
         return self.version
 
@@ -281,14 +281,14 @@ class VllmWeightSync:
         """The sender announced its close (no newer version will come from it)."""
         return all(s["sender_closed"] for s in self.state())
 
-    def _workers(self, method: str, *args: Any, timeout_s: float) -> list[dict[str, Any]]:
-        return list(self._llm.collective_rpc(method, timeout=timeout_s, args=args))
+    def _workers(self, call: Call) -> list[dict[str, Any]]:
+        return list(self._llm.collective_rpc(call.method, timeout=call.timeout_s, args=call.args))
 
     def _commit(self, version: int | None) -> int | None:
         if version is None or version == self.version:
             return None
         self.version = None  # until every worker has loaded it
-        apply(self._workers, self.names, version, self.timeout_s)
+        run(load(self.names, version, self.timeout_s), self._workers)
         if not self._llm.reset_prefix_cache():
             raise WeightSyncError(
                 f"VllmWeightSync: version {version} is loaded but the prefix cache could not be reset "
