@@ -311,3 +311,9 @@ class VllmWeightSync:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+try:  # vLLM's weight-transfer backend "wsync", registered in every process that loads the worker extension
+    from lightning_wsync.engines import vllm_transfer  # noqa: F401
+except ImportError:
+    pass  # vLLM is not installed here: only the driver-side helpers are usable
