@@ -9,23 +9,16 @@ cache carried across a switch exactly as the engine keeps it.
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
+import _vllm_only  # noqa: F401  (first: skips without vLLM)
 import pytest
 import torch
+from test_vllm_engine import PROMPTS, perturb
+from tiny_llama import write_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("vllm", reason="vLLM not installed: bash .ci/vllm_venv.sh builds .venv-vllm for it")
-pytest.importorskip("transformers", reason="transformers comes with vLLM")
-sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
-
-from test_vllm_engine import PROMPTS, perturb  # noqa: E402
-from tiny_llama import write_tiny_llama  # noqa: E402
-
-from lightning_wsync import WeightSender  # noqa: E402
-from lightning_wsync.engines.vllm import WORKER_EXTENSION  # noqa: E402
-from lightning_wsync.engines.vllm_async import AsyncVllmWeightSync, VersionedOutput  # noqa: E402
+from lightning_wsync import WeightSender
+from lightning_wsync.engines.vllm import WORKER_EXTENSION
+from lightning_wsync.engines.vllm_async import AsyncVllmWeightSync, VersionedOutput
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

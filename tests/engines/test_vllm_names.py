@@ -7,21 +7,13 @@ The trainer's other names are Hugging Face ones that vLLM fuses (q/k/v, gate/up)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import _vllm_only  # noqa: F401  (first: skips without vLLM)
 import pytest
 import torch
+from tiny_llama import write_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("vllm", reason="vLLM not installed: bash .ci/vllm_venv.sh builds .venv-vllm for it")
-pytest.importorskip("transformers", reason="transformers comes with vLLM")
-sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
-
-from tiny_llama import write_tiny_llama  # noqa: E402
-
-from lightning_wsync import WeightSender, WeightSyncSchemaError  # noqa: E402
-from lightning_wsync.engines.vllm import VllmWeightSync, make_llm  # noqa: E402
+from lightning_wsync import WeightSender, WeightSyncSchemaError
+from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

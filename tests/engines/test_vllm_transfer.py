@@ -6,22 +6,14 @@ finish) and gets the newest verified version, greedy tokens equal to transformer
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import _vllm_only  # noqa: F401  (first: skips without vLLM)
 import pytest
 import torch
+from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy, perturb
+from tiny_llama import write_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("vllm", reason="vLLM not installed: bash .ci/vllm_venv.sh builds .venv-vllm for it")
-pytest.importorskip("transformers", reason="transformers comes with vLLM")
-sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
-
-from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy, perturb  # noqa: E402
-from tiny_llama import write_tiny_llama  # noqa: E402
-
-from lightning_wsync import WeightSender  # noqa: E402
-from lightning_wsync.engines.vllm import make_llm  # noqa: E402
+from lightning_wsync import WeightSender
+from lightning_wsync.engines.vllm import make_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
