@@ -146,6 +146,14 @@ class AsyncVllmWeightSync:
         finally:
             del self._streams[request_id]
 
+    async def state(self) -> list[dict[str, Any]]:
+        """Per worker: version loaded, version staged, rejected count, newest published, sender closed."""
+        return list(await self._engine.collective_rpc("wsync_state"))
+
+    async def sender_closed(self) -> bool:
+        """The sender announced its close (no newer version will come from it)."""
+        return all(s["sender_closed"] for s in await self.state())
+
     async def close(self) -> None:
         """Stop the receivers in every worker; the engine keeps the weights it holds."""
         await self._engine.collective_rpc("wsync_close")
