@@ -21,13 +21,12 @@ reused prompt is answered with attention state of the old weights. The weights t
 inside the workers, never through ``collective_rpc`` (which turns tensors into lists
 between processes).
 
-Why a worker extension rather than a vLLM weight-transfer backend: a backend's update
-is driven by the trainer (``start_weight_update``/``update_weights``/``finish_weight_update``
-with the trainer sending during the call), while a receiver here stages on its own and
-applies the newest version when the rollout loop asks; the backend registry also lives
-per process and its built-in backends need CUDA. The extension needs no registration,
-works with vLLM's in-process and multi-process executors, and leaves the engine's own
-model and tokenizer loading untouched.
+Why a worker extension as well as the ``wsync`` weight-transfer backend
+(:mod:`~lightning_wsync.engines.vllm_transfer`): vLLM's ``update_weights`` reaches each
+worker on its own, while one version in every tensor-parallel worker needs the driver to
+run the stage-then-load round itself; the extension gives it ``wsync_stage`` and
+``wsync_load``, works with vLLM's in-process and multi-process executors, and leaves the
+engine's own model and tokenizer loading untouched.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class AsyncVllmWeightSync:
         self.version: int | None = None
         self.paused_s: list[float] = []  # engine paused time of each update
         self._streams: dict[str, VersionedOutput] = {}
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one update at a time
+        self._switching = asyncio.Lock()  # held from pause to resume: no request starts half-way
 
     @classmethod
     async def start(
@@ -137,7 +138,7 @@ class AsyncVllmWeightSync:
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[VersionedOutput]:
         """``AsyncLLM.generate``, each output stamped with the versions that produced it."""
-        async with self._lock:  # no request starts half-way through an update
+        async with self._switching:
             stamp = self._streams[request_id] = VersionedOutput(None, self.version)
         try:
             async for out in self._engine.generate(prompt, params, request_id):
@@ -161,6 +162,10 @@ class AsyncVllmWeightSync:
     async def _switch(self, version: int | None) -> int | None:
         if version is None or version == self.version:
             return None
+        async with self._switching:
+            return await self._load(version)
+
+    async def _load(self, version: int) -> int:
         loop = asyncio.get_running_loop()
         await self._engine.pause_generation(mode=self.pause_mode, clear_cache=self.clear_cache)
         paused = loop.time()
