@@ -5,11 +5,13 @@ trainer on the experience channel tagged with the version that generated them, a
 applies the newest version between generate calls. Store and job come from
 ``WSYNC_STORE``/``WSYNC_JOB``. Exits once the trainer has closed.
 
-    python examples/llm_vllm/rollout.py MODEL_DIR OUT_DIR
+    python examples/llm_vllm/rollout.py MODEL_DIR OUT_DIR [--tp 2] [--async]
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
 import sys
@@ -33,22 +35,52 @@ from lightning_wsync import (
 from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
 
-def main(model_dir: str, out_dir: str) -> None:
-    out = Path(out_dir)
+class Recorder:
+    """Scores a group of completions, logs it, and sends it to the trainer tagged with its version."""
+
+    def __init__(self, out: Path, digits: set[int]) -> None:
+        self.digits = digits
+        self.writer = ExperienceWriter(capacity=4, timeout_s=120)
+        self.log = (out / "rollout.jsonl").open("w")
+        self.started = time.monotonic()
+        self.batches = 0
+
+    def send(self, completions: list[list[int]], version: int, reload_s: float | None) -> bool | None:
+        """True: sent; False: the trainer is busy; None: the trainer is gone."""
+        rewards = torch.tensor([reward(c, self.digits) for c in completions])
+        batch = {
+            "prompt": torch.tensor([i for i, _ in enumerate(PROMPTS) for _ in range(GROUP)]),
+            "completion": torch.tensor(completions),
+            "reward": rewards,
+        }
+        self.log.write(json.dumps({"t": round(time.monotonic() - self.started, 3), "version": version,
+                                   "reward": round(float(rewards.mean()), 4), "reload_s": reload_s}) + "\n")  # fmt: skip
+        self.log.flush()
+        self.batches += 1
+        try:
+            return self.writer.put(batch, version=version, block=False)
+        except WeightSyncStoreError:  # the trainer is done and took its store along
+            return None
+
+
+def engine_kwargs(tp: int) -> dict[str, object]:
+    kwargs: dict[str, object] = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
+                                 "kv_cache_memory_bytes": 64 << 20, "seed": 0, "tensor_parallel_size": tp}  # fmt: skip
+    if tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    return kwargs
+
+
+def main(model_dir: str, out_dir: str, tp: int) -> None:
     t_start = time.monotonic()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    digits = digit_tokens(tok)
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
-    llm = make_llm(model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
-                   kv_cache_memory_bytes=64 << 20, seed=0)  # fmt: skip
+    llm = make_llm(model_dir, **engine_kwargs(tp))
     params = SamplingParams(n=GROUP, temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    writer = ExperienceWriter(capacity=4, timeout_s=120)
-    log = (out / "rollout.jsonl").open("w")
-    started = time.monotonic()
-    batches = 0
+    rec = Recorder(Path(out_dir), digit_tokens(tok))
     with VllmWeightSync(llm, name="rollout", timeout_s=120) as sync:
         sync.wait_for_version(0, timeout_s=120)
-        print(f"[rollout] engine up and at version {sync.version} {time.monotonic() - t_start:.1f} s after start", flush=True)
+        print(f"[rollout] engine (TP={tp}) up and at version {sync.version} {time.monotonic() - t_start:.1f} s after start", flush=True)
         while True:
             t0 = time.perf_counter()
             applied = sync.update()
@@ -58,29 +90,29 @@ def main(model_dir: str, out_dir: str) -> None:
             version = sync.version
             assert version is not None
             outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-            completions = [list(c.token_ids) for o in outs for c in o.outputs]
-            rewards = torch.tensor([reward(c, digits) for c in completions])
-            batch = {
-                "prompt": torch.tensor([i for i, _ in enumerate(PROMPTS) for _ in range(GROUP)]),
-                "completion": torch.tensor(completions),
-                "reward": rewards,
-            }
-            log.write(json.dumps({"t": round(time.monotonic() - started, 3), "version": version,
-                                  "reward": round(float(rewards.mean()), 4), "reload_s": reload_s}) + "\n")  # fmt: skip
-            log.flush()
-            batches += 1
-            try:
-                sent = writer.put(batch, version=version, block=False)
-            except WeightSyncStoreError:  # the trainer is done and took its store along
+            sent = rec.send([list(c.token_ids) for o in outs for c in o.outputs], version, reload_s)
+            if sent is None:
                 break
             if not sent:
                 try:  # the trainer is busy: wait for fresher weights instead of piling up stale batches
                     sync.wait_for_version(version + 1, timeout_s=1.0)
                 except (WeightSyncTimeoutError, WeightSyncClosedError):
                     pass
-        print(f"[rollout] done: {batches} batches, final version {sync.version}", flush=True)
-    log.close()
+        print(f"[rollout] done: {rec.batches} batches, final version {sync.version}", flush=True)
+    rec.log.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the engine")
+    ap.add_argument("--async", dest="use_async", action="store_true",
+                    help="AsyncLLM: requests stream continuously, updates land while they run")  # fmt: skip
+    a = ap.parse_args()
+    if a.use_async:
+        from rollout_async import main_async
+
+        asyncio.run(main_async(a.model_dir, a.out_dir, a.tp))
+    else:
+        main(a.model_dir, a.out_dir, a.tp)

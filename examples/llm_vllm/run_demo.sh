@@ -7,8 +7,18 @@
 # (train.py) as two processes on one store: the engine samples, the trainer learns by
 # policy gradient and pushes every N steps, the engine reloads between generate calls.
 # Plots reward against version and exits 0 once the reward target is reached.
-# Extra arguments go to train.py (e.g. --every-n-steps 4 --target 0.8).
+# --tp 2 runs the engine tensor-parallel on two worker processes; --async runs it as an
+# AsyncLLM with requests streaming through updates (rollout_async.py). Other arguments go
+# to train.py (e.g. --every-n-steps 4 --target 0.8).
 set -euo pipefail
+rollout_args=() train_args=() bind=nobind
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --tp) rollout_args+=(--tp "$2"); [ "$2" -gt 1 ] && bind="0|1"; shift 2 ;;
+        --async) rollout_args+=(--async); shift ;;
+        *) train_args+=("$1"); shift ;;
+    esac
+done
 cd "$(dirname "$0")/../.."
 root=$(pwd)
 
@@ -24,7 +34,8 @@ rm -rf "$out" && mkdir -p "$out"
 port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 export WSYNC_STORE="127.0.0.1:$port" WSYNC_JOB="llm-$$"
 # One core each on a 2-core machine: vLLM's OpenMP threads are not pinned, torch uses one.
-export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_ENABLE_V1_MULTIPROCESSING=0
+# With --tp 2 the two workers are pinned one to each core.
+export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=$bind VLLM_ENABLE_V1_MULTIPROCESSING=0
 
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill -- -"$pid" 2>/dev/null || true; done; }
@@ -33,12 +44,12 @@ trap cleanup EXIT
 echo "== model:   $out/model (2 layers, hidden 128, vocab 512, random)"
 "$py" -c "import sys; sys.path.insert(0, 'examples/llm_vllm'); from tiny_llama import write_tiny_llama; write_tiny_llama('$out/model')" \
     >"$out/model.log" 2>&1
-echo "== rollout: python examples/llm_vllm/rollout.py (vLLM engine, store $WSYNC_STORE, job $WSYNC_JOB)"
-echo "== trainer: python examples/llm_vllm/train.py $*"
-setsid "$py" examples/llm_vllm/rollout.py "$out/model" "$out" >"$out/rollout.log" 2>&1 &
+echo "== rollout: python examples/llm_vllm/rollout.py ${rollout_args[*]} (vLLM engine, store $WSYNC_STORE, job $WSYNC_JOB)"
+echo "== trainer: python examples/llm_vllm/train.py ${train_args[*]}"
+setsid "$py" examples/llm_vllm/rollout.py "$out/model" "$out" "${rollout_args[@]}" >"$out/rollout.log" 2>&1 &
 rollout=$!; pids+=("$rollout")
 trainer_rc=0
-"$py" examples/llm_vllm/train.py "$out/model" "$out" "$@" 2>&1 | tee "$out/trainer.log" \
+"$py" examples/llm_vllm/train.py "$out/model" "$out" "${train_args[@]}" 2>&1 | tee "$out/trainer.log" \
     | grep --line-buffered -E '^\[trainer' || trainer_rc=${PIPESTATUS[0]}
 rollout_rc=0; wait "$rollout" || rollout_rc=$?
 
@@ -54,8 +65,9 @@ s = json.loads((out / "summary.json").read_text())
 rows = [json.loads(l) for l in (out / "rollout.jsonl").read_text().splitlines() if l]
 first = [r["reward"] for r in rows if r["version"] == 0]
 reloads = sorted(r["reload_s"] for r in rows if r["reload_s"] is not None)
+median = f"{reloads[len(reloads) // 2] * 1e3:.0f} ms" if reloads else "(async: see the rollout line above)"
 print(f"== engine reward at version 0: {sum(first) / max(1, len(first)):.3f}; "
-      f"median engine update (reload + prefix-cache reset) {reloads[len(reloads) // 2] * 1e3:.0f} ms over {len(reloads)} updates")
+      f"median engine update (reload + prefix-cache reset) {median} over {len(reloads)} updates")
 print(f"== {'SOLVED' if s['solved'] else 'NOT SOLVED'}: mean reward of the last batches {s['final_mean_reward']:.3f} "
       f"(target {s['target_reward']:g}) after {s['versions']} trainer steps, {s['batches']} batches"
       + (f", {s['seconds']:.1f} s" if s['solved'] else ""))

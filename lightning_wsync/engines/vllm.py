@@ -12,20 +12,21 @@
             sync.update()                           # newest complete version, if newer
 
 Each worker process stages and verifies versions in the background like any receiver
-(shared memory on the trainer's host, gloo elsewhere); ``update()`` asks every worker
-to hand its newest complete version to ``reload_weights(weights_iterator=...)`` (vLLM's
-layer-by-layer reload, which repacks weights for its kernels), then resets the prefix
-cache so no reused prompt is answered with attention state of the old weights. The
-weights travel inside the workers, never through ``collective_rpc`` (which turns
-tensors into lists between processes).
+(shared memory on the trainer's host, gloo elsewhere) without touching the model;
+``update()`` brings every worker to one staged version, then has each load it with
+``reload_weights(weights_iterator=...)`` (vLLM's layer-by-layer reload, which repacks
+weights for its kernels): all tensor-parallel workers load the same version or none
+(:mod:`~lightning_wsync.engines._commit`). It then resets the prefix cache once, so no
+reused prompt is answered with attention state of the old weights. The weights travel
+inside the workers, never through ``collective_rpc`` (which turns tensors into lists
+between processes).
 
-Why a worker extension rather than a vLLM weight-transfer backend: a backend's update
-is driven by the trainer (``start_weight_update``/``update_weights``/``finish_weight_update``
-with the trainer sending during the call), while a receiver here stages on its own and
-applies the newest version when the rollout loop asks; the backend registry also lives
-per process and its built-in backends need CUDA. The extension needs no registration,
-works with vLLM's in-process and multi-process executors, and leaves the engine's own
-model and tokenizer loading untouched.
+Why a worker extension as well as the ``wsync`` weight-transfer backend
+(:mod:`~lightning_wsync.engines.vllm_transfer`): vLLM's ``update_weights`` reaches each
+worker on its own, while one version in every tensor-parallel worker needs the driver to
+run the stage-then-load round itself; the extension gives it ``wsync_stage`` and
+``wsync_load``, works with vLLM's in-process and multi-process executors, and leaves the
+engine's own model and tokenizer loading untouched.
 """
 
 from __future__ import annotations
@@ -33,16 +34,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from typing_extensions import Self
 
-from lightning_wsync import errors
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run
+from lightning_wsync.engines._vllm_names import check_names
+from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
 if TYPE_CHECKING:
     from lightning_wsync._pull.receiver import WeightReceiver
@@ -59,6 +61,7 @@ class _Worker(Protocol):
     """What the extension uses of the vLLM worker it is mixed into."""
 
     rank: int
+    vllm_config: Any
 
     def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -80,14 +83,20 @@ class _Engine(Protocol):
 class WsyncWorkerExtension:
     """Mixed into every vLLM worker; reached through ``llm.collective_rpc("wsync_...")``.
 
+    The worker's receiver only stages versions (:class:`~lightning_wsync.engines._commit.StagedVersion`);
+    the model is loaded by ``wsync_load`` once every worker has staged the same version.
     Its attribute names all start with ``wsync`` (vLLM refuses an extension whose names
     collide with the worker's).
     """
 
     _wsync_receiver: WeightReceiver | None = None
+    _wsync_staged: StagedVersion | None = None
+    _wsync_loaded: int | None = None
+    _wsync_checked: frozenset[str] = frozenset()
+    _wsync_refused: tuple[frozenset[str], str] | None = None  # names refused, and why
 
     def wsync_start(self, store: str | None, job: str | None, options: dict[str, Any]) -> str:
-        """Join the job as a receiver whose apply target is this worker's model; return its name."""
+        """Join the job as a receiver that stages versions for this worker; return its name."""
         from lightning_wsync._pull.receiver import WeightReceiver
 
         if self._wsync_receiver is not None:
@@ -95,26 +104,73 @@ class WsyncWorkerExtension:
                 f"vLLM worker: a receiver {self._wsync_receiver.name!r} already runs here; close it first"
             )
         rank = cast(_Worker, self).rank
+        options = dict(options)  # workers in one process share the caller's dict
         base = options.pop("name", None) or f"vllm-{os.getpid()}"
-        self._wsync_receiver = WeightReceiver(self._wsync_load, store, job, name=f"{base}-w{rank}", **options)
+        self._wsync_staged = StagedVersion()
+        self._wsync_receiver = WeightReceiver(self._wsync_staged, store, job, name=f"{base}-w{rank}", **options)
         return self._wsync_receiver.name
 
-    def _wsync_load(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        started = time.perf_counter()
-        cast(_Worker, self).reload_weights(weights_iterator=iter(tensors.items()))
-        log.debug("vLLM worker reloaded version %d in %.3f s", version, time.perf_counter() - started)
+    def wsync_stage(self, min_version: int | None, timeout_s: float) -> dict[str, Any]:
+        """Stage the newest complete version; with ``min_version``, one >= it within ``timeout_s``.
 
-    def wsync_update(self) -> dict[str, Any]:
-        """Hand the newest complete version to the model, if newer (see ``_outcome``)."""
-        return _outcome(lambda: self._wsync_get().update())
+        A version already staged at or above ``min_version`` is kept (no chase of newer ones).
+        """
 
-    def wsync_wait_for_version(self, min_version: int, timeout_s: float | None) -> dict[str, Any]:
-        return _outcome(lambda: self._wsync_get().wait_for_version(min_version, timeout_s))
+        def stage() -> int | None:
+            receiver, staged = self._wsync_get(), self._wsync_staged
+            assert staged is not None
+            if min_version is None:
+                receiver.update()
+            elif staged.version is None or staged.version < min_version:
+                receiver.wait_for_version(min_version, timeout_s)
+            if staged.version is not None:
+                self._wsync_check_names(receiver.name, staged)
+            return staged.version
+
+        return outcome(stage)
+
+    def _wsync_check_names(self, name: str, staged: StagedVersion) -> None:
+        """Refuse a staged version whose tensor names the model would not load (once per name set)."""
+        names = frozenset(staged.tensors)
+        if names == self._wsync_checked:
+            return
+        if self._wsync_refused is None or self._wsync_refused[0] != names:
+            refused, missing = check_names(cast(_Worker, self).vllm_config, staged.tensors.items())
+            if not refused:
+                if missing:
+                    log.warning("vLLM worker %r: no trainer tensor reaches %s; they keep their values", name, missing)
+                self._wsync_checked, self._wsync_refused = names, None
+                return
+            self._wsync_refused = names, (
+                f"vLLM worker {name!r}: {len(refused)} of the trainer's {len(names)} tensors would not load "
+                f"into the engine's model: {refused!r}. Publish the names the model's Hugging Face "
+                f"checkpoint uses, or leave these out with exclude=[...] on the sender and VllmWeightSync"
+            )
+        raise WeightSyncSchemaError(self._wsync_refused[1])
+
+    def wsync_load(self, version: int) -> dict[str, Any]:
+        """Load the staged ``version`` into the model (vLLM's layer-by-layer reload)."""
+
+        def load() -> int:
+            self._wsync_get()
+            staged = self._wsync_staged
+            assert staged is not None
+            if staged.version != version:
+                raise WeightSyncError(f"asked to load version {version} but version {staged.version!r} is staged")
+            started = time.perf_counter()
+            self._wsync_loaded = None  # until the reload returns, the model may hold parts of two versions
+            cast(_Worker, self).reload_weights(weights_iterator=iter(staged.tensors.items()))
+            self._wsync_loaded = version
+            log.debug("vLLM worker loaded version %d in %.3f s", version, time.perf_counter() - started)
+            return version
+
+        return outcome(load)
 
     def wsync_state(self) -> dict[str, Any]:
         r = self._wsync_get()
         return {
-            "version": r.version,
+            "version": self._wsync_loaded,
+            "staged": r.version,
             "rejected": r.rejected,
             "latest_published": r.latest_published,
             "sender_closed": r.sender_closed,
@@ -129,26 +185,6 @@ class WsyncWorkerExtension:
         if self._wsync_receiver is None:
             raise WeightSyncError("vLLM worker: no receiver runs here; create a VllmWeightSync(llm) first")
         return self._wsync_receiver
-
-
-def _outcome(call: Callable[[], int | None]) -> dict[str, Any]:
-    """The result, or the WeightSyncError raised, as plain data.
-
-    In multi-process mode vLLM wraps a worker's exception into its own; the driver
-    raises the receiver's error class again from this record (``_unwrap``).
-    """
-    try:
-        return {"version": call()}
-    except WeightSyncError as exc:
-        return {"error": type(exc).__name__, "message": str(exc)}
-
-
-def _unwrap(results: list[dict[str, Any]]) -> list[int | None]:
-    for r in results:
-        if "error" in r:
-            cls = getattr(errors, r["error"], WeightSyncError)
-            raise cls(r["message"])
-    return [r["version"] for r in results]
 
 
 def make_llm(model: str | os.PathLike[str], **engine_kwargs: Any) -> Any:
@@ -210,26 +246,33 @@ class VllmWeightSync:
         log.info("VllmWeightSync: receivers %s started", self.names)
 
     def update(self) -> int | None:
-        """Apply the newest complete version in every worker if newer; reset the prefix cache.
+        """Load the newest version every worker has staged, if newer; reset the prefix cache.
 
-        Call between ``generate`` calls. Returns the version applied, or None.
+        All workers load the same version or none (see :mod:`~lightning_wsync.engines._commit`).
+        Call between ``generate`` calls. Returns the version loaded, or None.
+
+        Raises:
+            WeightSyncTimeoutError: a worker could not stage the version the others staged
+                within ``timeout_s``; the engine keeps its previous version everywhere.
         """
-        return self._settle(_unwrap(self._llm.collective_rpc("wsync_update")))
+        return self._commit(run(agree(self.names, None, self.timeout_s), self._workers))
 
     def wait_for_version(self, min_version: int = 0, timeout_s: float | None = None) -> int:
-        """Block until every worker holds a version >= ``min_version``; return it.
+        """Block until every worker holds one version >= ``min_version``; return it.
 
         Raises:
             WeightSyncTimeoutError, WeightSyncClosedError, WeightSyncStoreError: as
-                :meth:`WeightReceiver.wait_for_version` in the worker raised them.
+                :meth:`WeightReceiver.wait_for_version` in a worker raised them.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self._settle(_unwrap(self._llm.collective_rpc("wsync_wait_for_version", args=(min_version, timeout_s))))
+        self.update()
+        if self.version is None or self.version < min_version:
+            self._commit(run(agree(self.names, min_version, timeout_s), self._workers))
         assert self.version is not None
         return self.version
 
     def state(self) -> list[dict[str, Any]]:
-        """Per worker: version, rejected count, newest published version, sender closed."""
+        """Per worker: version loaded, version staged, rejected count, newest published, sender closed."""
         return list(self._llm.collective_rpc("wsync_state"))
 
     @property
@@ -237,32 +280,22 @@ class VllmWeightSync:
         """The sender announced its close (no newer version will come from it)."""
         return all(s["sender_closed"] for s in self.state())
 
-    def _settle(self, versions: list[int | None]) -> int | None:
-        """Bring every worker to one version (pushes can land between two workers' updates)."""
-        before = self.version
-        deadline = time.monotonic() + self.timeout_s
-        states = self.state()
-        while len({s["version"] for s in states}) > 1:
-            if time.monotonic() > deadline:
-                raise WeightSyncError(
-                    f"VllmWeightSync: workers hold different versions {[s['version'] for s in states]!r} "
-                    f"after timeout_s={self.timeout_s}; the trainer pushes faster than the engine reloads: "
-                    f"push less often"
-                )
-            newest = max(s["version"] for s in states if s["version"] is not None)
-            _unwrap(self._llm.collective_rpc("wsync_wait_for_version", args=(newest, self.timeout_s)))
-            states = self.state()
-        held: int | None = states[0]["version"]
-        if held is None or held == before:
+    def _workers(self, call: Call) -> list[dict[str, Any]]:
+        return list(self._llm.collective_rpc(call.method, timeout=call.timeout_s, args=call.args))
+
+    def _commit(self, version: int | None) -> int | None:
+        if version is None or version == self.version:
             return None
+        self.version = None  # until every worker has loaded it
+        run(load(self.names, version, self.timeout_s), self._workers)
         if not self._llm.reset_prefix_cache():
             raise WeightSyncError(
-                f"VllmWeightSync: version {held} is loaded but the prefix cache could not be reset "
+                f"VllmWeightSync: version {version} is loaded but the prefix cache could not be reset "
                 f"(requests still running); call update() between generate() calls"
             )
-        self.version = held
-        log.debug("vLLM engine at version %d (workers returned %s)", held, versions)
-        return held
+        self.version = version
+        log.debug("vLLM engine at version %d in workers %s", version, self.names)
+        return version
 
     def close(self) -> None:
         """Stop the receivers in every worker; the engine keeps the weights it holds."""
@@ -277,3 +310,9 @@ class VllmWeightSync:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+try:  # vLLM's weight-transfer backend "wsync", registered in every process that loads the worker extension
+    from lightning_wsync.engines import vllm_transfer  # noqa: F401
+except ImportError:
+    pass  # vLLM is not installed here: only the driver-side helpers are usable

@@ -17,10 +17,11 @@ pytest.importorskip("vllm", reason="vLLM not installed: pip install 'lightning-w
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_llm_demo_reaches_the_reward_target(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--async"]], ids=["llm", "async-llm"])
+def test_llm_demo_reaches_the_reward_target(tmp_path, flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_") and k != "RANK"}
     env.update(WSYNC_DEMO_OUT=str(tmp_path), WSYNC_VLLM_VENV=str(Path(sys.executable).parent.parent))
-    proc = subprocess.Popen(["bash", "examples/llm_vllm/run_demo.sh"], cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen(["bash", "examples/llm_vllm/run_demo.sh", *flags], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=840)

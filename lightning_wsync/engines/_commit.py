@@ -1,0 +1,150 @@
+"""One version in every worker of an engine, or none: stage everywhere, then apply.
+
+An engine with tensor (or pipeline) parallelism runs one :class:`WeightReceiver` per
+worker. A worker's receiver only *stages* a version (its apply target keeps the verified
+tensors, the model is untouched, see :class:`StagedVersion`); the driver then brings
+every worker to the same staged version and only then asks each to load it::
+
+    stage   every worker stages its newest version          (model untouched)
+    agree   workers behind the newest staged one stage >= it (repeat until all equal)
+    apply   every worker loads that one version             (prefix cache reset once)
+
+A push landing between two workers' stages only makes the laggard stage again; a worker
+that cannot stage the agreed version within ``timeout_s`` stops the round before any
+model is written, so the engine stays on its previous version everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar, cast
+
+import torch
+
+from lightning_wsync import errors
+from lightning_wsync.errors import WeightSyncError, WeightSyncTimeoutError
+
+T = TypeVar("T")
+
+RPC_MARGIN_S = 30.0
+"""Slack on top of ``timeout_s`` for one collective call (process hops, a slow reload)."""
+
+
+class Call(NamedTuple):
+    """One method of the worker extension, to run in every worker (results in worker order)."""
+
+    method: str
+    args: tuple[Any, ...]
+    timeout_s: float
+
+
+Results = list[dict[str, Any]]
+Steps = Generator[Call, Results, T]
+"""A round as the calls it needs: the sync (``run``) and async (``run_async``) drivers make them."""
+
+
+def run(steps: Steps[T], workers: Callable[[Call], Results]) -> T:
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(workers(call))
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+async def run_async(steps: Steps[T], workers: Callable[[Call], Awaitable[Results]]) -> T:
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(await workers(call))
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+class StagedVersion:
+    """An ApplyTarget that keeps a verified version for a later load instead of loading it.
+
+    The tensors are the receiver's own copy; they stay as they are until the receiver's
+    next ``update()``, which only the stage step calls.
+    """
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.tensors: Mapping[str, torch.Tensor] = {}
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], version: int, /) -> None:
+        self.tensors, self.version = tensors, version
+
+
+def outcome(call: Callable[[], int | None]) -> dict[str, Any]:
+    """A worker's result, or the WeightSyncError it raised, as plain data.
+
+    In multi-process mode vLLM wraps a worker's exception into its own; the driver
+    raises the receiver's error class again from this record (:func:`unwrap`).
+    """
+    try:
+        return {"version": call()}
+    except WeightSyncError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+def unwrap(results: Sequence[dict[str, Any]], names: Sequence[str], step: str) -> list[int | None]:
+    """Each worker's version; the first worker's error raised again as its own class, named."""
+    for name, r in zip(names, results):
+        if "error" in r:
+            cls = getattr(errors, r["error"], WeightSyncError)
+            raise cls(f"{step} in worker {name!r}: {r['message']}")
+    return [r["version"] for r in results]
+
+
+def agree(names: Sequence[str], min_version: int | None, timeout_s: float) -> Steps[int | None]:
+    """Stage one version in every worker (>= ``min_version`` if given); return it, or None.
+
+    None: some worker has no version staged yet and ``min_version`` is None.
+
+    Raises:
+        WeightSyncTimeoutError: a worker did not stage the agreed version within ``timeout_s``
+            (no model was written).
+    """
+    deadline = time.monotonic() + timeout_s
+    first_s = 0.0 if min_version is None else timeout_s
+    try:
+        staged = unwrap((yield Call("wsync_stage", (min_version, first_s), first_s + RPC_MARGIN_S)), names, "stage")
+    except WeightSyncTimeoutError as exc:
+        raise WeightSyncTimeoutError(f"engine: {exc}; no worker loaded a new version") from exc
+    while True:
+        known = [v for v in staged if v is not None]
+        if len(known) == len(staged) and len(set(known)) == 1:
+            return known[0]
+        if not known:
+            return None
+        target = max(known)
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise WeightSyncTimeoutError("out of time")
+            staged = unwrap((yield Call("wsync_stage", (target, remaining), remaining + RPC_MARGIN_S)), names, "stage")
+        except WeightSyncTimeoutError as exc:
+            behind = [n for n, v in zip(names, staged) if v != target]
+            raise WeightSyncTimeoutError(
+                f"engine workers {behind!r} did not stage version {target} within timeout_s={timeout_s} "
+                f"(staged {dict(zip(names, staged))!r}); no worker loaded it, the engine keeps its previous "
+                f"version everywhere. Raise timeout_s, or push less often than the engine stages ({exc})"
+            ) from exc
+
+
+def load(names: Sequence[str], version: int, timeout_s: float) -> Steps[None]:
+    """Every worker loads its staged ``version``.
+
+    Raises:
+        WeightSyncError: a worker's load failed; the engine may hold part of ``version``.
+    """
+    try:
+        loaded = unwrap((yield Call("wsync_load", (version,), timeout_s + RPC_MARGIN_S)), names, "load")
+    except WeightSyncError as exc:
+        raise WeightSyncError(
+            f"engine: loading version {version} failed ({exc}); workers may hold parts of different "
+            f"versions until the next update() loads the newest everywhere"
+        ) from exc
+    assert loaded == [version] * len(names), loaded

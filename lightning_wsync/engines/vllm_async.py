@@ -1,0 +1,196 @@
+"""lightning_wsync inside ``vllm.AsyncLLM``: versions applied while requests stream.
+
+::
+
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from lightning_wsync.engines.vllm import WORKER_EXTENSION
+    from lightning_wsync.engines.vllm_async import AsyncVllmWeightSync
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model_dir, worker_extension_cls=WORKER_EXTENSION))
+    sync = await AsyncVllmWeightSync.start(engine)     # store, job, secret from WSYNC_* env
+    await sync.wait_for_version(0)
+    async for out in sync.generate(prompt, params, request_id="r1"):
+        out.version, out.switches                       # which weights produced out.output
+    await sync.update()                                 # from any task, any time
+    await sync.close()
+
+``update()`` stages the newest version in every worker while requests keep running
+(:mod:`~lightning_wsync.engines._commit`), then pauses the scheduler at a step boundary
+(``pause_generation``), has every worker load it, and resumes. ``pause_mode``:
+
+- ``"keep"`` (default): in-flight requests are frozen and continue after the update. With
+  ``clear_cache=False`` (default) their KV cache, computed with the previous weights, is
+  kept: no work is lost, but the rest of such a request attends to keys/values of the old
+  version (slightly off-policy, as in PipelineRL-style in-flight updates). With
+  ``clear_cache=True`` vLLM drops the KV and prefix caches.
+- ``"abort"``: in-flight requests end at once (finish reason ``abort``): fully on-policy
+  from the next request on, at the cost of the aborted work.
+
+Every output of :meth:`generate` says which weights produced it: ``version`` at the
+request's first token, and ``switches``, ``(token_index, version)`` for each update that
+landed while it ran: tokens from ``token_index`` on were generated with ``version``. The
+index is read from vLLM's output processor after the pause, when the engine core has
+sent every token of the last step before it (``pause_generation`` returns then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lightning_wsync.config import ReceiverConfig, config_values
+from lightning_wsync.engines._commit import Call, Results, agree, load, run_async
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "abort"]
+
+
+@dataclass
+class VersionedOutput:
+    """One streamed ``vllm.RequestOutput`` and the versions that produced its tokens."""
+
+    output: Any
+    version: int | None
+    switches: list[tuple[int, int]] = field(default_factory=list)
+
+    def version_of(self, token_index: int) -> int | None:
+        """The version that generated the token at ``token_index``."""
+        version = self.version
+        for start, v in self.switches:
+            if token_index >= start:
+                version = v
+        return version
+
+
+class AsyncVllmWeightSync:
+    """Keeps a ``vllm.AsyncLLM``'s workers at the newest version; stamps outputs with it.
+
+    Create with :meth:`start`. Args as :class:`~lightning_wsync.engines.vllm.VllmWeightSync`, plus
+    ``pause_mode`` and ``clear_cache`` (see the module docs).
+    """
+
+    def __init__(self, engine: Any, names: list[str], timeout_s: float, pause_mode: PauseMode, clear_cache: bool):
+        self._engine = engine
+        self.names = names
+        self.timeout_s = timeout_s
+        self.pause_mode: PauseMode = pause_mode
+        self.clear_cache = clear_cache
+        self.version: int | None = None
+        self.paused_s: list[float] = []  # engine paused time of each update
+        self._streams: dict[str, VersionedOutput] = {}
+        self._lock = asyncio.Lock()  # one update at a time
+        self._switching = asyncio.Lock()  # held from pause to resume: no request starts half-way
+
+    @classmethod
+    async def start(
+        cls,
+        engine: Any,
+        store: str | None = None,
+        job: str | None = None,
+        *,
+        name: str | None = None,
+        pause_mode: PauseMode = "keep",
+        clear_cache: bool = False,
+        **options: object,
+    ) -> AsyncVllmWeightSync:
+        """Start a receiver in every worker of ``engine`` (created with ``worker_extension_cls=WORKER_EXTENSION``)."""
+        if pause_mode not in ("keep", "abort"):
+            raise ValueError(
+                f"AsyncVllmWeightSync: pause_mode={pause_mode!r} is not one of 'keep', 'abort' "
+                f"('wait' would block an update until every request finished)"
+            )
+        values = config_values(ReceiverConfig, None, {"name": name, **options}, owner="AsyncVllmWeightSync")
+        timeout_s = ReceiverConfig(**values).timeout_s
+        try:
+            names = list(await engine.collective_rpc("wsync_start", args=(store, job, values)))
+        except Exception as exc:
+            raise WeightSyncError(
+                f"AsyncVllmWeightSync: could not start a receiver in the engine's workers ({type(exc).__name__}: "
+                f"{exc}); create the engine with worker_extension_cls=WORKER_EXTENSION, and check store={store!r}, "
+                f"job={job!r}"
+            ) from exc
+        return cls(engine, names, timeout_s, pause_mode, clear_cache)
+
+    async def update(self) -> int | None:
+        """Stage the newest version everywhere, then pause, load it in every worker, resume.
+
+        Returns the version loaded, or None. Raises as :meth:`VllmWeightSync.update`.
+        """
+        async with self._lock:
+            version = await run_async(agree(self.names, None, self.timeout_s), self._workers)
+            return await self._switch(version)
+
+    async def wait_for_version(self, min_version: int = 0, timeout_s: float | None = None) -> int:
+        """Wait until every worker holds one version >= ``min_version``; return it."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        await self.update()
+        async with self._lock:
+            if self.version is None or self.version < min_version:
+                await self._switch(await run_async(agree(self.names, min_version, timeout_s), self._workers))
+        assert self.version is not None
+        return self.version
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[VersionedOutput]:
+        """``AsyncLLM.generate``, each output stamped with the versions that produced it."""
+        async with self._switching:
+            stamp = self._streams[request_id] = VersionedOutput(None, self.version)
+        try:
+            async for out in self._engine.generate(prompt, params, request_id):
+                stamp.output = out
+                yield VersionedOutput(out, stamp.version, list(stamp.switches))
+        finally:
+            del self._streams[request_id]
+
+    async def state(self) -> list[dict[str, Any]]:
+        """Per worker: version loaded, version staged, rejected count, newest published, sender closed."""
+        return list(await self._engine.collective_rpc("wsync_state"))
+
+    async def sender_closed(self) -> bool:
+        """The sender announced its close (no newer version will come from it)."""
+        return all(s["sender_closed"] for s in await self.state())
+
+    async def close(self) -> None:
+        """Stop the receivers in every worker; the engine keeps the weights it holds."""
+        await self._engine.collective_rpc("wsync_close")
+
+    async def _switch(self, version: int | None) -> int | None:
+        if version is None or version == self.version:
+            return None
+        async with self._switching:
+            return await self._load(version)
+
+    async def _load(self, version: int) -> int:
+        loop = asyncio.get_running_loop()
+        await self._engine.pause_generation(mode=self.pause_mode, clear_cache=self.clear_cache)
+        paused = loop.time()
+        try:
+            self.version = None  # until every worker has loaded it
+            await run_async(load(self.names, version, self.timeout_s), self._workers)
+            if not await self._engine.reset_prefix_cache():
+                log.debug("prefix cache kept blocks of requests in flight (pause_mode=%r)", self.pause_mode)
+            self.version = version
+            self._stamp(version)
+        finally:
+            await self._engine.resume_generation()
+            self.paused_s.append(loop.time() - paused)
+        return version
+
+    def _stamp(self, version: int) -> None:
+        """Record, for each request in flight, the token index from which ``version`` generates."""
+        states = {s.external_req_id: s for s in self._engine.output_processor.request_states.values()}
+        for request_id, stamp in self._streams.items():
+            state = states.get(request_id)
+            done = 0 if state is None else state.detokenizer.num_output_tokens()
+            if done == 0:
+                stamp.version, stamp.switches = version, []  # not started: all of it is the new version
+            else:
+                stamp.switches.append((done, version))
+
+    async def _workers(self, call: Call) -> Results:
+        return list(await self._engine.collective_rpc(call.method, timeout=call.timeout_s, args=call.args))
