@@ -18,6 +18,7 @@ import torch
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive
 from lightning_wsync._control.manifest import Manifest, entry_views
+from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Reject, SumsLookup
 from lightning_wsync._planes.relay.down import Downstream
@@ -35,7 +36,7 @@ from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.shm.source import SharedMemorySource
 from lightning_wsync._planes.wire import PeerGroup, shutdown_group
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class RelayMember:
         self._on_rejected = on_rejected
         self._own: SnapshotRing | None = None
         self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
-        self._receipts: dict[int, list[object]] = {}
+        self._receipts: dict[int, Receipt] = {}
         self._leader_hb: tuple[int, int, float] | None = None  # (rid, hb, seen at)
         self._next_leader_check = 0.0  # when the leader's gone key and heartbeat are read next
         self._failed_gen: int | None = None  # the chain generation whose hop from upstream failed
@@ -128,8 +129,8 @@ class RelayMember:
         self._thread.start()
 
     # -- election -----------------------------------------------------------------
-    def _leader_gone(self, ctl: Control, record: dict[str, object]) -> str | None:
-        rid, pid = int(str(record["rid"])), int(str(record["pid"]))
+    def _leader_gone(self, ctl: Control, record: LeaderRecord) -> str | None:
+        rid, pid = record.rid, record.pid
         if rid == self._rid:
             return None
         if not pid_alive(pid):
@@ -153,37 +154,42 @@ class RelayMember:
             return f"leader rid={rid} silent for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
         return None
 
-    def _elect(self, ctl: Control) -> dict[str, object] | None:
+    def _elect(self, ctl: Control) -> LeaderRecord | None:
         key = keys.relay_leader(self._epoch, self._host)
         raw = ctl.get_text(key)
-        record = None if raw is None else ctl.open(key, raw)
-        reason = "no leader" if record is None else self._leader_gone(ctl, record)
+        record: LeaderRecord | None = None
+        reason: str | None = "no leader"
+        if raw is not None:
+            try:
+                record = ctl.decode(key, raw, LeaderRecord)
+                reason = self._leader_gone(ctl, record)
+            except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # forged or garbled: replaced like a dead one
+                reason = f"unreadable leader record ({exc})"
         if reason is None:
             return record
-        term = 0 if record is None else int(record["term"]) + 1
-        name = segment_name(f"{self._job}-relay", self._epoch)
-        mine = {"rid": self._rid, "pid": os.getpid(), "term": term, "shm": name}
-        sealed = ctl.seal(key, mine)
-        now = ctl.store.compare_set(key, raw or "", sealed)
-        if bytes(now).decode() == sealed:
+        term = 0 if record is None else record.term + 1
+        mine = LeaderRecord(self._rid, os.getpid(), term, segment_name(f"{self._job}-relay", self._epoch))
+        sealed = ctl.seal(key, mine.encode())
+        now = ctl.compare_set(key, raw or "", sealed)
+        if now.decode("utf-8", "replace") == sealed:
             log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, term, reason)
             return mine
-        return dict(ctl.open(key, bytes(now)))
+        return ctl.decode(key, now, LeaderRecord)
 
     def _run(self) -> None:
         ctl = self._control.clone()
         while not self._stop.is_set():
             try:
                 record = self._elect(ctl)
-                leading = record is not None and int(str(record["rid"])) == self._rid
+                leading = record is not None and record.rid == self._rid
                 if leading and self._own is None:
                     assert record is not None
                     remove_stale_segments()  # a SIGKILLed predecessor's ring, among others
-                    segment = ShmSegment(str(record["shm"]), self.layout.total_bytes, create=True, slots=2)
+                    segment = ShmSegment(record.shm, self.layout.total_bytes, create=True, slots=2)
                     self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
                                              lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
                     self._hop = HopReceiver(self.layout, self._own)
-                self.segment.follow(None if record is None else str(record["shm"]))
+                self.segment.follow(None if record is None else record.shm)
                 if leading:
                     self._lead(ctl)  # returns when the chain changes, a hop fails, or leadership is lost
                 else:
@@ -205,8 +211,11 @@ class RelayMember:
             self._hop = None
 
     def _still_leader(self, ctl: Control) -> bool:
-        raw = ctl.get_text(keys.relay_leader(self._epoch, self._host))
-        return raw is not None and int(ctl.open(keys.relay_leader(self._epoch, self._host), raw)["rid"]) == self._rid
+        try:
+            record = ctl.get_record(keys.relay_leader(self._epoch, self._host), LeaderRecord)
+        except (WeightSyncRecordError, WeightSyncAuthError):
+            return False
+        return record is not None and record.rid == self._rid
 
     # -- leading ------------------------------------------------------------------
     def _lead(self, ctl: Control) -> None:
@@ -275,11 +284,11 @@ class RelayMember:
             if draft is not None:
                 draft.discard()
             return
-        row: list[object] = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
+        row = Receipt(msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s)
         self._receipts.setdefault(msg.version, row)  # a resend after a chain change keeps the first receipt
         for old in sorted(self._receipts)[:-_RECEIPTS]:
             del self._receipts[old]
-        ctl.set_json(keys.relay_received(self._epoch, self._rid), {str(v): row for v, row in self._receipts.items()})
+        ctl.put(keys.relay_received(self._epoch, self._rid), ReceiptsRecord(dict(self._receipts)))
         own = self._own
         version = msg.version
         newer = self.published_version is None or version > self.published_version
