@@ -104,7 +104,8 @@ def test_a_record_signed_in_another_run_is_refused(port):
     recorded = old.get_raw(keys.closed(1))
     assert old.run_id() != new.run_id()
     new.store.set(keys.closed(1), recorded)
-    with pytest.raises(WeightSyncAuthError, match=r"record 'closed/1' of job 'j' is signed with a different secret or in another run"):
+    refused = r"record 'closed/1' of job 'j' is signed with a different secret or in another run"
+    with pytest.raises(WeightSyncAuthError, match=refused):
         new.get_record(keys.closed(1), records.ClosedRecord)
     assert Control(_client_of(second), "j", b"k").run_id() == new.run_id()  # every peer of a run agrees
     assert new.clone().run_id() == new.run_id()

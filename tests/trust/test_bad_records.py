@@ -5,6 +5,7 @@ a record from another run is refused; the secret never reaches a log line."""
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
 import pytest
@@ -65,7 +66,7 @@ def test_bad_records_and_counters_never_stop_the_sender_or_the_receiver(port, ca
     assert not [r for r in caplog.records if r.exc_info], "a bad record must not end in a traceback"
 
 
-def test_a_close_record_replayed_from_another_run_ends_nobody(port):
+def test_a_close_record_replayed_from_another_run_ends_nobody(port, caplog):
     """Old code: the MAC bound job, key and body only, so the same job relaunched on a fresh
     store accepted run 1's closed/1 and every receiver saw sender_closed."""
     # Record run 1's close on a store that outlives it, then replay it into run 2.
@@ -80,7 +81,13 @@ def test_a_close_record_replayed_from_another_run_ends_nobody(port):
             sender.push(1)
             assert receiver.wait_for_version(1, timeout_s=10) == 1
             assert sender.epoch == 1
-            _raw(port, "r").set(keys.closed(1), replay)
+            with caplog.at_level(logging.ERROR, logger="lightning_wsync"):
+                _raw(port, "r").set(keys.closed(1), replay)
+                deadline = time.monotonic() + 10  # the watcher reads closed/<epoch> every 50 ms
+                while not _errors_naming(caplog, keys.closed(1)):
+                    assert time.monotonic() < deadline, "the replayed close record was never refused"
+                    time.sleep(0.01)
+            assert "signed with a different secret or in another run" in _errors_naming(caplog, keys.closed(1))[0]
             mutate(src, 2)
             sender.push(2)
             assert receiver.wait_for_version(2, timeout_s=10) == 2
