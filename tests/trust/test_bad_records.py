@@ -5,12 +5,13 @@ a record from another run is refused; the secret never reaches a log line."""
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from _workers import digest, mixed_model, mutate
+from _workers import Inbox, build, collect, digest, mixed_model, mutate, receiver_main
 
 from lightning_wsync import (
     CallbackConfig,
@@ -22,7 +23,8 @@ from lightning_wsync import (
 )
 from lightning_wsync._control import keys
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)
+CTX = mp.get_context("spawn")
 
 
 def _raw(port: int, job: str) -> dist.Store:
@@ -60,6 +62,14 @@ def test_bad_records_and_counters_never_stop_the_sender_or_the_receiver(port, ca
                     assert handle.wait(15).delivered == ("good",)
                 assert digest(dst) == digest(src)
                 assert sender.receivers() == ["good"]
+                deadline = time.monotonic() + 10  # sender/current is read every 50 ms, heartbeats every refresh
+                while not (_errors_naming(caplog, keys.SENDER_CURRENT)
+                           and _errors_naming(caplog, keys.member_heartbeat(receiver.rid))):  # fmt: skip
+                    assert time.monotonic() < deadline, "a bad record was never reported"
+                    time.sleep(0.01)
+                mutate(src, 5)
+                sender.push(5)
+                assert receiver.wait_for_version(5, timeout_s=15) == 5  # and reported once only
     assert len(_errors_naming(caplog, keys.member(stranger))) == 1
     assert len(_errors_naming(caplog, keys.SENDER_CURRENT)) == 1
     assert 1 <= len(_errors_naming(caplog, keys.member_heartbeat(receiver.rid))) <= 2  # sender and/or receiver
@@ -122,3 +132,36 @@ def test_an_empty_secret_is_a_configuration_error(port, monkeypatch):
         WeightSender(mixed_model(0), store=f"127.0.0.1:{port}", job="e")
     with pytest.raises(ValueError, match=r"WeightReceiver: WSYNC_SECRET is set but empty"):
         WeightReceiver(mixed_model(0), store=f"127.0.0.1:{port}", job="e")
+
+
+@pytest.mark.slow
+def test_a_forged_relay_leader_record_is_replaced(port, monkeypatch, children):
+    """Old code: a leader record that did not verify raised in every host-mate's election,
+    forever, so nobody replaced it and the host got no further versions."""
+    store, spec = f"127.0.0.1:{port}", ("mixed", 0)
+    src = build(spec)
+    inbox = Inbox(CTX)
+    with WeightSender(src, store=store, job="l", secret="k", timeout_s=10) as sender:  # cross_host="relay"
+        monkeypatch.setenv("WSYNC_HOST_ID", "relay-host-b")  # inherited by the spawned host-mates
+        for name in ("b0", "b1"):
+            args = (store, "l", name, spec, inbox.queue(name), {"secret": "k"})
+            child = CTX.Process(target=receiver_main, args=args, daemon=True)
+            child.start()
+            children.track(child.pid)
+        monkeypatch.delenv("WSYNC_HOST_ID")
+        collect(inbox, "ready", {"b0", "b1"}, timeout_s=120)
+        leader_key = keys.relay_leader(sender.epoch, "relay-host-b")
+        raw = _raw(port, "l")
+        for version in (1, 2, 3):
+            if version == 2:
+                assert raw.check([leader_key])
+                raw.set(leader_key, '{"wsync_signed": "{\\"rid\\": 99}", "mac": "forged"}')
+                deadline = time.monotonic() + 30
+                while b"forged" in bytes(raw.get(leader_key)):  # a host-mate takes over by compare-and-set
+                    assert time.monotonic() < deadline, "the forged leader record was never replaced"
+                    time.sleep(0.02)
+            mutate(src, version)
+            sender.push(version)
+            got = collect(inbox, "version", {"b0", "b1"}, timeout_s=60)
+            assert {msg[2] for msg in got.values()} == {version}
+            assert {msg[3] for msg in got.values()} == {digest(src)}
