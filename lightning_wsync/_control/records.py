@@ -126,10 +126,6 @@ class SenderRecord:
     def encode(self) -> object:
         return asdict(self)
 
-    def as_dict(self) -> dict[str, object]:
-        """The record as the relay plane still reads it."""
-        return asdict(self)
-
     @classmethod
     def decode(cls, value: object) -> Self:
         v = fields(value, "epoch", "host", "pid", "addr", "heartbeat_timeout_s", "timeout_s", "transport",

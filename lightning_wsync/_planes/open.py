@@ -152,7 +152,7 @@ def open_source(
                 "shared memory); the sender's cross_host='star' keeps the network path", name,
             )  # fmt: skip
         return open_relay_source(
-            me.ctl, layout, ordered, record.as_dict(), epoch=epoch, rid=me.rid, host=host, job=me.ctl.job, name=name,
+            me.ctl, layout, ordered, record, epoch=epoch, rid=me.rid, host=host, job=me.ctl.job, name=name,
             addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
         )  # fmt: skip
     transport, backend, shm = record.transport, record.backend, record.shm

@@ -18,7 +18,7 @@ import torch
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive
 from lightning_wsync._control.manifest import Manifest, entry_views
-from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
+from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord, SenderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Reject, SumsLookup
 from lightning_wsync._planes.relay.down import Downstream
@@ -341,16 +341,16 @@ class RelaySource:
 
 
 def open_relay_source(
-    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
+    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: SenderRecord, *, epoch: int,
     rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
 ) -> RelaySource:  # fmt: skip
     """The data plane of a receiver on a host other than the sender's, when the sender relays."""
     segment = HostSegment(epoch, layout, ordered, name)
     member = RelayMember(
-        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=str(record["backend"]),
-        addr=addr, timeout_s=float(str(record.get("timeout_s", timeout_s))),
-        heartbeat_timeout_s=float(str(record["heartbeat_timeout_s"])),
+        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=record.backend,
+        addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop, whatever this receiver's
+        heartbeat_timeout_s=record.heartbeat_timeout_s,
         on_published=on_published, on_rejected=on_rejected,
     )  # fmt: skip
     return RelaySource(epoch, segment, member)
