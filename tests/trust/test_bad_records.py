@@ -21,7 +21,8 @@ from lightning_wsync import (
     WeightSender,
     WeightSyncCallback,
 )
-from lightning_wsync._control import keys
+from lightning_wsync._control import keys, records
+from lightning_wsync._control.store import Control
 
 pytestmark = pytest.mark.timeout(180)
 CTX = mp.get_context("spawn")
@@ -165,3 +166,31 @@ def test_a_forged_relay_leader_record_is_replaced(port, monkeypatch, children):
             got = collect(inbox, "version", {"b0", "b1"}, timeout_s=60)
             assert {msg[2] for msg in got.values()} == {version}
             assert {msg[3] for msg in got.values()} == {digest(src)}
+
+
+def test_a_sender_epoch_refused_once_is_followed_when_its_record_changes(server, port, caplog):
+    """Old code: an epoch whose record failed verification once was skipped for good, so
+    the real sender that then wrote that epoch's record was never followed."""
+    store = f"127.0.0.1:{port}"
+    src, dst = mixed_model(0), mixed_model(1)
+    with WeightReceiver(dst, store=store, job="p", secret="k", timeout_s=10) as receiver:
+        with WeightSender(src, store=store, job="p", secret="k", timeout_s=10) as first:
+            mutate(src, 1)
+            first.push(1)
+            assert receiver.wait_for_version(1, timeout_s=15) == 1
+            raw = _raw(port, "p")
+            raw.set(keys.sender_record(2), '{"epoch": 2, "host": "x"}')  # unsigned: refused
+            signer = Control(dist.TCPStore("127.0.0.1", port, is_master=False), "p", b"k")
+            signer.put(keys.SENDER_CURRENT, records.SenderPointer(2))  # announced, as a sender does first
+            with caplog.at_level(logging.ERROR, logger="lightning_wsync"):
+                deadline = time.monotonic() + 10
+                while not _errors_naming(caplog, keys.sender_record(2)):
+                    assert time.monotonic() < deadline, "the forged sender record was never refused"
+                    time.sleep(0.01)
+            first.close(final=False)
+        with WeightSender(src, store=store, job="p", secret="k", timeout_s=10) as second:
+            assert second.epoch == 2  # it overwrites the refused record with its own
+            mutate(src, 2)
+            second.push(2)
+            assert receiver.wait_for_version(2, timeout_s=15) == 2
+    assert digest(dst) == digest(src)
