@@ -16,8 +16,9 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import RecordShape, parse_counter
 from lightning_wsync._control.keys import ENV_ADDR, ENV_JOB, ENV_STORE
-from lightning_wsync._control.records import R, Record, RecordShape, parse_counter
+from lightning_wsync._control.records import R, Record
 from lightning_wsync._control.signing import Signer, derive_key, short
 from lightning_wsync.errors import (
     WeightSyncError,

@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.member_state import StateReport
 from lightning_wsync._control.records import (
     ClosedRecord,
-    Complaints,
     ManifestRecord,
     MemberRecord,
     SenderPointer,

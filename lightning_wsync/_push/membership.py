@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import pid_alive, pid_namespace
-from lightning_wsync._control.records import Complaints, MemberRecord, MembersLow, MemberState
+from lightning_wsync._control.records import MemberRecord, MembersLow, MemberState
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Peer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError

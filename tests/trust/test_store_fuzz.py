@@ -17,6 +17,7 @@ from _workers import digest, mixed_model, mutate
 
 from lightning_wsync import WeightReceiver, WeightSender
 from lightning_wsync._control import keys, records
+from lightning_wsync._control.checks import parse_counter
 from lightning_wsync._control.store import Control
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -119,7 +120,7 @@ def test_garbage_in_every_key_never_stops_a_push_or_an_apply(port, monkeypatch, 
                         _until(f"{what} in {key!r} reported", said_yet)
                     push_and_check()
                     if key in heartbeats:  # its receiver puts an integer back at its next beat
-                        _until(f"{key!r} restored", lambda k=key: records.parse_counter(bytes(raw.get(k))) is not None)
+                        _until(f"{key!r} restored", lambda k=key: parse_counter(bytes(raw.get(k))) is not None)
                     push_and_check()
                     said = _reports_naming(caplog, key)[before:]
                     assert len(said) == len(set(said)), f"{what} in {key!r} reported more than once: {said}"
