@@ -36,11 +36,11 @@ from torch.utils.data import IterableDataset
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import dtype_from_name, dtype_to_name
-from lightning_wsync._control.store import Control, connect_store, resolve_job, resolve_secret
+from lightning_wsync._control.signing import resolve_secret
+from lightning_wsync._control.store import Control, connect_store, resolve_job
 from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncIntegrityError,
-    WeightSyncStoreError,
     WeightSyncTimeoutError,
 )
 
@@ -125,22 +125,14 @@ class _Queue:
         self.max_item_bytes = int(max_item_mb * 2**20)
 
     def try_push(self, payload: bytes) -> bool:
-        try:
-            if self._ctl.store.queue_len(self._queue_key) >= self.capacity:
-                return False
-            self._ctl.store.queue_push(self._queue_key, self._mac(payload) + payload)
-        except RuntimeError as exc:
-            raise self._lost(exc) from exc
+        if self._ctl.queue_len(self._queue_key) >= self.capacity:
+            return False
+        self._ctl.queue_push(self._queue_key, self._mac(payload) + payload)
         return True
 
     def try_pop(self) -> dict[str, torch.Tensor] | None:
-        try:
-            item = bytes(self._ctl.store.queue_pop(self._queue_key, block=False))
-        except dist.QueueEmptyError:
-            return None
-        except RuntimeError as exc:
-            raise self._lost(exc) from exc
-        return self._open(item)
+        item = self._ctl.queue_pop(self._queue_key)
+        return None if item is None else self._open(item)
 
     def _mac(self, payload: bytes) -> bytes:
         return self._ctl.mac_bytes(self._queue_key.encode() + b"\0" + payload)
@@ -170,12 +162,8 @@ class _Queue:
         except WeightSyncIntegrityError as exc:
             raise WeightSyncIntegrityError(f"{what} was dropped: {exc}") from None
 
-    def _lost(self, exc: RuntimeError) -> WeightSyncStoreError:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return WeightSyncStoreError(f"experience channel {self._queue_key!r}: the store is unreachable ({first})")
-
     def __len__(self) -> int:
-        return int(self._ctl.store.queue_len(self._queue_key))
+        return self._ctl.queue_len(self._queue_key)
 
 
 def _check(
@@ -216,8 +204,9 @@ class ExperienceWriter:
         max_item_mb: float = 64.0,
     ) -> None:
         _check("ExperienceWriter", channel, capacity, timeout_s, max_item_mb)
+        key = resolve_secret(secret, "ExperienceWriter")
         handle = connect_store(store, serve=False, timeout_s=timeout_s, owner="ExperienceWriter")
-        control = Control(handle.store, resolve_job(job, "ExperienceWriter"), resolve_secret(secret))
+        control = Control(handle.store, resolve_job(job, "ExperienceWriter"), key)
         self._queue = _Queue(control, channel, capacity=capacity, max_item_mb=max_item_mb)
         self._channel = channel
         self.timeout_s = timeout_s
@@ -284,8 +273,9 @@ class ExperienceReader(IterableDataset[dict[str, torch.Tensor]]):
         self.max_items = max_items
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        key = resolve_secret(self._secret, "ExperienceReader")
         handle = connect_store(self._store, serve=False, timeout_s=self.idle_timeout_s, owner="ExperienceReader")
-        control = Control(handle.store, resolve_job(self._job, "ExperienceReader"), resolve_secret(self._secret))
+        control = Control(handle.store, resolve_job(self._job, "ExperienceReader"), key)
         queue = _Queue(control, self._channel, capacity=0, max_item_mb=self.max_item_mb)
         served = 0
         while self.max_items is None or served < self.max_items:

@@ -64,7 +64,7 @@ def config_values(
     if config is None:
         values = dict(options)
     elif not isinstance(config, config_type):
-        raise TypeError(f"{owner}: {param}={config!r} must be a {config_type.__name__}")
+        raise TypeError(f"{owner}: {param}={_no_secrets(config)} must be a {config_type.__name__}")
     elif options:
         raise TypeError(
             f"{owner}: got {param}={config_type.__name__}(...) and the options {sorted(options)}; "
@@ -78,6 +78,14 @@ def config_values(
     return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
 
 
+def _no_secrets(value: object) -> str:
+    """``value!r`` for an error message, except a mapping's values (one may be the secret)."""
+    if isinstance(value, Mapping):
+        return f"<{type(value).__name__} with keys {sorted(map(str, value))}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 @dataclass(kw_only=True)
 class _PeerConfig:
     """The fields both ends of a job have; each end's docstring says what they mean there."""
@@ -88,9 +96,14 @@ class _PeerConfig:
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
     timeout_s: float = 30.0
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)  # never in a log line
 
     def __post_init__(self) -> None:
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ValueError(
+                f"{self.OWNER}: secret must be a non-empty string (got {type(self.secret).__name__}"
+                f"{' of length 0' if self.secret == '' else ''}); leave it None to use $WSYNC_SECRET, or run unsigned"
+            )
         _patterns(self.OWNER, "include", self.include)
         _patterns(self.OWNER, "exclude", self.exclude)
         _positive(self.OWNER, "timeout_s", self.timeout_s, "e.g. timeout_s=30")

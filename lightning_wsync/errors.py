@@ -10,7 +10,8 @@ happen while the system runs raise a subclass of :class:`WeightSyncError`::
     ├── WeightSyncStoreError       the control-plane store cannot be reached
     ├── WeightSyncConfigError      the setup cannot work as configured (names the fix)
     ├── WeightSyncIntegrityError   received bytes failed verification (torn or corrupt)
-    └── WeightSyncAuthError        a peer's signature does not match the shared secret
+    ├── WeightSyncAuthError        a peer's signature does not match the shared secret
+    └── WeightSyncRecordError      a record on the store is malformed (names the key)
 
 Every message names the peer, parameter or key involved, the value seen, and the
 setting that changes the outcome.
@@ -27,6 +28,7 @@ __all__ = [
     "WeightSyncConfigError",
     "WeightSyncIntegrityError",
     "WeightSyncAuthError",
+    "WeightSyncRecordError",
 ]
 
 
@@ -62,3 +64,9 @@ class WeightSyncIntegrityError(WeightSyncError):
 
 class WeightSyncAuthError(WeightSyncError):
     """A record was not signed with the job's shared secret."""
+
+
+class WeightSyncRecordError(WeightSyncError):
+    """A record on the store is not what lightning_wsync writes there (not JSON, wrong
+    fields or types, a counter that is not an integer); the message names the key, shows
+    the value and says what was expected. The record is ignored, never trusted."""

@@ -10,6 +10,7 @@ counters and ``1`` markers cannot be, and only say "look again", never what to t
 ==============================  ======  =========================================================
 key (under ``wsync/<job>/``)    kind    what
 ==============================  ======  =========================================================
+run                             text    this run's random id, bound into every MAC (first signer sets it)
 sender/epoch                    count   each WeightSender takes the next epoch
 sender/current                  JSON    ``{epoch}`` of the newest sender
 sender/<epoch>                  JSON    sender record (host, pid, transport, backend, shm, addr,
@@ -25,7 +26,7 @@ members/low                     JSON    every rid below it is gone and its keys 
 member/<rid>                    JSON    member record (name, host, pid, PID namespace, verify)
 member/<rid>/hb                 count   heartbeat
 member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
-member/<rid>/state              JSON    ``{acked, error}``: newest version held, last rejection
+member/<rid>/state              JSON    ``{acked, rejected}``: newest version held, last rejection
 member/<rid>/net                count   generation of the receiver's newest network link
 pg/<epoch>/<rid>/<link>/        prefix  one sender-receiver link: gloo's rendezvous keys ``0/0``,
                                         ``0/1``; ``ready/<n>`` (receiver: ready for send n, what
@@ -72,6 +73,7 @@ SENDER_CURRENT = "sender/current"
 LATEST = "latest"
 MEMBERS_NEXT = "members/next"
 MEMBERS_LOW = "members/low"
+RUN = "run"  # this run's random id, bound into every MAC (set once, by compare-and-set)
 
 
 def job_prefix(job: str) -> str:

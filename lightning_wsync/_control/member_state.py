@@ -7,34 +7,21 @@ The receiver writes it (:class:`StateReport`); the sender's push reports read it
 from __future__ import annotations
 
 import queue
-from typing import NamedTuple
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.records import MemberState, Rejection
 from lightning_wsync._control.store import Control
 
-
-class Rejection(NamedTuple):
-    """A version a receiver refused, and why."""
-
-    version: int
-    reason: str
+__all__ = ["MemberState", "Rejection", "StateReport", "decode_state", "encode_state"]
 
 
-class MemberState(NamedTuple):
-    """What ``member/<rid>/state`` says: the newest version held, the last rejection."""
-
-    acked: int
-    rejected: Rejection | None
-
-
-def encode_state(acked: int, error: tuple[int, str] | None) -> dict[str, object]:
-    return {"acked": acked, "error": list(error) if error else None}
+def encode_state(acked: int, error: tuple[int, str] | None) -> object:
+    return MemberState(acked, None if error is None else Rejection(*error)).encode()
 
 
 def decode_state(ctl: Control, rid: int, raw: bytes) -> MemberState:
-    value = ctl.open(keys.member_state(rid), raw)
-    error = value["error"]
-    return MemberState(int(value["acked"]), None if error is None else Rejection(int(error[0]), str(error[1])))
+    """Raises WeightSyncRecordError / WeightSyncAuthError for a state that does not decode."""
+    return ctl.decode(keys.member_state(rid), raw, MemberState)
 
 
 class StateReport:

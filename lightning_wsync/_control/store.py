@@ -4,29 +4,29 @@ the one error boundary for a job's keys (their layout: :mod:`lightning_wsync._co
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.keys import ENV_ADDR, ENV_JOB, ENV_SECRET, ENV_STORE
+from lightning_wsync._control.checks import RecordShape, parse_counter
+from lightning_wsync._control.keys import ENV_ADDR, ENV_JOB, ENV_STORE
+from lightning_wsync._control.records import R, Record
+from lightning_wsync._control.signing import Signer, derive_key, short
 from lightning_wsync.errors import (
-    WeightSyncAuthError,
     WeightSyncError,
+    WeightSyncRecordError,
     WeightSyncStoreError,
 )
 
 _T = TypeVar("_T")
-
-_SIGNED = "wsync_signed"
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,6 @@ class StoreHandle:
     store: dist.Store
     address: str | None  # "host:port" when known
     is_server: bool  # this process hosts the TCPStore
-
-
-def resolve_secret(secret: str | None) -> bytes | None:
-    secret = secret if secret is not None else os.environ.get(ENV_SECRET)
-    return secret.encode() if secret else None
 
 
 def resolve_job(job: str | None, owner: str) -> str:
@@ -134,20 +129,6 @@ def local_address(store_address: str | None) -> str:
     return "127.0.0.1"
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 _KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)
 _EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before sweeping
 
@@ -169,64 +150,68 @@ class Control:
 
     The one error boundary for store operations: a ``RuntimeError`` from the store
     becomes :class:`WeightSyncStoreError` naming the operation and key, so callers tell
-    a lost store from any other failure by type.
+    a lost store from any other failure by type; a record that does not decode is a
+    :class:`WeightSyncRecordError`, one not signed right a :class:`WeightSyncAuthError`.
     """
 
-    def __init__(self, store: dist.Store, job: str, secret: bytes | None = None) -> None:
+    def __init__(
+        self, store: dist.Store, job: str, secret: bytes | None = None, *, _run: list[str] | None = None
+    ) -> None:
         self.job = job
         self.raw = store
-        self.secret = secret
+        self.secret = None if secret is None else derive_key(secret, job)  # the HMAC key, never the raw secret
+        self._secret = secret
         self.store = dist.PrefixStore(keys.job_prefix(job), store)  # PrefixStore adds the "/"
+        self._run = _run if _run is not None else []  # shared with clones: read once per process
+        self._signer = Signer(keys.job_prefix(job), self.secret, self.run_id)
 
     def clone(self) -> Control:
         """A second connection (where the store supports it) for a thread that may block."""
         try:
-            return Control(self.raw.clone(), self.job, self.secret)  # type: ignore[attr-defined]  # missing from stubs
+            return Control(self.raw.clone(), self.job, self._secret, _run=self._run)  # type: ignore[attr-defined]  # missing from stubs
         except (RuntimeError, AttributeError):
             return self
 
     # -- signed records -------------------------------------------------------------
-    def _mac(self, key: str, body: str) -> str:
-        assert self.secret is not None
-        message = f"{keys.job_prefix(self.job)}/{key}\0{body}".encode()
-        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+    def run_id(self) -> str:
+        """This run's identity, bound into every MAC: a random token that the first signing
+        peer stores under ``run`` (compare-and-set, so every peer reads the same one)."""
+        if not self._run:
+            mine = secrets.token_hex(16)
+            self._run.append(self.compare_set(keys.RUN, "", mine).decode("utf-8", "replace"))
+        return self._run[0]
 
     def seal(self, key: str, value: object) -> str:
-        """``value`` as JSON, wrapped with an HMAC over key and body when a secret is set."""
-        body = json.dumps(value, separators=(",", ":"))
-        if self.secret is None:
-            return body
-        return json.dumps({_SIGNED: body, "mac": self._mac(key, body)}, separators=(",", ":"))
+        """``value`` as JSON, wrapped with an HMAC over key, run and body when a secret is set."""
+        return self._signer.seal(key, value)
 
-    def open(self, key: str, raw: bytes | str) -> Any:
-        """Inverse of :meth:`seal`; raises :class:`WeightSyncAuthError` on a bad or missing MAC."""
-        value = json.loads(raw)
-        signed = isinstance(value, dict) and _SIGNED in value
-        if self.secret is None:
-            if signed:
-                raise WeightSyncAuthError(
-                    f"record {key!r} of job {self.job!r} is signed but this process has no secret; "
-                    f"set the job's secret with secret= or WSYNC_SECRET"
-                )
-            return value
-        if not signed:
-            raise WeightSyncAuthError(
-                f"record {key!r} of job {self.job!r} is not signed, but this process requires the shared "
-                f"secret; set the same secret= / WSYNC_SECRET on every peer"
-            )
-        body = str(value[_SIGNED])
-        if not hmac.compare_digest(str(value.get("mac", "")), self._mac(key, body)):
-            raise WeightSyncAuthError(
-                f"record {key!r} of job {self.job!r} is signed with a different secret; set the same "
-                f"secret= / WSYNC_SECRET on every peer"
-            )
-        return json.loads(body)
+    def open(self, key: str, raw: bytes | str) -> object:
+        """Inverse of :meth:`seal`; raises only WeightSyncRecordError or WeightSyncAuthError."""
+        return self._signer.open(key, raw, self.job)
+
+    def decode(self, key: str, raw: bytes | str, kind: type[R]) -> R:
+        """The record of type ``kind`` sealed in ``raw`` (read from ``key``)."""
+        value = self.open(key, raw)
+        try:
+            return kind.decode(value)
+        except (RecordShape, ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise WeightSyncRecordError(
+                f"record {key!r} of job {self.job!r} holds {short(json.dumps(value))}: {exc}; expected "
+                f"{kind.EXPECTED}. It is ignored until its writer replaces it; only lightning_wsync should "
+                f"write under wsync/{self.job}/"
+            ) from None
+
+    def get_record(self, key: str, kind: type[R]) -> R | None:
+        """The record of type ``kind`` at ``key`` (verified when a secret is set), or None when absent."""
+        text = self.get_text(key)
+        return None if text is None else self.decode(key, text, kind)
+
+    def put(self, key: str, record: Record) -> None:
+        self.set_json(key, record.encode())
 
     def mac_bytes(self, message: bytes) -> bytes:
-        """HMAC-SHA256 of ``message`` with the job secret (32 zero bytes without one)."""
-        if self.secret is None:
-            return bytes(32)
-        return hmac.new(self.secret, f"{keys.job_prefix(self.job)}/".encode() + message, hashlib.sha256).digest()
+        """HMAC-SHA256 of ``message`` within this job and run (32 zero bytes without a secret)."""
+        return self._signer.mac_bytes(message)
 
     # -- primitives ---------------------------------------------------------------
     def _call(self, op: str, key: str, call: Callable[[], _T]) -> _T:
@@ -247,7 +232,7 @@ class Control:
         """The value at ``key``, or None when absent (never blocks waiting for it)."""
         if not self.has(key):
             return None
-        return self.get_raw(key).decode()
+        return self.get_raw(key).decode("utf-8", "replace")
 
     def get_raw(self, key: str) -> bytes:
         """The bytes at ``key``, which must exist (a missing key waits for the store's timeout)."""
@@ -257,8 +242,8 @@ class Control:
         """The bytes at each of ``keys`` (all must exist), in one round trip."""
         return self._call("multi_get", keys[0] if keys else "", lambda: [bytes(v) for v in self.store.multi_get(keys)])
 
-    def get_json(self, key: str) -> Any:
-        """The record at ``key`` (verified when a secret is set), or None when absent."""
+    def get_json(self, key: str) -> object:
+        """The JSON value at ``key`` (verified when a secret is set), or None when absent."""
         text = self.get_text(key)
         return None if text is None else self.open(key, text)
 
@@ -269,8 +254,49 @@ class Control:
         sealed = self.seal(key, value)
         self._call("set", key, lambda: self.store.set(key, sealed))
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is
+        empty); returns what it holds afterwards."""
+        return self._call("compare_set", key, lambda: bytes(self.store.compare_set(key, expected, desired)))
+
     def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter at ``key`` (0: read it; absent counts as 0).
+
+        TCPStore's server drops the connection of a client whose ``add`` finds a value
+        that is not an integer, and that client is dead from then on. So the value is
+        looked at first (one compare-and-set that never writes): a non-integer raises
+        :class:`WeightSyncRecordError` and the connection stays. A read (``amount=0``) is
+        that one round trip alone.
+        """
+        seen = self._call("add", key, lambda: bytes(self.store.compare_set(key, _PROBE, _PROBE)))
+        if seen != _PROBE.encode():
+            count = parse_counter(seen)
+            if count is None:
+                raise WeightSyncRecordError(
+                    f"counter {key!r} of job {self.job!r} holds {short(seen)}, not an integer; it is not "
+                    f"touched (the store would drop this client). Only lightning_wsync should write "
+                    f"under wsync/{self.job}/"
+                )
+            if amount == 0:
+                return count
+        elif amount == 0:
+            return 0
         return self._call("add", key, lambda: int(self.store.add(key, amount)))
+
+    def queue_len(self, key: str) -> int:
+        return self._call("queue_len", key, lambda: int(self.store.queue_len(key)))
+
+    def queue_push(self, key: str, item: bytes) -> None:
+        self._call("queue_push", key, lambda: self.store.queue_push(key, item))
+
+    def queue_pop(self, key: str) -> bytes | None:
+        """The oldest item of the queue at ``key``, or None when it is empty (never blocks)."""
+        try:
+            return self._call("queue_pop", key, lambda: bytes(self.store.queue_pop(key, block=False)))
+        except WeightSyncStoreError as exc:
+            if isinstance(exc.__cause__, dist.QueueEmptyError):
+                return None
+            raise
 
     def delete(self, key: str) -> None:
         try:
@@ -280,6 +306,9 @@ class Control:
 
     def prefix_store(self, prefix: str) -> dist.Store:
         return dist.PrefixStore(prefix, self.store)
+
+
+_PROBE = "\x00wsync-probe"  # never a value: compare_set(key, _PROBE, _PROBE) only reads
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ else its own network link. No other module branches on the transport.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_wsync._control.manifest import Manifest, dtype_to_name
+from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource, SendPlane
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
@@ -86,10 +88,12 @@ class SendSide:
         self.net = net
         self.planes: tuple[SendPlane, ...] = tuple(planes)
         # What receivers read from the sender's record to pick their plane (open_source).
-        self.record: dict[str, object] = {
-            "transport": spec.transport, "backend": self.backend, "relay": relay,
-            "shm": segment.name if segment is not None else None,
-        }  # fmt: skip
+        self.record = SenderRecord(
+            epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
+            heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s,  # timeout_s bounds every relay hop
+            transport=spec.transport, backend=self.backend, relay=relay,
+            shm=segment.name if segment is not None else None,
+        )  # fmt: skip
 
     def stop(self) -> None:
         """Ask every plane's threads to end now."""
@@ -129,7 +133,7 @@ class ReceiverSpec:
 
 
 def open_source(
-    epoch: int, layout: Manifest, record: dict[str, object], ordered: list[torch.Tensor], me: ReceiverSpec,
+    epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec,
     *, fallback: bool = True,
 ) -> ReceiveSource:  # fmt: skip
     """The data plane the sender's record allows from this host.
@@ -141,7 +145,7 @@ def open_source(
     no wsync header) stays a configuration error.
     """
     host, name = me.host, me.name
-    if record.get("relay") and record["host"] != host:
+    if record.relay and record.host != host:
         if me.swap:
             log.warning(
                 "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
@@ -151,21 +155,20 @@ def open_source(
             me.ctl, layout, ordered, record, epoch=epoch, rid=me.rid, host=host, job=me.ctl.job, name=name,
             addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
         )  # fmt: skip
-    transport = str(record["transport"])
-    backend = str(record["backend"])
-    same_host = record["host"] == host and record["shm"] is not None
+    transport, backend, shm = record.transport, record.backend, record.shm
+    same_host = record.host == host and shm is not None
     if transport == "shm" and not same_host:
         raise WeightSyncConfigError(
             f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
-            f"{record['host']!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
+            f"{record.host!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
         )
     if transport in ("auto", "shm") and same_host:
         try:
-            return SharedMemorySource(epoch, layout, ordered, ShmReader(str(record["shm"]), layout), name)
+            return SharedMemorySource(epoch, layout, ordered, ShmReader(str(shm), layout), name)
         except (FileNotFoundError, PermissionError) as exc:
             if transport == "shm" and isinstance(exc, PermissionError):
                 raise WeightSyncConfigError(
-                    f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {record['shm']!r} "
+                    f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {shm!r} "
                     f"cannot be opened here ({exc.strerror}); run sender and receivers as one user, or use "
                     f"transport='auto' on the sender (the network path then serves this receiver)"
                 ) from exc
@@ -176,7 +179,7 @@ def open_source(
                 "(%s) instead. Sender and receiver share a host id but not /dev/shm or a user (a container on the "
                 "host network, another uid): run them in one IPC namespace as one user for the shared-memory "
                 "path, or set a distinct WSYNC_HOST_ID per container to choose the network path without this "
-                "warning", name, record["shm"], exc.strerror or exc, backend,
+                "warning", name, shm, exc.strerror or exc, backend,
             )  # fmt: skip
     if me.swap:
         _check_swappable(layout, ordered, name, backend)

@@ -30,7 +30,8 @@ from torch import nn
 
 from lightning_wsync._control.host import default_receiver_name, host_id
 from lightning_wsync._control.manifest import Manifest, select_tensors
-from lightning_wsync._control.store import Control, connect_store, resolve_job, resolve_secret
+from lightning_wsync._control.signing import resolve_secret
+from lightning_wsync._control.store import Control, connect_store, resolve_job
 from lightning_wsync._pull.target import ApplyTarget, TargetTensors
 from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
 from lightning_wsync.config import ReceiverConfig, config_values
@@ -81,9 +82,10 @@ class WeightReceiver:
                 f"ApplyTarget (tensors, version); pass the rollout module or a loader function"
             )
         job_name = resolve_job(cfg.job, "WeightReceiver")
+        key = resolve_secret(cfg.secret, "WeightReceiver")
         handle = connect_store(store, serve=False, timeout_s=cfg.timeout_s, owner="WeightReceiver")
         self._store_address = handle.address
-        self._ctl = Control(handle.store, job_name, resolve_secret(cfg.secret))
+        self._ctl = Control(handle.store, job_name, key)
         self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
         self.version: int | None = None
         self._closed = False

@@ -23,9 +23,19 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.member_state import StateReport
+from lightning_wsync._control.records import (
+    ClosedRecord,
+    ManifestRecord,
+    MemberRecord,
+    SenderPointer,
+    SenderRecord,
+    SumsRecord,
+    VersionRecord,
+)
 from lightning_wsync._control.store import Control, local_address
 from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
@@ -34,6 +44,7 @@ from lightning_wsync.errors import (
     WeightSyncAuthError,
     WeightSyncConfigError,
     WeightSyncError,
+    WeightSyncRecordError,
     WeightSyncSchemaError,
     WeightSyncStoreError,
 )
@@ -96,7 +107,9 @@ class Watcher:
         self._sums: PublishedSums | None = None  # with verify
         self._last_refusal = ""
         self._rejected_version = -2
-        self._refused_epochs: set[int] = set()
+        # epoch -> the sender record refused (looked at again once it changes), or None: for good
+        self._refused_epochs: dict[int, str | None] = {}
+        self._complaints = Complaints(log, f"receiver {name!r}")
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the thread early (an ack to send, or stop)
         self._state = StateReport()
@@ -161,7 +174,7 @@ class Watcher:
             try:
                 now = time.monotonic()
                 if now >= next_beat:
-                    beat = ctl.add(keys.member_heartbeat(self.rid), 1)
+                    beat = self._beat_once(ctl)
                     if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
                         self._rejoin(ctl)
                     self._beat = beat
@@ -180,8 +193,11 @@ class Watcher:
                 for step in steps:
                     try:
                         step(ctl)
+                        self._complaints.good(step.__name__)
                     except WeightSyncAuthError as exc:
                         self._refuse(exc)
+                    except WeightSyncRecordError as exc:  # ignored until its writer replaces it
+                        self._complaints.bad(step.__name__, exc)
                 if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self.store_lost_since = None
@@ -198,17 +214,23 @@ class Watcher:
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
             self._kick.wait(POLL_S if fast else SLOW_POLL_S)  # an apply kicks it for its acknowledgement
 
+    def _beat_once(self, ctl: Control) -> int:
+        key = keys.member_heartbeat(self.rid)
+        try:
+            return ctl.add(key, 1)
+        except WeightSyncRecordError as exc:  # garbled by someone else: this receiver owns it, so restore it
+            self._complaints.bad(key, exc)
+            ctl.set_text(key, str(self._beat + 1))
+            return self._beat + 1
+
     def _register(self, ctl: Control) -> None:
         """Take a fresh receiver id and announce this receiver under it."""
         self.rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
         self._state.moved_to(self.rid)
         self._state.write(ctl, force=True)
         self._beat = ctl.add(keys.member_heartbeat(self.rid), 1)
-        ctl.set_json(
-            keys.member(self.rid),
-            {"name": self.name, "host": self._host, "pid": os.getpid(), "pidns": pid_namespace(),
-             "verify": self.config.verify},
-        )
+        me = MemberRecord(self.name, self._host, os.getpid(), pid_namespace(), self.config.verify)
+        ctl.put(keys.member(self.rid), me)
 
     def _rejoin(self, ctl: Control) -> None:
         """The sender forgot this receiver (silent past its patience: paused, partitioned):
@@ -220,15 +242,16 @@ class Watcher:
         source = self.source
         if source is None:
             return
-        record, layout_text = ctl.get_json(keys.sender_record(source.epoch)), ctl.get_json(keys.manifest(source.epoch))
-        if record is not None and layout_text is not None:
-            self._switch(ctl, source.epoch, record, layout_text)
+        record = ctl.get_record(keys.sender_record(source.epoch), SenderRecord)
+        layout = ctl.get_record(keys.manifest(source.epoch), ManifestRecord)
+        if record is not None and layout is not None:
+            self._switch(ctl, source.epoch, record, layout.layout)
 
     def _follow_versions(self, ctl: Control) -> None:
         source = self.source
         if isinstance(self.error, WeightSyncSchemaError):
-            latest = ctl.get_json(keys.LATEST)
-            version = -1 if latest is None else int(latest["version"])
+            latest = ctl.get_record(keys.LATEST, VersionRecord)
+            version = -1 if latest is None else latest.version
             if version > self._rejected_version:  # tell the sender, version by version
                 self._rejected_version = version
                 self._state.rejected(version, str(self.error))
@@ -236,9 +259,12 @@ class Watcher:
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        latest = ctl.get_json(keys.LATEST) if self.latest is None else ctl.open(keys.LATEST, ctl.get_raw(keys.LATEST))
+        if self.latest is None:
+            latest = ctl.get_record(keys.LATEST, VersionRecord)
+        else:
+            latest = ctl.decode(keys.LATEST, ctl.get_raw(keys.LATEST), VersionRecord)
         if latest is not None:
-            record = Published(int(latest["version"]), int(latest["epoch"]))
+            record = Published(latest.version, latest.epoch)
             if record != self.latest and (self.latest is None or record.version > self.latest.version):
                 with self.cond:
                     self.latest = record
@@ -249,9 +275,9 @@ class Watcher:
         latest, held = self.latest, self._sums
         if not self.config.verify or latest is None or (held is not None and held.version == latest.version):
             return
-        record = ctl.get_json(keys.version_sums(latest.version))
-        if record is not None and int(record["version"]) == latest.version:
-            self._sums = PublishedSums(latest.version, [int(s) for s in record["sums"]])
+        record = ctl.get_record(keys.version_sums(latest.version), SumsRecord)
+        if record is not None and record.version == latest.version:
+            self._sums = PublishedSums(latest.version, list(record.sums))
             with self.cond:
                 self.cond.notify_all()
 
@@ -261,11 +287,11 @@ class Watcher:
             return
         closed_key = keys.closed(source.epoch)
         if not (self.sender_closed or self.sender_left) and ctl.has(closed_key):
-            self._on_closed(ctl.get_json(closed_key))
+            self._on_closed(ctl.get_record(closed_key, ClosedRecord))
 
-    def _on_closed(self, record: object) -> None:
+    def _on_closed(self, record: ClosedRecord | None) -> None:
         """``closed/<epoch>``: final (training finished) or not (the sender may come back)."""
-        final = record is True or (isinstance(record, dict) and record.get("final") is True)  # True: older senders
+        final = record is not None and record.final
         with self.cond:
             if final:
                 self.sender_closed = True
@@ -287,32 +313,40 @@ class Watcher:
 
     def _follow_sender(self, ctl: Control) -> None:
         """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        pointer = ctl.get_json(keys.SENDER_CURRENT)  # signed with a secret: a forged one raises
+        pointer = ctl.get_record(keys.SENDER_CURRENT, SenderPointer)  # signed with a secret: a forged one raises
         if pointer is None:
             return
-        current = int(pointer["epoch"])
+        current = pointer.epoch
         floor = self.source.epoch if self.source is not None else 0
         if current <= floor:
             return
         refusal: WeightSyncAuthError | None = None
         for epoch in range(current, max(floor, current - _EPOCH_SCAN), -1):
-            if epoch in self._refused_epochs:
+            key = keys.sender_record(epoch)
+            if epoch in self._refused_epochs and self._refused_epochs[epoch] is None:
                 continue
+            raw = ctl.get_text(key)
+            if raw is None or self._refused_epochs.get(epoch) == raw:
+                continue
+            self._refused_epochs.pop(epoch, None)
             try:
-                record = ctl.get_json(keys.sender_record(epoch))
-                layout_text = ctl.get_json(keys.manifest(epoch))
+                record = ctl.decode(key, raw, SenderRecord)
+                layout = ctl.get_record(keys.manifest(epoch), ManifestRecord)
             except WeightSyncAuthError as exc:
-                self._refused_epochs.add(epoch)
+                self._refused_epochs[epoch] = raw
                 refusal = exc
                 continue
-            if record is not None and layout_text is not None:
-                self._switch(ctl, epoch, record, layout_text)
+            except WeightSyncRecordError as exc:
+                self._refused_epochs[epoch] = raw
+                self._complaints.bad(key, exc)
+                continue
+            if layout is not None:
+                self._switch(ctl, epoch, record, layout.layout)
                 return
         if refusal is not None:
             self._refuse(refusal)
 
-    def _switch(self, ctl: Control, epoch: int, record: dict[str, object], layout_text: str) -> None:
-        layout = Manifest.from_json(layout_text)
+    def _switch(self, ctl: Control, epoch: int, record: SenderRecord, layout: Manifest) -> None:
         closed_key = keys.closed(epoch)
         try:
             ordered = self._bind(layout)
@@ -325,15 +359,15 @@ class Watcher:
                 self.cond.notify_all()
             return
         except OSError as exc:  # its shared segment is gone: that sender has ended
-            self._refused_epochs.add(epoch)
+            self._refused_epochs[epoch] = None
             log.warning("receiver %r: sender epoch %d cannot be read (%s)", self.name, epoch, exc)
             if ctl.has(closed_key):
-                self._on_closed(ctl.get_json(closed_key))
+                self._on_closed(ctl.get_record(closed_key, ClosedRecord))
             return
         except WeightSyncStoreError:
             raise
         except WeightSyncError as exc:  # transport='shm' across hosts, a segment that is not ours
-            self._refused_epochs.add(epoch)
+            self._refused_epochs[epoch] = None
             self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
         with self._apply_lock:
@@ -345,7 +379,7 @@ class Watcher:
                  self.source.describe())  # fmt: skip
 
     def _make_source(
-        self, epoch: int, layout: Manifest, record: dict[str, object], ordered: list[torch.Tensor], *, fallback: bool
+        self, epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], *, fallback: bool
     ) -> ReceiveSource:
         me = ReceiverSpec(
             ctl=self._ctl, rid=self.rid, host=self._host, name=self.name, addr=local_address(self._store_address),

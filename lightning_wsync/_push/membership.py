@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import pid_alive, pid_namespace
-from lightning_wsync._control.member_state import encode_state
+from lightning_wsync._control.records import MemberRecord, MembersLow, MemberState
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Peer
-from lightning_wsync.errors import WeightSyncAuthError
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,13 @@ class Membership:
         self._host_id = host_id
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._pidns = pid_namespace()
-        low = control.get_json(keys.MEMBERS_LOW)
-        self._next_rid = self._low = 0 if low is None else int(low)
+        self._complaints = Complaints(log, "the sender's membership")
+        try:
+            low = control.get_record(keys.MEMBERS_LOW, MembersLow)
+        except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # look through every id instead
+            self._complaints.bad(keys.MEMBERS_LOW, exc)
+            low = None
+        self._next_rid = self._low = 0 if low is None else max(0, low.low)
         self._unrecorded: dict[int, float] = {}  # rid reserved, record not seen yet -> since
         self._members: dict[int, Member] = {}
         self._lock = threading.Lock()
@@ -90,15 +96,19 @@ class Membership:
 
     def refresh(self) -> None:
         ctl = self._ctl
-        registered = ctl.add(keys.MEMBERS_NEXT, 0)
+        try:
+            registered = ctl.add(keys.MEMBERS_NEXT, 0)
+        except WeightSyncRecordError as exc:  # nobody can register meanwhile; the known ones go on
+            self._complaints.bad(keys.MEMBERS_NEXT, exc)
+            registered = self._next_rid
         now = time.monotonic()
         while self._next_rid < registered:
             self._unrecorded[self._next_rid] = now
             self._next_rid += 1
         for rid, since in list(self._unrecorded.items()):
             try:
-                record = ctl.get_json(keys.member(rid))
-            except WeightSyncAuthError as exc:
+                record = ctl.get_record(keys.member(rid), MemberRecord)
+            except (WeightSyncAuthError, WeightSyncRecordError) as exc:
                 log.error("refused receiver rid=%d: %s", rid, exc)
                 del self._unrecorded[rid]
                 continue
@@ -114,9 +124,8 @@ class Membership:
                     log.info("receiver rid=%d reserved an id but never registered; forgotten", rid)
                 continue
             del self._unrecorded[rid]
-            member = Member(rid, str(record["name"]), str(record["host"]), int(record["pid"]),
-                            verify=bool(record.get("verify", False)), pidns=int(record.get("pidns", 0)))  # fmt: skip
-            member.hb, member.hb_seen_at = ctl.add(keys.member_heartbeat(member.rid), 0), time.monotonic()
+            member = Member(rid, record.name, record.host, record.pid, verify=record.verify, pidns=record.pidns)
+            member.hb, member.hb_seen_at = self._heartbeat(member), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
         now = time.monotonic()
@@ -126,7 +135,7 @@ class Membership:
                 if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
                     self._retire(member)
                 continue
-            hb = ctl.add(keys.member_heartbeat(member.rid), 0)
+            hb = self._heartbeat(member)
             if hb != member.hb:
                 member.hb, member.hb_seen_at = hb, now
             reason = self._gone_reason(member, now)
@@ -136,6 +145,17 @@ class Membership:
                     self._gone.append(member)
         self._forget_retired(now)
         self._advance_low()
+
+    def _heartbeat(self, member: Member) -> int:
+        """The member's heartbeat count; a garbled one counts as no beat (its owner rewrites it)."""
+        key = keys.member_heartbeat(member.rid)
+        try:
+            count = self._ctl.add(key, 0)
+        except WeightSyncRecordError as exc:
+            self._complaints.bad(key, exc)
+            return member.hb
+        self._complaints.good(key)
+        return count
 
     def take_changes(self) -> tuple[list[Peer], list[Peer]]:
         """Receivers gone, and retired, since the last call (for the planes to let go of)."""
@@ -165,7 +185,7 @@ class Membership:
             open_rids = [rid for rid, m in self._members.items() if not m.retired]
         low = min([*open_rids, *self._unrecorded, self._next_rid])
         if low > self._low:
-            self._ctl.set_json(keys.MEMBERS_LOW, low)
+            self._ctl.put(keys.MEMBERS_LOW, MembersLow(low))
             self._low = low
 
     def _gone_reason(self, member: Member, now: float) -> str | None:
@@ -185,14 +205,14 @@ class Membership:
             return f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s={self._heartbeat_timeout_s})"
         return None
 
-    def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:
+    def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:  # decoded by the report
         """The raw ``member/<rid>/state`` of each of ``rids`` in one round trip; a retired
         receiver's keys are deleted, so it reads as holding nothing (its gone reason stands)."""
         with self._retire_lock:
             retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
             raws = iter(ctl.multi_get([keys.member_state(rid) for rid in rids if rid not in retired]))
         return [
-            ctl.seal(keys.member_state(rid), encode_state(-1, None)).encode() if rid in retired else next(raws)
+            ctl.seal(keys.member_state(rid), MemberState(-1).encode()).encode() if rid in retired else next(raws)
             for rid in rids
         ]
 

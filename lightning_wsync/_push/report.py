@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.member_state import decode_state
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import SendPlane
 from lightning_wsync._planes.delta.encode import DeltaStreams
 from lightning_wsync._push.membership import Member, Membership
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
+
+log = logging.getLogger(__name__)
 
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.005
@@ -106,6 +112,7 @@ class Reporter:
         self._deltas = deltas
         self._bytes = total_bytes
         self.timeout_s = timeout_s
+        self._complaints = Complaints(log, "push report")
 
     def collect(self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float) -> PushReport:
         if handle.dropped:
@@ -131,7 +138,15 @@ class Reporter:
             with self._lock:
                 states = self._members.read_states(self._ctl, list(pending))
             for (rid, member), raw in zip(list(pending.items()), states):
-                state = decode_state(self._ctl, rid, raw)
+                try:
+                    state = decode_state(self._ctl, rid, raw)
+                    self._complaints.good(keys.member_state(rid))
+                except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # as if it said nothing yet
+                    self._complaints.bad(keys.member_state(rid), exc)
+                    if (reason := self._failure(rid)) is not None:
+                        failed[member.label] = reason
+                        del pending[rid]
+                    continue
                 if state.acked >= handle.version:
                     delivered.append(member.label)
                     last_delivery = time.perf_counter()

@@ -22,7 +22,6 @@ what varies by plane is in :mod:`~lightning_wsync._planes.open`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -34,20 +33,25 @@ from torch import nn
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import host_id
 from lightning_wsync._control.manifest import build_manifest, select_tensors
+from lightning_wsync._control.records import ClosedRecord, ManifestRecord, SenderPointer, VersionRecord
+from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import (
     Control,
     StoreHandle,
     connect_store,
     local_address,
     resolve_job,
-    resolve_secret,
     retire_old_epochs,
 )
 from lightning_wsync._planes.open import SenderSpec, SendSide
 from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
 from lightning_wsync.config import SenderConfig, config_values
-from lightning_wsync.errors import WeightSyncClosedError, WeightSyncError, WeightSyncStoreError
+from lightning_wsync.errors import (
+    WeightSyncClosedError,
+    WeightSyncRecordError,
+    WeightSyncStoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +93,15 @@ class WeightSender:
         if cfg.transport == "nccl" and not on_cuda:
             raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
         job_name = resolve_job(cfg.job, "WeightSender")
+        key = resolve_secret(cfg.secret, "WeightSender")
         self._store: StoreHandle = connect_store(store, serve=True, timeout_s=cfg.timeout_s, owner="WeightSender")
-        self._ctl = Control(self._store.store, job_name, resolve_secret(cfg.secret))
+        self._ctl = Control(self._store.store, job_name, key)
 
         self.layout = build_manifest(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
         self._ordered = [self._tensors[e.name] for e in self.layout.entries]
         self._host = host_id()
         self.epoch = self._ctl.add(keys.SENDER_EPOCH, 1)
-        latest = self._ctl.get_json(keys.LATEST)
-        self.latest_version: int | None = None if latest is None else int(latest["version"])
+        self.latest_version = self._latest_version()
         spec = SenderSpec(
             job=job_name, epoch=self.epoch, host=self._host, addr=local_address(self._store.address),
             transport=cfg.transport, cross_host=cfg.cross_host, delta=cfg.delta,
@@ -128,23 +132,23 @@ class WeightSender:
             cfg.transport, self._store.address, " (hosted here)" if self._store.is_server else "",
         )  # fmt: skip
 
+    def _latest_version(self) -> int | None:
+        """The version the previous sender published last (its record is deleted), if readable.
+
+        A record signed with another secret fails the sender: it is the wrong secret here.
+        """
+        try:
+            latest = self._ctl.get_record(keys.LATEST, VersionRecord)
+        except WeightSyncRecordError as exc:
+            log.error("WeightSender: %s", exc)
+            return None
+        return None if latest is None else latest.version
+
     def _announce(self, spec: SenderSpec) -> None:
         """Publish this epoch's layout and record, then point receivers at it."""
-        cfg = self.config
-        self._ctl.set_json(keys.manifest(self.epoch), self.layout.to_json())
-        self._ctl.set_json(
-            keys.sender_record(self.epoch),
-            {
-                "epoch": self.epoch,
-                "host": self._host,
-                "pid": os.getpid(),
-                **self._side.record,  # which planes: transport, backend, shm, relay
-                "addr": spec.addr,
-                "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
-                "timeout_s": cfg.timeout_s,  # bounds every relay hop, whatever each receiver's own timeout_s
-            },
-        )
-        self._ctl.set_json(keys.SENDER_CURRENT, {"epoch": self.epoch})  # signed: receivers follow it
+        self._ctl.put(keys.manifest(self.epoch), ManifestRecord(self.layout))
+        self._ctl.put(keys.sender_record(self.epoch), self._side.record)
+        self._ctl.put(keys.SENDER_CURRENT, SenderPointer(self.epoch))  # signed: receivers follow it
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
     @property
@@ -206,8 +210,8 @@ class WeightSender:
         assert newest is not None
         version = newest.version
         ctl = self._ctl
-        ctl.set_json(keys.version_record(version), {"version": version, "epoch": self.epoch})
-        ctl.set_json(keys.LATEST, {"version": version, "epoch": self.epoch})
+        ctl.put(keys.version_record(version), VersionRecord(version, self.epoch))
+        ctl.put(keys.LATEST, VersionRecord(version, self.epoch))
         self._members.refresh()  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:
@@ -270,7 +274,7 @@ class WeightSender:
         self._closed = True
         deadline = time.monotonic() + self.config.timeout_s
         try:
-            self._ctl.set_json(keys.closed(self.epoch), {"final": final})
+            self._ctl.put(keys.closed(self.epoch), ClosedRecord(final))
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
                 for key in keys.version_keys(old):
                     self._ctl.delete(key)
@@ -321,8 +325,11 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
             if now - last_refresh >= _MEMBERSHIP_REFRESH_S:
                 sender._refresh()
                 last_refresh = now
-        except (RuntimeError, WeightSyncError) as exc:
+        except RuntimeError as exc:  # WeightSyncError (the store, a bad record) is one
             log.warning("sender background step failed (will retry): %s", str(exc).strip()[:300])
+            stop.wait(0.2)
+        except Exception:  # noqa: BLE001 - a dead publishing thread would fail every push silently
+            log.exception("sender background step failed (will retry)")
             stop.wait(0.2)
         finally:
             del sender

@@ -65,6 +65,9 @@ class ReportWaiter:
             except RuntimeError as exc:  # e.g. the store went away (WeightSyncError is one too)
                 log.warning("WeightSyncCallback: no report for version %d: %s", handle.version, exc)
                 report = None
+            except Exception:  # noqa: BLE001 - a dead thread would stall every later wait_confirmed
+                log.exception("WeightSyncCallback: no report for version %d", handle.version)
+                report = None
             with self._cond:
                 if report is not None:
                     self._done.append((index, report))

@@ -44,10 +44,10 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from typing_extensions import override
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync.rendezvous._config import (
     ENV_JOB,
     ENV_ROLE,
-    ENV_SECRET,
     ENV_STORE,
     WsyncRendezvousConfig,
     parse_rdzv_conf,
@@ -346,8 +346,7 @@ class WsyncRendezvousHandler(RendezvousHandler):
 
 def _secret() -> bytes | None:
     """The job's shared secret (``WSYNC_SECRET``): it signs the rendezvous state."""
-    secret = os.environ.get(ENV_SECRET)
-    return secret.encode() if secret else None
+    return resolve_secret(None, "wsync rendezvous")  # set but empty: a ValueError, not silently unsigned
 
 
 def _check_job(job: str) -> None:

@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 from typing_extensions import override
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.signing import derive_key
 from lightning_wsync._control.store import tcp_store
 from lightning_wsync.rendezvous._config import WsyncRendezvousConfig
 
@@ -257,7 +258,7 @@ class GuardedC10dBackend(C10dRendezvousBackend):
         secret: bytes | None = None,
     ) -> None:
         self._health = health
-        self._secret = secret
+        self._secret = None if secret is None else derive_key(secret, f"rdzv/{run_id}")  # never the raw secret
         self._state_key = keys.rdzv_state(run_id)
         health.check()
         super().__init__(store, run_id)

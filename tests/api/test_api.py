@@ -21,6 +21,7 @@ def test_all_is_pinned():
         "WeightSyncConfigError",
         "WeightSyncError",
         "WeightSyncIntegrityError",
+        "WeightSyncRecordError",
         "WeightSyncSchemaError",
         "WeightSyncStoreError",
         "WeightSyncTimeoutError",

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
-from lightning_wsync._control.store import Control
 from lightning_wsync._control.member_state import MemberState, Rejection, StateReport, decode_state
+from lightning_wsync._control.store import Control
 from lightning_wsync._push.membership import Membership
 
 HOST = "host-a"

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from lightning_wsync import WeightSyncAuthError
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
-from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 from lightning_wsync._planes.wire import trailer_mac
+from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 
 
 def _control(store: dist.Store, secret: bytes | None, job: str = "j") -> Control:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 from _workers import digest, mixed_model, mutate
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncAuthError

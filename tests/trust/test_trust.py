@@ -47,7 +47,8 @@ def test_forged_sender_pointer_is_refused_by_name(server, port):
 
 def _forge_sender(port: int, job: str, layout: dict[str, Any], **record: object) -> None:
     raw = _raw(port, job)
-    fields = {"epoch": 99, "host": host_id(), "pid": 1, "transport": "auto", "backend": "gloo", "addr": "127.0.0.1"}
+    fields = {"epoch": 99, "host": host_id(), "pid": 1, "transport": "auto", "backend": "gloo", "addr": "127.0.0.1",
+              "heartbeat_timeout_s": 10, "timeout_s": 5, "relay": False, "shm": None}  # fmt: skip
     raw.set("sender/99", json.dumps({**fields, **record}))
     raw.set("layout/99", json.dumps(layout))
     raw.set("sender/current", json.dumps({"epoch": 99}))

@@ -10,43 +10,20 @@ silent (its heartbeat has not moved for ``heartbeat_timeout_s``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from typing import NamedTuple
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive, pid_namespace
+from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head import CHAIN_POLL_S
 from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
-
-
-class LeaderRecord(NamedTuple):
-    """A host's leader, as its record on the store says."""
-
-    rid: int
-    pid: int
-    pidns: int  # 0: unknown (an older writer): its PID is never judged, its heartbeat is
-    term: int
-    shm: str  # the host segment this leader serves
-    ready: bool  # the segment exists: a host-mate that cannot open it now never will
-
-    @classmethod
-    def decode(cls, key: str, value: object) -> LeaderRecord:
-        try:
-            if not isinstance(value, dict):
-                raise TypeError(f"a JSON object was expected, not {type(value).__name__}")
-            return cls(int(value["rid"]), int(value["pid"]), int(value.get("pidns", 0)), int(value["term"]),
-                       str(value["shm"]), bool(value.get("ready", False)))  # fmt: skip
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightSyncError(f"relay leader record {key!r} is malformed ({value!r}): {exc!r}") from exc
-
-    def to_json(self) -> dict[str, object]:
-        return self._asdict()
 
 
 class Election:
@@ -66,10 +43,20 @@ class Election:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._seen: tuple[int, int, float] | None = None  # the leader's (rid, heartbeat, seen at)
         self._next_check = 0.0  # when the leader's gone key and heartbeat are read next
+        self._refused: str | None = None  # the last unreadable record, reported once
 
     def read(self, ctl: Control) -> tuple[str | None, LeaderRecord | None]:
+        """The raw record and what it says; an unreadable (forged, garbled) one reads as no leader."""
         raw = peek(ctl, self.key)
-        return raw, None if raw is None else LeaderRecord.decode(self.key, ctl.open(self.key, raw))
+        if raw is None:
+            return None, None
+        try:
+            return raw, ctl.decode(self.key, raw, LeaderRecord)
+        except WeightSyncError as exc:  # WeightSyncRecordError, WeightSyncAuthError: replaced like a dead one
+            if self._refused != raw:
+                log.warning("relay: host %s: %s; a host-mate replaces it", self._host, exc)
+                self._refused = raw
+            return raw, None
 
     def elect(self, ctl: Control) -> LeaderRecord | None:
         """The host's leader after this poll: the current one, or this receiver if it took over."""
@@ -79,20 +66,20 @@ class Election:
         reason = "no leader" if record is None else self._gone(ctl, record)
         if reason is None:
             return record
-        mine = LeaderRecord(self._rid, os.getpid(), self._pidns, 0 if record is None else record.term + 1,
-                            self._shm, False)  # fmt: skip
-        sealed = ctl.seal(self.key, mine.to_json())
-        now = bytes(ctl.store.compare_set(self.key, raw or "", sealed)).decode()
+        mine = LeaderRecord(rid=self._rid, pid=os.getpid(), term=0 if record is None else record.term + 1,
+                            shm=self._shm, pidns=self._pidns, ready=False)  # fmt: skip
+        sealed = ctl.seal(self.key, mine.encode())
+        now = ctl.compare_set(self.key, raw or "", sealed).decode("utf-8", "replace")
         if now == sealed:
             log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, mine.term, reason)
             return mine
-        return LeaderRecord.decode(self.key, ctl.open(self.key, now)) if now else None
+        return self.read(ctl)[1] if now else None
 
     def mark_ready(self, ctl: Control) -> None:
         """Say that this leader's segment exists (a host-mate that then cannot open it stops waiting)."""
         raw, record = self.read(ctl)
         if raw is not None and record is not None and record.rid == self._rid and not record.ready:
-            ctl.store.compare_set(self.key, raw, ctl.seal(self.key, record._replace(ready=True).to_json()))
+            ctl.compare_set(self.key, raw, ctl.seal(self.key, dataclasses.replace(record, ready=True).encode()))
 
     def resign(self, ctl: Control) -> None:
         """Delete the record if it names this receiver: a host-mate takes over at its next poll."""

@@ -68,13 +68,14 @@ import torch
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.records import ChainRecord, LeaderRecord, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import DELTA, FULL, Header, PeerGroup, make_group, shutdown_group, signed_trailer
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ class Chain:
 
 
 def read_chain(ctl: Control, epoch: int) -> Chain | None:
-    value = ctl.get_json(keys.relay_chain(epoch))
-    return None if value is None else Chain(int(value["gen"]), tuple(int(r) for r in value["rids"]))
+    value = ctl.get_record(keys.relay_chain(epoch), ChainRecord)
+    return None if value is None else Chain(value.gen, value.rids)
 
 
 def hop_header(version: int, seq: int, layout: Manifest, kind: int) -> torch.Tensor:
@@ -240,7 +241,7 @@ class RelayHead:
         if self.chain.gen:
             self._sweeper.replaced(self.chain.gen, self.chain.rids)
         self.chain = Chain(self.chain.gen + 1, rids)
-        ctl.set_json(keys.relay_chain(self._epoch), {"gen": self.chain.gen, "rids": list(rids)})
+        ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.gen, tuple(rids)))
         log.info("relay chain gen %d: %s", self.chain.gen, list(rids))
         self._changed.set()
 
@@ -248,10 +249,14 @@ class RelayHead:
         """host -> how its leader got ``version`` (hosts whose leader has not reported it are left out)."""
         out: dict[str, HopReceipt] = {}
         for rid, host in self.leaders.items():
-            value = ctl.get_json(keys.relay_received(self._epoch, rid))
-            row = None if value is None else value.get(str(version))
+            try:
+                value = ctl.get_record(keys.relay_received(self._epoch, rid), ReceiptsRecord)
+            except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # that host's figures are left out
+                log.debug("relay: %s", exc)
+                continue
+            row = None if value is None else value.receipts.get(version)
             if row is not None:
-                out[host] = HopReceipt(bool(row[0]), int(row[1]), float(row[2]), float(row[3]))
+                out[host] = HopReceipt(row.delta, row.wire_bytes, row.changed_share, row.decode_s)
         return out
 
     def _run(self) -> None:
@@ -358,6 +363,12 @@ class RelayHead:
             log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)
 
 
-def leader_record(ctl: Control, epoch: int, host: str) -> dict[str, object] | None:
-    value = ctl.get_json(keys.relay_leader(epoch, host))
-    return None if value is None else dict(value)
+def leader_record(ctl: Control, epoch: int, host: str) -> LeaderRecord | None:
+    """The host's leader, or None while it has none (or an unreadable record, which its host-mates replace)."""
+    try:
+        return ctl.get_record(keys.relay_leader(epoch, host), LeaderRecord)
+    except (WeightSyncRecordError, WeightSyncAuthError) as exc:
+        log.debug("relay: %s", exc)
+        return None
+
+

@@ -18,6 +18,7 @@ import torch
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest, entry_views
+from lightning_wsync._control.records import Receipt, ReceiptsRecord, SenderRecord, VersionRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.source import NetworkSource
@@ -82,7 +83,7 @@ class RelayMember:
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
         self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
-        self._receipts: dict[int, list[object]] = {}
+        self._receipts: dict[int, Receipt] = {}
         self._notes = 0  # ready notes written on the current hop from upstream
         self._failed_gen: int | None = None  # the chain generation whose hop from upstream failed
         self._stop = threading.Event()
@@ -226,11 +227,11 @@ class RelayMember:
             if draft is not None:
                 draft.discard()
             return
-        row: list[object] = [msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s]
+        row = Receipt(msg.delta, msg.stats.wire_bytes, msg.stats.changed_share, msg.stats.decode_s)
         self._receipts.setdefault(msg.version, row)  # a resend after a chain change keeps the first receipt
         for old in sorted(self._receipts)[:-_RECEIPTS]:
             del self._receipts[old]
-        ctl.set_json(keys.relay_received(self._epoch, self._rid), {str(v): row for v, row in self._receipts.items()})
+        ctl.put(keys.relay_received(self._epoch, self._rid), ReceiptsRecord(dict(self._receipts)))
         own = self._own
         version = msg.version
         newer = self.published_version is None or version > self.published_version
@@ -254,17 +255,20 @@ class RelayMember:
 
 
 def open_relay_source(
-    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: dict[str, object], *, epoch: int,
+    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: SenderRecord, *, epoch: int,
     rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
 ) -> RelaySource:  # fmt: skip
     """The data plane of a receiver on a host other than the sender's, when the sender relays."""
-    backend = str(record["backend"])
+    backend = record.backend
     ctl = control.clone()
 
     def newest() -> int | None:  # read by the link only after timeout_s without an announcement
-        latest = ctl.get_json(keys.LATEST)
-        return None if latest is None else int(latest["version"])
+        try:
+            latest = ctl.get_record(keys.LATEST, VersionRecord)
+        except WeightSyncError:  # unreadable: as if not announced yet (the watcher reports it)
+            return None
+        return None if latest is None else latest.version
 
     def net() -> NetworkSource:
         link = NetReceiveLink(control, layout, epoch=epoch, rid=rid, backend=backend, addr=addr, timeout_s=timeout_s,
@@ -276,8 +280,8 @@ def open_relay_source(
     source = RelaySource(epoch, segment, net)
     source.member = RelayMember(
         control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
-        addr=addr, timeout_s=float(str(record.get("timeout_s", timeout_s))),
-        heartbeat_timeout_s=float(str(record["heartbeat_timeout_s"])),
+        addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop, whatever this receiver's
+        heartbeat_timeout_s=record.heartbeat_timeout_s,
         on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back,
     )  # fmt: skip
     return source

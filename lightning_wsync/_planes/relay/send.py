@@ -41,8 +41,8 @@ class RelaySendPlane:
         leaders: dict[int, str] = {}
         for host in sorted({p.host for p in live if p.host != self._host}):
             record = leader_record(self._ctl, self._epoch, host)
-            if record is not None and int(str(record["rid"])) in by_rid:
-                leaders[int(str(record["rid"]))] = host
+            if record is not None and record.rid in by_rid:
+                leaders[record.rid] = host
         self._head.update_chain(leaders)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:

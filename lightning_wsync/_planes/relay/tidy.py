@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync.errors import WeightSyncError
 
@@ -121,8 +122,8 @@ class RelaySweeper:
             key = keys.relay_leader(self._epoch, host)
             raw = peek(ctl, key)
             try:
-                record = None if raw is None else ctl.open(key, raw)
-            except (WeightSyncError, ValueError):  # unreadable or forged: nobody can follow it either
-                record = {"rid": rid}
-            if isinstance(record, dict) and record.get("rid") == rid:
+                named = None if raw is None else ctl.decode(key, raw, LeaderRecord).rid
+            except WeightSyncError:  # unreadable or forged: nobody can follow it either
+                named = rid
+            if named == rid:
                 ctl.delete(key)

@@ -1,0 +1,322 @@
+"""Every JSON record the package keeps on the store: one type each, with its encoding,
+decoding and validation here and nowhere else.
+
+A record type has ``encode()`` (the JSON value written) and ``decode(value)`` (the
+type from a parsed JSON value), which raises :class:`RecordShape` naming what it
+expected. Reads go through :meth:`Control.get_record
+<lightning_wsync._control.store.Control.get_record>`, which turns any failure into a
+:class:`~lightning_wsync.errors.WeightSyncRecordError` naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import ClassVar, Protocol, TypeVar
+
+from typing_extensions import Self
+
+from lightning_wsync._control.checks import (
+    RecordShape,
+    as_bool,
+    as_float,
+    as_int,
+    as_list,
+    as_str,
+    fields,
+)
+from lightning_wsync._control.manifest import Manifest
+
+__all__ = [
+    "ChainRecord", "ClosedRecord", "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
+    "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer", "SenderRecord",
+    "SumsRecord", "VersionRecord",
+]  # fmt: skip
+
+
+class Record(Protocol):
+    """What :meth:`Control.get_record` and :meth:`Control.put` need of a record type."""
+
+    EXPECTED: ClassVar[str]
+
+    def encode(self) -> object: ...
+
+    @classmethod
+    def decode(cls, value: object) -> Self: ...
+
+
+R = TypeVar("R", bound=Record)
+
+# -- the records ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SenderPointer:
+    """``sender/current``: the epoch receivers should follow."""
+
+    EXPECTED: ClassVar[str] = '{"epoch": <int>}'
+    epoch: int
+
+    def encode(self) -> object:
+        return {"epoch": self.epoch}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        return cls(as_int(fields(value, "epoch")["epoch"], "epoch"))
+
+
+@dataclass(frozen=True)
+class SenderRecord:
+    """``sender/<epoch>``: where a sender runs and which data planes it offers."""
+
+    EXPECTED: ClassVar[str] = (
+        '{"epoch", "host", "pid", "addr", "heartbeat_timeout_s", "timeout_s", "transport", "backend", '
+        '"relay", "shm": <str or null>}'
+    )
+    epoch: int
+    host: str
+    pid: int
+    addr: str
+    heartbeat_timeout_s: float
+    timeout_s: float
+    transport: str
+    backend: str
+    relay: bool
+    shm: str | None
+
+    def encode(self) -> object:
+        return asdict(self)
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "epoch", "host", "pid", "addr", "heartbeat_timeout_s", "timeout_s", "transport",
+                   "backend", "relay", "shm")  # fmt: skip
+        shm = v["shm"]
+        return cls(
+            as_int(v["epoch"], "epoch"), as_str(v["host"], "host"), as_int(v["pid"], "pid"),
+            as_str(v["addr"], "addr"), as_float(v["heartbeat_timeout_s"], "heartbeat_timeout_s"),
+            as_float(v["timeout_s"], "timeout_s"), as_str(v["transport"], "transport"),
+            as_str(v["backend"], "backend"), as_bool(v["relay"], "relay"),
+            None if shm is None else as_str(shm, "shm"),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ManifestRecord:
+    """``manifest/<epoch>``: the published layout (its JSON text, as a string)."""
+
+    EXPECTED: ClassVar[str] = "the JSON text of a manifest"
+    layout: Manifest
+
+    def encode(self) -> object:
+        return self.layout.to_json()
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        try:
+            return cls(Manifest.from_json(as_str(value, "manifest")))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise RecordShape(f"not a manifest ({type(exc).__name__}: {str(exc)[:80]})") from exc
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """``latest`` and ``version/<v>``: a published version and the sender epoch that made it."""
+
+    EXPECTED: ClassVar[str] = '{"version": <int>, "epoch": <int>}'
+    version: int
+    epoch: int
+
+    def encode(self) -> object:
+        return {"version": self.version, "epoch": self.epoch}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "version", "epoch")
+        return cls(as_int(v["version"], "version"), as_int(v["epoch"], "epoch"))
+
+
+@dataclass(frozen=True)
+class SumsRecord:
+    """``version/<v>/sums``: the bucket checksums of a shared-memory version (for ``verify``)."""
+
+    EXPECTED: ClassVar[str] = '{"version": <int>, "sums": [<int>, ...]}'
+    version: int
+    sums: tuple[int, ...]
+
+    def encode(self) -> object:
+        return {"version": self.version, "sums": list(self.sums)}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "version", "sums")
+        return cls(as_int(v["version"], "version"), tuple(as_int(s, "sums[]") for s in as_list(v["sums"], "sums")))
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """``member/<rid>``: a receiver's name and where it runs."""
+
+    EXPECTED: ClassVar[str] = '{"name": <str>, "host": <str>, "pid": <int>, "pidns": <int>, "verify": <bool>}'
+    name: str
+    host: str
+    pid: int
+    pidns: int = 0
+    verify: bool = False
+
+    def encode(self) -> object:
+        return asdict(self)
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "name", "host", "pid")
+        return cls(as_str(v["name"], "name"), as_str(v["host"], "host"), as_int(v["pid"], "pid"),
+                   as_int(v.get("pidns", 0), "pidns"), as_bool(v.get("verify", False), "verify"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A version a receiver refused, and why."""
+
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """``member/<rid>/state``: the newest version a receiver holds and its last rejection."""
+
+    EXPECTED: ClassVar[str] = '{"acked": <int>, "rejected": null or {"version": <int>, "reason": <str>}}'
+    acked: int
+    rejected: Rejection | None = None
+
+    def encode(self) -> object:
+        rejected = None if self.rejected is None else asdict(self.rejected)
+        return {"acked": self.acked, "rejected": rejected}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "acked")
+        acked = as_int(v["acked"], "acked")
+        if "error" in v and "rejected" not in v:  # receivers before the typed form: [version, reason]
+            old = v["error"]
+            if old is None:
+                return cls(acked)
+            pair = as_list(old, "error")
+            if len(pair) != 2:
+                raise RecordShape(f"error={old!r:.40} is not [version, reason]")
+            return cls(acked, Rejection(as_int(pair[0], "error[0]"), as_str(pair[1], "error[1]")))
+        rejected = v.get("rejected")
+        if rejected is None:
+            return cls(acked)
+        r = fields(rejected, "version", "reason")
+        return cls(acked, Rejection(as_int(r["version"], "rejected.version"), as_str(r["reason"], "rejected.reason")))
+
+
+@dataclass(frozen=True)
+class MembersLow:
+    """``members/low``: the lowest receiver id that may still be live."""
+
+    EXPECTED: ClassVar[str] = "<int>"
+    low: int
+
+    def encode(self) -> object:
+        return self.low
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        return cls(as_int(value, "low"))
+
+
+@dataclass(frozen=True)
+class ClosedRecord:
+    """``closed/<epoch>``: the sender ended; ``final`` when training finished."""
+
+    EXPECTED: ClassVar[str] = '{"final": <bool>}'
+    final: bool
+
+    def encode(self) -> object:
+        return {"final": self.final}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        if value is True:  # older senders wrote a bare true
+            return cls(True)
+        return cls(as_bool(fields(value, "final")["final"], "final"))
+
+
+@dataclass(frozen=True)
+class LeaderRecord:
+    """``relay/<epoch>/leader/<host>``: which receiver leads a host's relay, and its segment."""
+
+    EXPECTED: ClassVar[str] = (
+        '{"rid": <int>, "pid": <int>, "term": <int>, "shm": <str>, "pidns": <int>, "ready": <bool>}'
+    )
+    rid: int
+    pid: int
+    term: int
+    shm: str  # the host segment this leader serves
+    pidns: int = 0  # 0: unknown: its PID is never judged, its heartbeat is
+    ready: bool = False  # the segment exists: a host-mate that cannot open it now never will
+
+    def encode(self) -> object:
+        return asdict(self)
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "rid", "pid", "term", "shm")
+        ready = v.get("ready", False)
+        if not isinstance(ready, bool):
+            raise RecordShape(f"ready={ready!r:.40} is not true or false")
+        return cls(as_int(v["rid"], "rid"), as_int(v["pid"], "pid"), as_int(v["term"], "term"),
+                   as_str(v["shm"], "shm"), as_int(v.get("pidns", 0), "pidns"), ready)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChainRecord:
+    """``relay/<epoch>/chain``: the generation and order of the relay leaders."""
+
+    EXPECTED: ClassVar[str] = '{"gen": <int>, "rids": [<int>, ...]}'
+    gen: int
+    rids: tuple[int, ...]
+
+    def encode(self) -> object:
+        return {"gen": self.gen, "rids": list(self.rids)}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "gen", "rids")
+        return cls(as_int(v["gen"], "gen"), tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids")))
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """How a relay leader got one version: delta or full, bytes on the wire, share changed, decode time."""
+
+    delta: bool
+    wire_bytes: int
+    changed_share: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class ReceiptsRecord:
+    """``relay/<epoch>/received/<rid>``: a leader's receipts for its recent versions."""
+
+    EXPECTED: ClassVar[str] = '{"<version>": [<bool>, <int>, <number>, <number>], ...}'
+    receipts: Mapping[int, Receipt]
+
+    def encode(self) -> object:
+        return {str(v): [r.delta, r.wire_bytes, r.changed_share, r.decode_s] for v, r in self.receipts.items()}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        out: dict[int, Receipt] = {}
+        for version, row in fields(value).items():
+            if not version.isdigit():
+                raise RecordShape(f"version {version!r:.40} is not an integer")
+            cells = as_list(row, version)
+            if len(cells) != 4:
+                raise RecordShape(f"{version}={row!r:.40} is not [delta, wire_bytes, changed_share, decode_s]")
+            delta, wire_bytes = as_bool(cells[0], "delta"), as_int(cells[1], "wire_bytes")
+            share, decode_s = as_float(cells[2], "changed_share"), as_float(cells[3], "decode_s")
+            out[int(version)] = Receipt(delta, wire_bytes, share, decode_s)
+        return cls(out)
