@@ -141,8 +141,12 @@ def link_prefix(epoch: int, rid: int, link: int) -> str:
 
 
 def group_keys(prefix: str) -> tuple[str, ...]:
-    """The keys gloo's rendezvous writes under a two-rank group's ``prefix``."""
-    return (prefix + "0/0", prefix + "0/1")
+    """The keys gloo's rendezvous writes under a two-rank group's ``prefix``.
+
+    ``PrefixStore`` joins its prefix and a key with a ``/`` of its own, so under a prefix
+    that ends in ``/`` they are ``<prefix>/0/<rank>``.
+    """
+    return (prefix + "/0/0", prefix + "/0/1")
 
 
 def ready(prefix: str, n: int) -> str:

@@ -31,7 +31,6 @@ from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head import leader_record
-from lightning_wsync._planes.relay.tidy import gloo_keys
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import ModelSpec, build_model, digest
 
@@ -68,7 +67,7 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
         names = [keys.relay_broken(epoch, rid), keys.relay_received(epoch, rid)]
         for g in range(1, gen + 1):
             prefix = keys.relay_hop_prefix(epoch, g, rid)
-            names += [keys.joined(prefix, 0), keys.joined(prefix, 1), *gloo_keys(prefix),
+            names += [keys.joined(prefix, 0), keys.joined(prefix, 1), *keys.group_keys(prefix),
                       *(keys.ready(prefix, n) for n in range(4))]  # fmt: skip
         for name in names:
             if ctl.has(name):

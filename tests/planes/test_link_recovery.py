@@ -81,7 +81,7 @@ def test_link_the_sender_dropped_is_rebuilt(children, port):
         assert new is not None and new.gen > old.gen
 
         prefix = f"pg/{sender.epoch}/{member.rid}/{old.gen}/"
-        left = [k for k in ("ready/0", "ready/1", "ann/0", "ann/1", "0/0", "0/1") if job_store(port, "drop").check(
+        left = [k for k in ("ready/0", "ready/1", "ann/0", "ann/1", "/0/0", "/0/1") if job_store(port, "drop").check(
             [prefix + k])]  # fmt: skip
         assert not left, f"keys of the dropped link left on the store: {left}"
 

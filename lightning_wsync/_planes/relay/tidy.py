@@ -42,19 +42,9 @@ def forget_hop(ctl: Control, prefix: str, rank: int, *, spent: bool, notes: Iter
     """
     names = [keys.joined(prefix, rank)]
     if spent:
-        names += [keys.joined(prefix, 1 - rank), *gloo_keys(prefix), *(keys.ready(prefix, n) for n in notes)]
+        names += [keys.joined(prefix, 1 - rank), *keys.group_keys(prefix), *(keys.ready(prefix, n) for n in notes)]
     for name in names:
         ctl.delete(name)
-
-
-def gloo_keys(prefix: str) -> tuple[str, str]:
-    """The keys gloo's rendezvous writes through ``Control.prefix_store(prefix)``.
-
-    ``PrefixStore`` joins its prefix and a key with a ``/`` of its own, so under a prefix
-    that ends in ``/`` they are ``<prefix>/0/<rank>`` (``keys.group_keys`` leaves out that
-    second ``/``, so what is deleted through it stays on the store).
-    """
-    return (prefix + "/0/0", prefix + "/0/1")
 
 
 @dataclass(frozen=True)
