@@ -27,13 +27,13 @@ member/<rid>                    JSON    member record (name, host, pid, PID name
 member/<rid>/hb                 count   heartbeat
 member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
 member/<rid>/state              JSON    ``{acked, rejected}``: newest version held, last rejection
-member/<rid>/net                count   generation of the receiver's newest network link
+member/<rid>/net                count   link number: the receiver's newest network link
 pg/<epoch>/<rid>/<link>/        prefix  one sender-receiver link: gloo's rendezvous keys ``0/0``,
                                         ``0/1``; ``ready/<n>`` (receiver: ready for send n, what
                                         it holds), ``ann/<n>`` (sender: version of send n)
 relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, term, shm}`` of the host's leader (hostkey: sha256
                                         of the host id, 16 hex digits); replaced by compare-and-set
-relay/<epoch>/chain             JSON    ``{gen, rids}``: the relay chain's generation and leader rids
+relay/<epoch>/chain             JSON    ``{number, rids}``: the relay chain's number and leader rids
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
 relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ready/<n>`` (downstream
                                         leader: what it holds), gloo's keys
@@ -126,7 +126,7 @@ def member_state(rid: int) -> str:
 
 
 def member_link(rid: int) -> str:
-    """Counter: generation of receiver ``rid``'s newest network link."""
+    """Counter: the link number of receiver ``rid``'s newest network link."""
     return f"member/{rid}/net"
 
 
@@ -136,7 +136,7 @@ def member_keys(rid: int) -> tuple[str, ...]:
 
 
 def link_prefix(epoch: int, rid: int, link: int) -> str:
-    """Prefix of one sender-receiver link (``link``: its generation)."""
+    """Prefix of one sender-receiver link (``link``: its link number)."""
     return f"pg/{epoch}/{rid}/{link}/"
 
 
@@ -182,7 +182,7 @@ def relay_broken(epoch: int, rid: int) -> str:
 
 
 def relay_hop_prefix(epoch: int, chain: int, rid: int) -> str:
-    """Prefix of the relay hop into leader ``rid`` (``chain``: the chain's generation)."""
+    """Prefix of the relay hop into leader ``rid`` (``chain``: the chain number)."""
     return f"relay/{epoch}/pg/{chain}/{rid}/"
 
 

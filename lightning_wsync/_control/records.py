@@ -274,17 +274,17 @@ class LeaderRecord:
 class ChainRecord:
     """``relay/<epoch>/chain``: the generation and order of the relay leaders."""
 
-    EXPECTED: ClassVar[str] = '{"gen": <int>, "rids": [<int>, ...]}'
-    gen: int
+    EXPECTED: ClassVar[str] = '{"number": <int>, "rids": [<int>, ...]}'
+    number: int  # the chain number: a new one whenever its leaders change
     rids: tuple[int, ...]
 
     def encode(self) -> object:
-        return {"gen": self.gen, "rids": list(self.rids)}
+        return {"number": self.number, "rids": list(self.rids)}
 
     @classmethod
     def decode(cls, value: object) -> Self:
-        v = fields(value, "gen", "rids")
-        return cls(as_int(v["gen"], "gen"), tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids")))
+        v = fields(value, "number", "rids")
+        return cls(as_int(v["number"], "number"), tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids")))
 
 
 @dataclass(frozen=True)

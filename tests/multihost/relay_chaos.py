@@ -56,7 +56,7 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
     """Relay keys on the store that name no current leader or chain generation, and how many relay keys there are."""
     rids = range(int(ctl.add(keys.MEMBERS_NEXT, 0)))
     chain = ctl.get_json(keys.relay_chain(epoch))
-    gen, current = (int(chain["gen"]), set(chain["rids"])) if chain else (0, set())
+    gen, current = (int(chain["number"]), set(chain["rids"])) if chain else (0, set())
     stale, count = [], 0
     for h in range(1, n_hosts + 1):
         record = leader_record(ctl, epoch, f"simh{h}")

@@ -78,9 +78,9 @@ def test_link_the_sender_dropped_is_rebuilt(children, port):
         assert took < TIMEOUT_S + 20
         newest_held(results, "r0", 2, digest(model), 30)
         new = sender._side.net._links.get(member.rid)
-        assert new is not None and new.gen > old.gen
+        assert new is not None and new.number > old.number
 
-        prefix = f"pg/{sender.epoch}/{member.rid}/{old.gen}/"
+        prefix = f"pg/{sender.epoch}/{member.rid}/{old.number}/"
         left = [k for k in ("ready/0", "ready/1", "ann/0", "ann/1", "/0/0", "/0/1") if job_store(port, "drop").check(
             [prefix + k])]  # fmt: skip
         assert not left, f"keys of the dropped link left on the store: {left}"

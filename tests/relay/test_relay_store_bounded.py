@@ -16,7 +16,7 @@ from _workers import build, digest, mutate
 
 from lightning_wsync import WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest
-from lightning_wsync._planes.relay.source import HostSegment, RelaySource
+from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
 from lightning_wsync._planes.shm.ring import SnapshotRing, bucket_checksums
 from lightning_wsync._planes.shm.segment import ShmSegment, segment_name
 
@@ -115,7 +115,7 @@ def test_verify_checks_the_host_ring_against_published_checksums() -> None:
         sums = bucket_checksums(ring.buffers[ref.slot], layout)
         ring.buffers[ref.slot][100] ^= 0x01  # damaged on the host after its leader verified it
         ordered = [torch.zeros_like(tensors[e.name]) for e in layout.entries]
-        segment = HostSegment(1, layout, ordered, "mate")
+        segment = HostRingReader(1, layout, ordered, "mate")
         segment.follow(name)
         source = RelaySource(1, segment, _NoNetwork())  # type: ignore[arg-type]
         rejected: list[tuple[int, str]] = []

@@ -35,7 +35,7 @@ def wsync_threads() -> list[str]:
 def sending(sender: WeightSender, keys: dist.Store, count: int) -> bool:
     """``count`` links announced version 2's send (their receivers, stopped, never read it)."""
     links = list(sender._side.net._links.values())
-    return sum(bool(keys.check([f"pg/{sender.epoch}/{link.rid}/{link.gen}/ann/1"])) for link in links) >= count
+    return sum(bool(keys.check([f"pg/{sender.epoch}/{link.rid}/{link.number}/ann/1"])) for link in links) >= count
 
 
 def store_main(port: int) -> None:

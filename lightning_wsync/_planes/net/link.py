@@ -71,7 +71,7 @@ class NetSendLink:
         *,
         epoch: int,
         rid: int,
-        gen: int,
+        number: int,
         backend: str,
         addr: str,
         timeout_s: float,
@@ -79,7 +79,7 @@ class NetSendLink:
         policy: AutoPolicy | None = None,
     ) -> None:
         self.rid = rid
-        self.gen = gen
+        self.number = number  # the link number (member/<rid>/net) this link serves
         self.error: str | None = None
         self.sent_version: int | None = None
         self.superseded = 0  # sends whose slot was overwritten under them (a stall past the lease)
@@ -95,12 +95,12 @@ class NetSendLink:
         self._timeout_s = timeout_s
         self._stop = threading.Event()
         self._pg: Interruptible | None = None
-        self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}g{gen}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}l{number}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         ctl = self._control.clone()
-        prefix = keys.link_prefix(self._epoch, self.rid, self.gen)
+        prefix = keys.link_prefix(self._epoch, self.rid, self.number)
         pg: Interruptible | None = None
         n = 0
         try:
@@ -138,7 +138,7 @@ class NetSendLink:
                 if "timed out" in text.lower():  # the receiver took no bytes for timeout_s: stalled or slow
                     error = f"no progress within timeout_s={self._timeout_s} (stalled or slow receiver; {error})"
                 self.error = error
-                log.warning("link to receiver rid=%d gen=%d failed: %s", self.rid, self.gen, self.error)
+                log.warning("link %d to receiver rid=%d failed: %s", self.number, self.rid, self.error)
         finally:
             shutdown_group(pg)
             forget_notes(ctl, prefix, n)
@@ -296,11 +296,11 @@ class NetReceiveLink:
         ctl = self._control.clone()
         while not self._stop.is_set():
             try:
-                gen = ctl.add(keys.member_link(self._rid), 1)
+                number = ctl.add(keys.member_link(self._rid), 1)
             except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
                 self._stop.wait(_STORE_RETRY_S)
                 continue
-            prefix = keys.link_prefix(self.epoch, self._rid, gen)
+            prefix = keys.link_prefix(self.epoch, self._rid, number)
             pg: Interruptible | None = None
             self._n = 0
             try:
@@ -309,7 +309,7 @@ class NetReceiveLink:
                 self._serve(pg, ctl, prefix)
             except Exception as exc:  # noqa: BLE001 - rebuild the group and go on
                 if not self._stop.is_set():
-                    log.info("network link gen=%d ended (%s); rebuilding", gen, str(exc).strip()[:200])
+                    log.info("network link %d ended (%s); rebuilding", number, str(exc).strip()[:200])
                     self._stop.wait(_REBUILD_PAUSE_S)
             finally:
                 shutdown_group(pg)

@@ -62,16 +62,16 @@ class NetSendPlane:
         """Make the link ``rid`` asked for; once both ends used it, its group's keys are spent."""
         number = self._ctl.add(keys.member_link(rid), 0)
         link = self._links.get(rid)
-        if link is not None and link.sent_version is not None and link.gen > self._cleaned.get(rid, 0):
-            self._delete_groups(rid, link.gen)
-        if number == 0 or (link is not None and link.gen >= number):
+        if link is not None and link.sent_version is not None and link.number > self._cleaned.get(rid, 0):
+            self._delete_groups(rid, link.number)
+        if number == 0 or (link is not None and link.number >= number):
             return
         self._drop(rid)
         if self._deltas is not None:
             self._deltas.prepare()
         with self._lock:
             self._links[rid] = NetSendLink(
-                self._ctl, self._ring, epoch=self._epoch, rid=rid, gen=number, backend=self._backend,
+                self._ctl, self._ring, epoch=self._epoch, rid=rid, number=number, backend=self._backend,
                 addr=self._addr, timeout_s=self._timeout_s, deltas=self._deltas, policy=self._policy,
             )  # fmt: skip
 

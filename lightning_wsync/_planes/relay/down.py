@@ -51,7 +51,7 @@ class Downstream:
         self._layout = layout
         self._timeout_s = timeout_s
         self._rid = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
-        self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.gen, self._rid)
+        self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.number, self._rid)
         self._pg: PeerGroup | None = None
         self._works: list[object] = []
         self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
@@ -65,7 +65,7 @@ class Downstream:
         self._notes_cv = threading.Condition()
         self._hurry_until = time.monotonic() + _NOTE_HURRY_S  # poll the next note fast until then
         self._wake = threading.Event()  # cuts a slow poll short (begin() waits, or close())
-        self._gen = chain.gen
+        self._chain_number = chain.number
         self.missed = False  # a version went by while this hop was still connecting
         self._connector: threading.Thread | None = None
         if self._rid is not None:
@@ -80,7 +80,7 @@ class Downstream:
 
         def superseded() -> bool:
             current = read_chain(ctl, self._epoch)
-            return self._closed.is_set() or current is None or current.gen != self._gen
+            return self._closed.is_set() or current is None or current.number != self._chain_number
 
         try:
             self._pg = join_hop(ctl, self._prefix, 0, backend, addr, self._timeout_s, superseded)

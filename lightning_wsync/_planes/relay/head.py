@@ -111,13 +111,13 @@ def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class Chain:
-    gen: int
+    number: int
     rids: tuple[int, ...]
 
 
 def read_chain(ctl: Control, epoch: int) -> Chain | None:
     value = ctl.get_record(keys.relay_chain(epoch), ChainRecord)
-    return None if value is None else Chain(value.gen, value.rids)
+    return None if value is None else Chain(value.number, value.rids)
 
 
 def hop_header(version: int, seq: int, layout: Manifest, kind: int) -> torch.Tensor:
@@ -238,11 +238,11 @@ class RelayHead:
         self._sweeper.sweep(ctl, leaders)
         if rids == self.chain.rids:
             return
-        if self.chain.gen:
-            self._sweeper.replaced(self.chain.gen, self.chain.rids)
-        self.chain = Chain(self.chain.gen + 1, rids)
-        ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.gen, tuple(rids)))
-        log.info("relay chain gen %d: %s", self.chain.gen, list(rids))
+        if self.chain.number:
+            self._sweeper.replaced(self.chain.number, self.chain.rids)
+        self.chain = Chain(self.chain.number + 1, rids)
+        ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.number, tuple(rids)))
+        log.info("relay chain %d: %s", self.chain.number, list(rids))
         self._changed.set()
 
     def receipts(self, ctl: Control, version: int) -> dict[str, HopReceipt]:
@@ -268,7 +268,7 @@ class RelayHead:
                 self._changed.wait(CHAIN_POLL_S)
                 continue
             first = chain.rids[0]
-            prefix = keys.relay_hop_prefix(self._epoch, chain.gen, first)
+            prefix = keys.relay_hop_prefix(self._epoch, chain.number, first)
             pg: PeerGroup | None = None
             self._notes = 0
             try:
@@ -293,7 +293,7 @@ class RelayHead:
         if self._deltas is not None:
             self._deltas.prepare()
         first = chain.rids[0]
-        prefix = keys.relay_hop_prefix(self._epoch, chain.gen, first)
+        prefix = keys.relay_hop_prefix(self._epoch, chain.number, first)
         sent: int | None = None
         n = 0
         while not self._superseded():
@@ -358,7 +358,7 @@ class RelayHead:
         self._changed.set()
         self._thread.join(timeout=timeout_s)
         try:
-            self._sweeper.close(self._control, self.chain.gen, self.chain.rids)
+            self._sweeper.close(self._control, self.chain.number, self.chain.rids)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)
 

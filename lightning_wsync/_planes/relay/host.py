@@ -34,7 +34,7 @@ from lightning_wsync._planes.relay.head import (
     read_chain,
 )
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
-from lightning_wsync._planes.relay.source import HostSegment, RelaySource
+from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
@@ -50,7 +50,7 @@ class RelayMember:
     """A rollout receiver on a host other than the sender's: elects, leads, relays.
 
     One named thread: every ``CHAIN_POLL_S`` it reads the host's leader record, takes
-    over when the leader is gone or silent, points the :class:`HostSegment` at the
+    over when the leader is gone or silent, points the :class:`HostRingReader` at the
     leader's segment, and while this receiver leads, runs the hop loop (receive from
     upstream, forward downstream, publish into the host segment). When this receiver
     cannot create the host segment (as leader) or open its leader's, it resigns and stands
@@ -58,7 +58,7 @@ class RelayMember:
     """
 
     def __init__(
-        self, control: Control, layout: Manifest, segment: HostSegment, *, epoch: int, rid: int, host: str, job: str,
+        self, control: Control, layout: Manifest, segment: HostRingReader, *, epoch: int, rid: int, host: str, job: str,
         backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
         fall_back: Callable[[str], None],
@@ -85,7 +85,7 @@ class RelayMember:
         self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, Receipt] = {}
         self._notes = 0  # ready notes written on the current hop from upstream
-        self._failed_gen: int | None = None  # the chain generation whose hop from upstream failed
+        self._failed_chain: int | None = None  # the chain number whose hop from upstream failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
         self._thread.start()
@@ -161,7 +161,7 @@ class RelayMember:
     # -- leading ------------------------------------------------------------------
     def _lead(self, ctl: Control) -> None:
         chain = read_chain(ctl, self._epoch)
-        if chain is None or self._rid not in chain.rids or chain.gen == self._failed_gen:
+        if chain is None or self._rid not in chain.rids or chain.number == self._failed_chain:
             # A hop whose group was built and then failed cannot be joined again (its store
             # keys name the old peer, which may be stalled: joining would block for timeout_s).
             # The side that sent to it marked the failure, so the sender re-forms the chain
@@ -170,13 +170,14 @@ class RelayMember:
             return
         pos = chain.rids.index(self._rid)
         self._notes = 0
-        up_prefix = keys.relay_hop_prefix(self._epoch, chain.gen, self._rid)
+        up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
         down = Downstream(ctl, self._epoch, chain, pos, self.layout, self._backend, self._addr, self._timeout_s)
         pg: PeerGroup | None = None
 
         def superseded() -> bool:
             current = read_chain(ctl, self._epoch)
-            return self._stop.is_set() or current is None or current.gen != chain.gen or not self._election.leads(ctl)
+            moved = current is None or current.number != chain.number
+            return self._stop.is_set() or moved or not self._election.leads(ctl)
 
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
@@ -185,7 +186,7 @@ class RelayMember:
             return
         except Exception as exc:  # noqa: BLE001 - rebuild with the next chain
             if pg is not None:  # a group was built: its keys now name a peer that failed
-                self._failed_gen = chain.gen
+                self._failed_chain = chain.number
             if not self._stop.is_set():
                 log.info("relay: rid=%d hop from upstream ended (%s)", self._rid, error_text(exc)[:200])
                 self._stop.wait(CHAIN_POLL_S)
@@ -211,7 +212,7 @@ class RelayMember:
                 if now >= next_check:  # a new chain or a lost election ends this hop
                     next_check = now + CHAIN_POLL_S
                     current = read_chain(ctl, self._epoch)
-                    if current is None or current.gen != chain.gen or not self._election.leads(ctl):
+                    if current is None or current.number != chain.number or not self._election.leads(ctl):
                         return
             msg = hop.receive(pg, down)
             n = self._notes = n + 1
@@ -276,7 +277,7 @@ def open_relay_source(
                               newest=newest)  # fmt: skip
         return NetworkSource(epoch, layout, ordered, link, swap=False)
 
-    segment = HostSegment(epoch, layout, ordered, name)
+    segment = HostRingReader(epoch, layout, ordered, name)
     source = RelaySource(epoch, segment, net)
     source.member = RelayMember(
         control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,

@@ -26,7 +26,7 @@ class Member(Protocol):
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
-class HostSegment:
+class HostRingReader:
     """The host's ring of verified versions, read as same-host receivers read the trainer's."""
 
     def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], name: str) -> None:
@@ -89,7 +89,7 @@ class RelaySource:
     part in its host's ring (see :meth:`fall_back`) is served over the network instead.
     """
 
-    def __init__(self, epoch: int, segment: HostSegment, net: Callable[[], NetworkSource]) -> None:
+    def __init__(self, epoch: int, segment: HostRingReader, net: Callable[[], NetworkSource]) -> None:
         self.epoch = epoch
         self.segment = segment
         self.member: Member | None = None
