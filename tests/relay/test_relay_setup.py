@@ -23,6 +23,7 @@ from _workers import build, digest, mutate
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._planes.relay.head import leader_record
 from lightning_wsync._planes.shm.segment import unlink_segment
 from lightning_wsync.testing.procs import Children
@@ -81,7 +82,7 @@ class Host:
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
-    def leader(self) -> dict[str, object] | None:
+    def leader(self) -> LeaderRecord | None:
         return leader_record(self.ctl, self.sender.epoch, HOST)
 
     def wait(self, what: str, condition: Callable[[], Any], timeout_s: float = 120) -> Any:
@@ -130,11 +131,11 @@ def test_leader_in_another_pid_namespace_is_judged_by_heartbeat(children, tmp_pa
     sender, model, job = sender
     host = Host(children, tmp_path, sender, job, 3)
     inner = host.start("inner", own_pid_namespace())
-    host.wait("the inner receiver to lead", lambda: (r := host.leader()) is not None and r["rid"] == inner)
+    host.wait("the inner receiver to lead", lambda: (r := host.leader()) is not None and r.rid == inner)
     host.start("outer", [])
     host.push_all(model, ["inner", "outer"])
     record = host.leader()
-    assert record is not None and (record["rid"], record["term"]) == (inner, 0), record
+    assert record is not None and (record.rid, record.term) == (inner, 0), record
     assert "leads host" not in host.log("outer"), host.log("outer")
 
 
@@ -155,15 +156,15 @@ def test_host_mates_that_cannot_share_the_ring_are_served_over_the_network(child
     host.wait("cramped to fail to create the host segment", lambda: "cannot reserve" in host.log("cramped"))
     main = host.start("main", [])
     host.wait("main to lead, its segment created",
-              lambda: (r := host.leader()) is not None and r["rid"] == main and r.get("ready"))  # fmt: skip
+              lambda: (r := host.leader()) is not None and r.rid == main and r.ready)  # fmt: skip
     host.start("isolated", own_dev_shm())
     host.push_all(model, ["cramped", "main", "isolated"])
     record = host.leader()
-    assert record is not None and record["rid"] == main, record
+    assert record is not None and record.rid == main, record
     gave_up = [line for line in host.log("cramped").splitlines() if "cannot create the host segment" in line]
     assert len(gave_up) == 1, host.log("cramped")
     assert "cannot reserve" in gave_up[0] and "resigned so that a host-mate leads" in gave_up[0]
     assert "receives over the network from the sender" in gave_up[0]
     cut_off = [line for line in host.log("isolated").splitlines() if "cannot open its leader's" in line]
     assert len(cut_off) == 1, host.log("isolated")
-    assert str(record["shm"]) in cut_off[0] and "WSYNC_HOST_ID" in cut_off[0]
+    assert record.shm in cut_off[0] and "WSYNC_HOST_ID" in cut_off[0]
