@@ -45,8 +45,9 @@ class Recorder:
         self.started = time.monotonic()
         self.batches = 0
 
-    def send(self, completions: list[list[int]], version: int, reload_s: float | None) -> bool | None:
-        """True: sent; False: the trainer is busy; None: the trainer is gone."""
+    def send(self, completions: list[list[int]], version: int, engine_version: int | None, reload_s: float | None
+             ) -> bool | None:  # fmt: skip
+        """Tagged ``version`` (the oldest that made a token); True: sent, False: trainer busy, None: gone."""
         rewards = torch.tensor([reward(c, self.digits) for c in completions])
         batch = {
             "prompt": torch.tensor([i for i, _ in enumerate(PROMPTS) for _ in range(GROUP)]),
@@ -54,7 +55,8 @@ class Recorder:
             "reward": rewards,
         }
         self.log.write(json.dumps({"t": round(time.monotonic() - self.started, 3), "version": version,
-                                   "reward": round(float(rewards.mean()), 4), "reload_s": reload_s}) + "\n")  # fmt: skip
+                                   "engine_version": engine_version, "reward": round(float(rewards.mean()), 4),
+                                   "reload_s": reload_s}) + "\n")  # fmt: skip
         self.log.flush()
         self.batches += 1
         try:
@@ -90,7 +92,7 @@ def main(model_dir: str, out_dir: str, tp: int) -> None:
             version = sync.version
             assert version is not None
             outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-            sent = rec.send([list(c.token_ids) for o in outs for c in o.outputs], version, reload_s)
+            sent = rec.send([list(c.token_ids) for o in outs for c in o.outputs], version, version, reload_s)
             if sent is None:
                 break
             if not sent:

@@ -57,7 +57,7 @@ async def main_async(model_dir: str, out_dir: str, tp: int) -> None:
         while not await sync.sender_closed():
             outs = await asyncio.gather(*(one(ids) for ids in prompt_ids for _ in range(GROUP)))
             oldest = min(o.version for o in outs if o.version is not None)
-            if rec.send([list(o.output.outputs[0].token_ids) for o in outs], oldest, None) is None:
+            if rec.send([list(o.output.outputs[0].token_ids) for o in outs], oldest, sync.version, None) is None:
                 break
         done.set()
         await follower

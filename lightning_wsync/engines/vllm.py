@@ -237,6 +237,7 @@ class VllmWeightSync:
         try:
             self.names: list[str] = self._llm.collective_rpc("wsync_start", args=(store, job, values))
         except Exception as exc:
+            self._llm.collective_rpc("wsync_close")  # workers that did start one stop it again
             raise WeightSyncError(
                 f"VllmWeightSync: could not start a receiver in the engine's workers "
                 f"({type(exc).__name__}: {exc}); create the LLM with "

@@ -110,6 +110,7 @@ class AsyncVllmWeightSync:
         try:
             names = list(await engine.collective_rpc("wsync_start", args=(store, job, values)))
         except Exception as exc:
+            await engine.collective_rpc("wsync_close")  # workers that did start one stop it again
             raise WeightSyncError(
                 f"AsyncVllmWeightSync: could not start a receiver in the engine's workers ({type(exc).__name__}: "
                 f"{exc}); create the engine with worker_extension_cls=WORKER_EXTENSION, and check store={store!r}, "

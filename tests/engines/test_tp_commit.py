@@ -17,7 +17,7 @@ import torch
 from _workers import build, digest, mutate
 from torch import nn
 
-from lightning_wsync import WeightSender, WeightSyncTimeoutError
+from lightning_wsync import WeightSender, WeightSyncError, WeightSyncTimeoutError
 from lightning_wsync.engines.vllm import VllmWeightSync, WsyncWorkerExtension
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,11 +31,17 @@ class FakeWorker(WsyncWorkerExtension):
         self.model = build(("mixed", 1))
         self.loads: list[dict[str, torch.Tensor]] = []
         self.behind = False  # stages nothing newer than it holds, as a worker too slow to copy
+        self.fail_start = False
 
     def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = {k: v.clone() for k, v in weights_iterator}
         self.loads.append(weights)
         self.model.load_state_dict(weights)
+
+    def wsync_start(self, store: str | None, job: str | None, options: dict[str, Any]) -> str:
+        if self.fail_start:
+            raise WeightSyncError("this worker's receiver could not start")
+        return super().wsync_start(store, job, options)
 
     def _wsync_check_names(self, name: str, staged: Any) -> None:
         pass  # needs vLLM's model classes: tested with a real engine in test_vllm_names.py
@@ -87,6 +93,15 @@ def engine_at_version_0(port: int, timeout_s: float) -> Iterator[tuple[nn.Module
         yield src, engine, sender, sync
 
 
+def test_a_receiver_that_cannot_start_in_one_worker_is_stopped_in_all(port):
+    engine = FakeEngine(2)
+    engine.workers[1].fail_start = True
+    with WeightSender(build(("mixed", 0)), store=f"127.0.0.1:{port}", job="tp-start", timeout_s=10):
+        with pytest.raises(WeightSyncError, match="VllmWeightSync: could not start a receiver in the engine's workers"):
+            VllmWeightSync(engine, store=f"127.0.0.1:{port}", job="tp-start", timeout_s=10)
+    assert [w._wsync_receiver for w in engine.workers] == [None, None]  # worker 0's was closed (no thread left)
+
+
 def test_a_push_between_two_workers_stages_never_leaves_the_engine_mixed(port):
     with engine_at_version_0(port, timeout_s=10) as (src, engine, sender, sync):
         mutate(src, 1)
@@ -102,14 +117,14 @@ def test_a_push_between_two_workers_stages_never_leaves_the_engine_mixed(port):
 
 
 def test_a_worker_that_cannot_stage_leaves_every_worker_on_the_previous_version(port):
-    with engine_at_version_0(port, timeout_s=1.0) as (src, engine, sender, sync):
+    with engine_at_version_0(port, timeout_s=3.0) as (src, engine, sender, sync):
         v0 = digest(src)
         mutate(src, 1)
         sender.push(1)
         engine.workers[1].behind = True
         with pytest.raises(
             WeightSyncTimeoutError,
-            match=r"engine workers \['engine-w1'\] did not stage version 1 within timeout_s=1.0 .*"
+            match=r"engine workers \['engine-w1'\] did not stage version 1 within timeout_s=3.0 .*"
             r"no worker loaded it, the engine keeps its previous version everywhere",
         ):
             sync.update()
