@@ -49,7 +49,7 @@ is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves
 behind the current one.
 
 Outside any job, the rendezvous backend keeps on the shared store
-``wsync.rdzv/<job>/<role>/epoch`` (count: the role's rendezvous epoch),
+``wsync.rdzv/<job>/<role>/launch`` (count: the role's launch number),
 ``wsync.rdzv/<job>/agents`` (count: agents using the store) and torch's own
 ``torch.rendezvous.<run id>`` (the signed rendezvous state); on each round's store the
 agent writes ``WSYNC_BOOTSTRAP`` and keeps torchrun's keys under ``wsync.agent/``.
@@ -196,8 +196,9 @@ ROUND_BOOTSTRAP = "WSYNC_BOOTSTRAP"  # written by each round's rank 0 on the rou
 AGENT_PREFIX = "wsync.agent"  # torchrun's agent keys on the round's store, apart from the workers' "default_pg/"
 
 
-def rdzv_epoch(job: str, role: str) -> str:
-    return f"wsync.rdzv/{job}/{role}/epoch"
+def rdzv_launch(job: str, role: str) -> str:
+    """Counter: the role's launch number (bumped when a relaunch finds the last one closed)."""
+    return f"wsync.rdzv/{job}/{role}/launch"
 
 
 def rdzv_agents(job: str) -> str:

@@ -31,32 +31,28 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable
-from types import FrameType
 
 import torch
 
-from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync.bench import _hostbench
-from lightning_wsync.bench._bounds import BoundBench
+from lightning_wsync.bench._bounds import BoundBench, BoundSamples
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
+from lightning_wsync.bench._memory import fits
 from lightning_wsync.bench._push import WARMUP_PUSHES, PushPhase, PushRun, run_push_phase
 from lightning_wsync.bench._report import format_table, summarize
 from lightning_wsync.config import APPLY_MODES, DELTA_MODES, SenderConfig
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
-from lightning_wsync.testing.procs import BenchError, Children
+from lightning_wsync.testing.probes import pushed_bytes
+from lightning_wsync.testing.procs import BenchError, Children, exit_on_sigterm
 
 __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
 _COMPARE = ("torchrl",)
-_PROCESS_BYTES = 300 * 2**20  # a spawned process with torch imported
-_HEADROOM_BYTES = 4 * 2**30  # left to the rest of a shared machine
 _DEFAULT_SIZE_MB = 256.0
 
 
@@ -104,9 +100,11 @@ def run(args: argparse.Namespace) -> int:
     if args.hosts is not None:
         return _hostbench.run(args)
     if args.delta:
-        return _run_delta(args)
+        from lightning_wsync.bench._delta import run_delta
+
+        return run_delta(args)
     threads = torch.get_num_threads()
-    restore_signals = _exit_on_sigterm()
+    restore_signals = exit_on_sigterm()
     try:
         if args.interval_ms is not None:
             result = run_interval_phase(
@@ -127,76 +125,28 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _run_delta(args: argparse.Namespace) -> int:
-    from lightning_wsync.bench._delta import (
-        codec_result,
-        delta_spec,
-        format_codec,
-        format_links,
-        links_result,
-        measure_codec,
-        measure_links,
-    )
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        spec = delta_spec(args.size_mb)
-        wire = None if args.dtype is None else getattr(torch, args.dtype)
-        samples, model = measure_codec(spec=spec, lr=args.lr, dtype=wire, pushes=args.pushes,
-                                       bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
-        links = None
-        if args.transport == "gloo":
-            restore_signals = _exit_on_sigterm()
-            try:
-                pairs = measure_links(spec=spec, lr=args.lr, dtype=args.dtype, pushes=args.pushes,
-                                      bucket_mb=args.bucket_mb, n_receivers=args.receivers,
-                                      timeout_s=args.timeout_s, seed=args.seed, mode=args.delta_mode)  # fmt: skip
-            except (BenchError, WeightSyncError, OSError) as exc:
-                print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return 1
-            finally:
-                restore_signals()
-            links = links_result(pairs)
-    finally:
-        torch.set_num_threads(threads)
-    result = codec_result(samples, model, lr=args.lr)
-    result["config"] = {"size_mb": args.size_mb, "lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
-                        "pushes": args.pushes, "transport": args.transport, "receivers": args.receivers,
-                        "delta_mode": args.delta_mode, "torch": torch.__version__, "cpus": os.cpu_count(),
-                        "threads_per_process": 1}  # fmt: skip
-    if links is not None:
-        result["links"] = links
-        result["ok"] = bool(result["ok"]) and bool(links["ok"])
-    text = format_codec(result, lr=args.lr, dtype=args.dtype)
-    if links is not None:
-        text += "\n" + format_links(links)
-    print(json.dumps(result, indent=2) if args.json else text)
-    return 0 if result["ok"] else 1
-
-
 def measure(args: argparse.Namespace) -> dict[str, object]:
     """Run every phase and return the JSON-able result (what ``--json`` prints)."""
     torch.set_num_threads(1)
     spec = spec_for_size(args.size_mb)
     model = build_model(spec, seed=args.seed)
     config = SenderConfig(dtype=args.dtype, bucket_mb=args.bucket_mb)
-    tensors = list(select_tensors(model).values())
-    pushed_bytes = build_manifest(select_tensors(model), config.wire_dtype, config.bucket_bytes).total_bytes
-    fp32_bytes = build_manifest(select_tensors(model), None, config.bucket_bytes).total_bytes
+    tensors = list(model.state_dict().values())
+    pushed = pushed_bytes(model, config.wire_dtype, config.bucket_bytes)
+    fp32_bytes = pushed_bytes(model, None, config.bucket_bytes)
     # With a cast, the uncast pushes alternate with the cast ones (two receiver sets) when
     # memory allows, so the machine's drift reaches both alike; else they run afterwards.
-    alongside = args.dtype is not None and _fits(
-        spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=fp32_bytes, bounds=False
+    alongside = args.dtype is not None and fits(
+        spec.nbytes, pushed, args.receivers, args.transport, reference_bytes=fp32_bytes, bounds=False
     )
     reference_bytes = fp32_bytes if alongside else 0
-    interleave = _fits(spec.nbytes, pushed_bytes, args.receivers, args.transport, reference_bytes=reference_bytes)
+    interleave = fits(spec.nbytes, pushed, args.receivers, args.transport, reference_bytes=reference_bytes)
     schedule = {"bounds_schedule": "interleaved" if interleave else "before-and-after",
                 "uncast_schedule": None if args.dtype is None
                 else ("alternating" if alongside else "after")}  # fmt: skip
     reference: PushPhase | None = None
     with Children() as children:
-        bounds = BoundBench(children, args.receivers, pushed_bytes, args.timeout_s)
+        bounds = BoundBench(children, args.receivers, pushed, args.timeout_s)
         try:
             if interleave:
                 bounds.allocate(tensors, config.wire_dtype)
@@ -228,7 +178,15 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
 
         compare["torchrl"] = compare_torchrl(model, spec, n_receivers=args.receivers, pushes=args.pushes,
                                              timeout_s=args.timeout_s)  # fmt: skip
-    summary = summarize(phase, bounds.samples, transport=args.transport, n_receivers=args.receivers,
+    return _result(args, spec, schedule, phase, reference, bounds.samples, compare)
+
+
+def _result(
+    args: argparse.Namespace, spec: ModelSpec, schedule: dict[str, str | None], phase: PushPhase,
+    reference: PushPhase | None, bounds: BoundSamples, compare: dict[str, object],
+) -> dict[str, object]:
+    """The JSON-able result of a run: configuration, samples, medians, ratios against the bounds."""
+    summary = summarize(phase, bounds, transport=args.transport, n_receivers=args.receivers,
                         model_bytes=spec.nbytes, reference=reference)  # fmt: skip
     wsync_latency = summary.medians["latency_s"]
     for entry in compare.values():
@@ -247,7 +205,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
                   "d_model": spec.d_model, "vocab": spec.vocab, "layers": spec.n_layers},
         "pushes": [s.to_json() for s in phase.samples],
         "fp32_pushes": [] if reference is None else [s.to_json() for s in reference.samples],
-        "bounds": bounds.samples.to_json(),
+        "bounds": bounds.to_json(),
         "medians": summary.medians,
         "ratios": summary.ratios,
         "targets": summary.targets,
@@ -287,38 +245,6 @@ def _push_phases(
     return cast.phase, uncast.phase
 
 
-def _fits(
-    model_bytes: int, pushed_bytes: int, n: int, transport: str, *, reference_bytes: int = 0, bounds: bool = True
-) -> bool:
-    """Whether the receivers (and, with ``bounds``, the bounds' buffers) fit in memory at once.
-
-    Interleaving a round of bounds after each push is the fairer schedule on a shared
-    machine; it needs, beyond the trainer's model: source, destination and shared
-    segment of the bounds, the sender's snapshot, and per receiver its module, the
-    bound worker's buffer and (gloo) a staging buffer, plus ~300 MiB per process.
-    ``reference_bytes``: a second, uncast sender and receiver set alongside.
-    """
-    gloo = transport == "gloo"
-    per_receiver = model_bytes + (pushed_bytes if gloo else 0) + _PROCESS_BYTES
-    need = 2 * pushed_bytes + n * per_receiver + _HEADROOM_BYTES
-    if bounds:
-        need += 3 * pushed_bytes + n * (pushed_bytes + _PROCESS_BYTES)
-    if reference_bytes:
-        need += 2 * reference_bytes + n * (model_bytes + (reference_bytes if gloo else 0) + _PROCESS_BYTES)
-    return need <= _available_bytes()
-
-
-def _available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0  # unknown: take the schedule that needs less
-
-
 def _validate(args: argparse.Namespace) -> None:
     if args.size_mb is not None and not args.size_mb >= 1:
         raise ValueError(f"--size-mb={args.size_mb!r} must be >= 1 (MiB of float32 weights), e.g. --size-mb 256")
@@ -336,19 +262,3 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--duration-s={args.duration_s!r} must be > 0, e.g. --duration-s 10")
     if not args.timeout_s > 0:
         raise ValueError(f"--timeout-s={args.timeout_s!r} must be > 0, e.g. --timeout-s 120")
-
-
-def _exit_on_sigterm() -> Callable[[], None]:
-    """Turn SIGTERM into SystemExit so ``finally`` blocks reap the children; returns an undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-
-    def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
-
-    return restore

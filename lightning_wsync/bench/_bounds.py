@@ -28,15 +28,14 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 
 import torch
 
-from lightning_wsync._control.manifest import copy_tensors
-from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
+from lightning_wsync.bench._boundworker import map_file, worker_main
+from lightning_wsync.testing.probes import snapshot_copy
+from lightning_wsync.testing.procs import BenchError, Children, receive
 
 _SHM_DIR = "/dev/shm"
-_RECV_CHUNK = 1 << 22
 
 
 @dataclass
@@ -53,73 +52,6 @@ class BoundSamples:
 
     def to_json(self) -> dict[str, list[float]]:
         return {k: list(v) for k, v in self.__dict__.items()}
-
-
-def _map_file(path: str, nbytes: int, *, writable: bool) -> tuple[mmap.mmap, torch.Tensor]:
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-    try:
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
-    finally:
-        os.close(fd)
-    if writable:
-        return mm, torch.frombuffer(mm, dtype=torch.uint8)
-    # torch warns on read-only buffers; a private read-only view is exactly what we want
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return mm, torch.frombuffer(mm, dtype=torch.uint8)
-
-
-def _recv_exact(sock: socket.socket, buffer: torch.Tensor) -> None:
-    view = buffer.numpy().data
-    got, total = 0, buffer.numel()
-    while got < total:
-        n = sock.recv_into(view[got:], min(_RECV_CHUNK, total - got))
-        if n == 0:
-            raise ConnectionError(f"peer closed after {got} of {total} bytes")
-        got += n
-
-
-def _worker_main(conn: Connection, index: int, port: int, timeout_s: float) -> None:
-    """A bound worker: copies from the shared segment or receives from its socket on command."""
-    init_child()
-    try:
-        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-        sock.sendall(struct.pack("!I", index))
-        private: torch.Tensor | None = None
-        shared: torch.Tensor | None = None
-        mm: mmap.mmap | None = None
-        conn.send(("ready", os.getpid()))
-        while True:
-            cmd = conn.recv()
-            op = cmd[0]
-            if op == "alloc":
-                nbytes, path = int(cmd[1]), str(cmd[2])
-                private = torch.zeros(nbytes, dtype=torch.uint8)  # zeroed: every page resident
-                mm, shared = _map_file(path, nbytes, writable=False)
-                conn.send(("ok",))
-            elif op == "shm":
-                assert private is not None and shared is not None
-                private.copy_(shared)
-                conn.send(("done", time.monotonic()))
-            elif op == "tcp":
-                assert private is not None
-                _recv_exact(sock, private)
-                conn.send(("done", time.monotonic()))
-            elif op == "free":
-                del shared
-                shared = private = None
-                if mm is not None:
-                    mm.close()
-                    mm = None
-                conn.send(("ok",))
-            elif op == "stop":
-                sock.close()
-                return
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        report_failure(conn, f"bound worker {index}")
 
 
 class BoundBench:
@@ -143,7 +75,7 @@ class BoundBench:
         self._listener.settimeout(timeout_s)
         port = int(self._listener.getsockname()[1])
         self._conns = [
-            children.start(_worker_main, (i, port, timeout_s), name=f"wsync-bench-bound-{i}") for i in range(n_workers)
+            children.start(worker_main, (i, port, timeout_s), name=f"wsync-bench-bound-{i}") for i in range(n_workers)
         ]
         socks: dict[int, socket.socket] = {}
         try:
@@ -184,7 +116,7 @@ class BoundBench:
             os.posix_fallocate(fd, 0, self.nbytes)
         finally:
             os.close(fd)
-        self._mm, self._shared = _map_file(self._path, self.nbytes, writable=True)
+        self._mm, self._shared = map_file(self._path, self.nbytes, writable=True)
         self._pairs = _gather_views(tensors, self._dst, wire_dtype)
         casts = wire_dtype is not None and any(t.is_floating_point() and t.dtype != wire_dtype for t in tensors)
         self._shared_pairs = _gather_views(tensors, self._shared, wire_dtype) if casts else []
@@ -328,7 +260,7 @@ def _gather_views(
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Each source tensor into its view, the way the sender's snapshot copies (casting)."""
-    copy_tensors([view for view, _ in pairs], [t for _, t in pairs])
+    snapshot_copy([view for view, _ in pairs], [t for _, t in pairs])
 
 
 def _read(sock: socket.socket, n: int) -> bytes:

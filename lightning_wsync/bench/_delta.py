@@ -6,10 +6,11 @@
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6 --transport gloo --receivers 1
 
 The model has GPT-2's dimensions (124M parameters) and initialisation; each version
-is one AdamW step (causal LM loss on random tokens, see ``_steps``), snapshotted into
-the wire layout like a push. Every version is delta-encoded against the previous one,
-decoded into a copy of the previous one as a receiver would, and checked bit for bit
-and against the sender's per-bucket checksums. Reported per version and as medians:
+is one AdamW step (causal LM loss on random tokens, see :mod:`lightning_wsync.testing.steps`),
+snapshotted into the wire layout like a push. Every version is delta-encoded against the
+previous one with the library's codec, decoded into a copy of the previous one as a
+receiver would, and checked bit for bit and against the sender's per-bucket checksums
+(:func:`lightning_wsync.testing.probes.measure_codec`). Reported per version and as medians:
 the share of changed words, delta bytes against the full push, encode and decode
 seconds (one thread, as every bench process).
 
@@ -22,91 +23,67 @@ network namespace whose loopback is shaped (``tc ... tbf``) to measure a slow li
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
-import time
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_wsync._control.manifest import build_manifest, checksum, copy_into, select_tensors
-from lightning_wsync._planes.delta.codec import DeltaDecoder, DeltaEncoder, DeltaHeader
 from lightning_wsync.bench._push import PushRun, PushSample
-from lightning_wsync.bench._steps import GPT2_SPEC, Trainer
+from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.models import ModelSpec, spec_for_size
+from lightning_wsync.testing.probes import DeltaSample, measure_codec
+from lightning_wsync.testing.procs import BenchError, exit_on_sigterm
+from lightning_wsync.testing.steps import GPT2_SPEC, Trainer
 
 WIRE_SHARE_TARGET = 0.10  # issue 13: at lr 1e-6 in bf16, a delta push moves at most 10% of the full push
+
+
+def run_delta(args: argparse.Namespace) -> int:
+    """``lightning-wsync bench --delta`` on this host: the codec, and with ``--transport gloo`` real pushes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = delta_spec(args.size_mb)
+        wire = None if args.dtype is None else getattr(torch, args.dtype)
+        samples, model = measure_codec(spec=spec, lr=args.lr, dtype=wire, pushes=args.pushes,
+                                       bucket_bytes=int(args.bucket_mb * 2**20), seed=args.seed)  # fmt: skip
+        links = None
+        if args.transport == "gloo":
+            restore_signals = exit_on_sigterm()
+            try:
+                pairs = measure_links(spec=spec, lr=args.lr, dtype=args.dtype, pushes=args.pushes,
+                                      bucket_mb=args.bucket_mb, n_receivers=args.receivers,
+                                      timeout_s=args.timeout_s, seed=args.seed, mode=args.delta_mode)  # fmt: skip
+            except (BenchError, WeightSyncError, OSError) as exc:
+                print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            finally:
+                restore_signals()
+            links = links_result(pairs)
+    finally:
+        torch.set_num_threads(threads)
+    result = codec_result(samples, model, lr=args.lr)
+    result["config"] = {"size_mb": args.size_mb, "lr": args.lr, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+                        "pushes": args.pushes, "transport": args.transport, "receivers": args.receivers,
+                        "delta_mode": args.delta_mode, "torch": torch.__version__, "cpus": os.cpu_count(),
+                        "threads_per_process": 1}  # fmt: skip
+    if links is not None:
+        result["links"] = links
+        result["ok"] = bool(result["ok"]) and bool(links["ok"])
+    text = format_codec(result, lr=args.lr, dtype=args.dtype)
+    if links is not None:
+        text += "\n" + format_links(links)
+    print(json.dumps(result, indent=2) if args.json else text)
+    return 0 if result["ok"] else 1
 
 
 def delta_spec(size_mb: float | None) -> ModelSpec:
     """GPT-2's dimensions, or (``--size-mb``, for quick runs) the benchmark model of that size."""
     return GPT2_SPEC if size_mb is None else spec_for_size(size_mb)
-
-
-@dataclass(frozen=True)
-class DeltaSample:
-    """One version's delta against the previous version."""
-
-    version: int
-    loss: float
-    changed_share: float  # words that differ / words in the buffer
-    delta_bytes: int  # header + every bucket's record: what goes on the wire
-    full_bytes: int
-    encode_s: float
-    decode_s: float
-    verify_s: float  # the receiver's per-bucket checksums of the rebuilt version
-    bit_exact: bool
-
-    @property
-    def wire_share(self) -> float:
-        return self.delta_bytes / self.full_bytes
-
-
-def measure_codec(
-    *, spec: ModelSpec = GPT2_SPEC, lr: float, dtype: torch.dtype | None, pushes: int, bucket_bytes: int, seed: int
-) -> tuple[list[DeltaSample], dict[str, object]]:
-    """Train ``pushes`` steps; encode, decode and verify each version's delta; return samples and model facts."""
-    trainer = Trainer(spec, lr=lr, seed=seed)
-    tensors = select_tensors(trainer.model)
-    layout = build_manifest(tensors, dtype, bucket_bytes)
-    ring = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)]  # the sender's two buffers
-    held = torch.zeros(layout.total_bytes, dtype=torch.uint8)  # the receiver's copy of the previous version
-    copy_into(layout, ring[0], tensors.values())
-    held.copy_(ring[0])
-    base_sums = [checksum(ring[0], a, b) for a, b in layout.buckets]
-    encoder = DeltaEncoder(layout)
-    samples: list[DeltaSample] = []
-    for version in range(1, pushes + 1):
-        loss = trainer.step()
-        base, new = ring[(version - 1) % 2], ring[version % 2]
-        copy_into(layout, new, tensors.values())
-        sums = [checksum(new, a, b) for a, b in layout.buckets]  # the sender hashes every version anyway
-        start = time.perf_counter()
-        header = encoder.header(version=version, base_version=version - 1, base_sums=base_sums)
-        records = encoder.encode(base, new)
-        encode_s = time.perf_counter() - start
-        start = time.perf_counter()
-        decoder = DeltaDecoder(layout, DeltaHeader.unpack(header.pack()), held_version=version - 1,
-                               held_digest=header.base_digest)  # fmt: skip
-        for record in records:
-            decoder.decode_bucket(record.payload, held, held)
-        decode_s = time.perf_counter() - start
-        start = time.perf_counter()
-        verified = [checksum(held, a, b) for a, b in layout.buckets] == sums
-        verify_s = time.perf_counter() - start
-        samples.append(
-            DeltaSample(
-                version=version, loss=loss,
-                changed_share=sum(r.changed for r in records) / (layout.total_bytes // encoder.word_bytes),
-                delta_bytes=DeltaHeader.SIZE + sum(len(r.payload) for r in records), full_bytes=layout.total_bytes,
-                encode_s=encode_s, decode_s=decode_s, verify_s=verify_s,
-                bit_exact=verified and torch.equal(held, new),
-            )
-        )  # fmt: skip
-        base_sums = sums
-    model: dict[str, object] = {"parameters": sum(t.numel() for t in tensors.values()), "tensors": len(tensors),
-             "full_bytes": layout.total_bytes, "buckets": len(layout.buckets), "word_bytes": encoder.word_bytes,
-             "d_model": spec.d_model, "vocab": spec.vocab, "layers": spec.n_layers}  # fmt: skip
-    return samples, model
 
 
 def codec_result(samples: list[DeltaSample], model: dict[str, object], *, lr: float) -> dict[str, object]:

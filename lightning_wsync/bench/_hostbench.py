@@ -33,12 +33,13 @@ import sys
 
 import torch
 
-from lightning_wsync._control.keys import ENV_HOST_ID
 from lightning_wsync.bench import _hostdelta
-from lightning_wsync.bench._push import Placement, PushRun
+from lightning_wsync.bench._push import PushRun
+from lightning_wsync.bench._receivers import Placement
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.hosts import (
     SimHosts,
+    assume_host,
     in_session,
     isolated_argv,
     missing_requirements,
@@ -137,7 +138,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     with SimHosts(args.hosts + 1) as hosts:
         for i in range(hosts.n):
             hosts.shape(i, args.link)
-        os.environ[ENV_HOST_ID] = hosts.name(0)
+        assume_host(hosts.name(0))
         hosts.enter(0)  # this thread is the trainer on host 0; the store is hosted at its address
         if args.delta:
             result = _hostdelta.measure(args, hosts, placements(hosts, args.hosts, args.receivers_per_host))

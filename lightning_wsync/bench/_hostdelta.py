@@ -18,9 +18,10 @@ import argparse
 import statistics
 
 from lightning_wsync.bench._delta import delta_spec, keep_weights
-from lightning_wsync.bench._push import Placement, PushRun
-from lightning_wsync.bench._steps import Trainer
+from lightning_wsync.bench._push import PushRun
+from lightning_wsync.bench._receivers import Placement
 from lightning_wsync.testing.hosts import SimHosts
+from lightning_wsync.testing.steps import Trainer
 
 
 def _pushed(run: PushRun, hosts: SimHosts, version: int, *, warmup: bool = False) -> dict[str, object]:

@@ -20,7 +20,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from lightning_wsync import WeightSender, WeightSyncClosedError, WeightSyncTimeoutError
-from lightning_wsync.bench._push import ReceiverArgs, receiver_child, wait_registered
+from lightning_wsync.bench._push import wait_registered
+from lightning_wsync.bench._receivers import ReceiverArgs, receiver_child
 from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate
 from lightning_wsync.testing.procs import BenchError, Children, receive
 
@@ -66,18 +67,9 @@ def run_interval_phase(
         wait_registered(sender, names, timeout_s)
         pushed_at[0] = time.monotonic()
         sender.push(0, wait_for_slot_s=timeout_s).wait(timeout_s)
-        stalls: list[float] = []
         started = time.monotonic()
-        version = 0
-        while (now := time.monotonic()) < started + duration_s:
-            version += 1
-            mutate(model, version)
-            handle = sender.push(version)
-            stalls.append(handle.stall_s)
-            if not handle.dropped:
-                pushed_at[version] = now
-            next_tick = started + version * interval_ms / 1000
-            time.sleep(max(0.0, next_tick - time.monotonic()))  # pacing the pushes, not synchronisation
+        stalls = _paced_pushes(sender, model, pushed_at, started, interval_ms=interval_ms, duration_s=duration_s)
+        version = len(stalls)
         ended = time.monotonic()
         final = version + 1
         mutate(model, final)
@@ -91,20 +83,9 @@ def run_interval_phase(
         }
         dropped, superseded = sender.dropped_pushes, sender.superseded_sends
     published = [v for v in pushed_at if 1 <= v <= version]
-    receivers: dict[str, object] = {}
-    ok = True
-    for n, (_, applied, held, got) in outcomes.items():
-        assert isinstance(applied, list)
-        in_run = [(t, v) for t, v in applied if 1 <= v <= version]
-        ages = _ages(applied, pushed_at, started, ended)
-        receivers[n] = {
-            "applied": len(in_run),
-            "applied_fraction": len(in_run) / max(1, len(published)),
-            "age_median_s": statistics.median(ages) if ages else None,
-            "age_p95_s": _p95(ages),
-            "bit_exact": held == final and got == expected,
-        }
-        ok = ok and held == final and got == expected
+    receivers = {n: _receiver_figures(outcome, pushed_at, len(published), version, (started, ended), (final, expected))
+                 for n, outcome in outcomes.items()}  # fmt: skip
+    ok = all(r["bit_exact"] for r in receivers.values())
     if not ok:
         raise BenchError(f"bench: a receiver did not end bit-exact at version {final}: {receivers}")
     return {
@@ -117,6 +98,46 @@ def run_interval_phase(
         "stall_median_s": statistics.median(stalls) if stalls else None,
         "receivers": receivers,
         "ok": ok,
+    }
+
+
+def _paced_pushes(
+    sender: WeightSender, model: torch.nn.Module, pushed_at: dict[int, float], started: float, *,
+    interval_ms: float, duration_s: float,
+) -> list[float]:
+    """Versions 1, 2, ... every ``interval_ms`` from ``started`` for ``duration_s``; each push's stall.
+
+    ``pushed_at`` gets the push time of every version published (not dropped).
+    """
+    stalls: list[float] = []
+    version = 0
+    while (now := time.monotonic()) < started + duration_s:
+        version += 1
+        mutate(model, version)
+        handle = sender.push(version)
+        stalls.append(handle.stall_s)
+        if not handle.dropped:
+            pushed_at[version] = now
+        next_tick = started + version * interval_ms / 1000
+        time.sleep(max(0.0, next_tick - time.monotonic()))  # pacing the pushes, not synchronisation
+    return stalls
+
+
+def _receiver_figures(
+    outcome: tuple[object, ...], pushed_at: dict[int, float], n_published: int, last: int,
+    window: tuple[float, float], final: tuple[int, str],
+) -> dict[str, object]:
+    """One receiver's share of the versions ``1..last`` applied, the age of what it held, bit-exactness."""
+    _, applied, held, got = outcome
+    assert isinstance(applied, list)
+    in_run = [(t, v) for t, v in applied if 1 <= v <= last]
+    ages = _ages(applied, pushed_at, *window)
+    return {
+        "applied": len(in_run),
+        "applied_fraction": len(in_run) / max(1, n_published),
+        "age_median_s": statistics.median(ages) if ages else None,
+        "age_p95_s": _p95(ages),
+        "bit_exact": (held, got) == final,
     }
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssShmem")
+_PROCESS_BYTES = 300 * 2**20  # a spawned process with torch imported
+_HEADROOM_BYTES = 4 * 2**30  # left to the rest of a shared machine
 
 
 @dataclass(frozen=True)
@@ -67,3 +69,35 @@ def growth(base: MemSample, now: MemSample | None = None) -> MemGrowth:
         anon=max(0, now.anon - base.anon),
         shmem=max(0, now.shmem - base.shmem),
     )
+
+
+def fits(
+    model_bytes: int, pushed_bytes: int, n: int, transport: str, *, reference_bytes: int = 0, bounds: bool = True
+) -> bool:
+    """Whether the receivers (and, with ``bounds``, the bounds' buffers) fit in memory at once.
+
+    Interleaving a round of bounds after each push is the fairer schedule on a shared
+    machine; it needs, beyond the trainer's model: source, destination and shared
+    segment of the bounds, the sender's snapshot, and per receiver its module, the
+    bound worker's buffer and (gloo) a staging buffer, plus ~300 MiB per process.
+    ``reference_bytes``: a second, uncast sender and receiver set alongside.
+    """
+    gloo = transport == "gloo"
+    per_receiver = model_bytes + (pushed_bytes if gloo else 0) + _PROCESS_BYTES
+    need = 2 * pushed_bytes + n * per_receiver + _HEADROOM_BYTES
+    if bounds:
+        need += 3 * pushed_bytes + n * (pushed_bytes + _PROCESS_BYTES)
+    if reference_bytes:
+        need += 2 * reference_bytes + n * (model_bytes + (reference_bytes if gloo else 0) + _PROCESS_BYTES)
+    return need <= available_bytes()
+
+
+def available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0  # unknown: take the schedule that needs less

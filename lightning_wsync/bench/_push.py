@@ -1,11 +1,9 @@
 """The push phase: a real WeightSender here, real WeightReceivers in spawned processes.
 
-Each receiver loops on ``wait_for_version`` and, once a version is *applied* to its
-module, reports the moment (``time.monotonic()``, one clock for the host) and its
-memory growth through a pipe; once all have applied, each hashes its module for the
-bit-exactness check. A push's latency runs from the call to ``push()`` until the last
-receiver applied it; pushes are sequential, so every receiver is idle when the next
-one starts.
+Each receiver (``_receivers``) reports the moment it *applied* a version and, once all
+have applied, a hash of its module for the bit-exactness check. A push's latency runs
+from the call to ``push()`` until the last receiver applied it; pushes are sequential,
+so every receiver is idle when the next one starts.
 """
 
 from __future__ import annotations
@@ -13,22 +11,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
-from lightning_wsync._control.keys import ENV_HOST_ID
-from lightning_wsync.bench._memory import MemGrowth, MemSample, growth, reset_peak
+from lightning_wsync import WeightSender
+from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
+from lightning_wsync.bench._receivers import Placement, ReceiverArgs, receiver_main, receiver_on_host
 from lightning_wsync.config import SenderConfig
-from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate
-from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
+from lightning_wsync.testing.models import ModelSpec, digest, mutate
+from lightning_wsync.testing.procs import BenchError, Children, receive
 
 log = logging.getLogger(__name__)
 
@@ -86,84 +83,6 @@ class PushPhase:
     samples: list[PushSample] = field(default_factory=list)
     sender_memory: MemGrowth | None = None
     receiver_memory: dict[str, MemGrowth] = field(default_factory=dict)
-
-
-def receiver_model(spec: ModelSpec, wire: str | None) -> tuple[nn.Module, torch.dtype | None]:
-    """A receiver's module, held in the wire dtype as bf16 inference engines hold theirs."""
-    model = build_model(spec, seed=None)
-    wire_dtype = None if wire is None else getattr(torch, wire)
-    return (model if wire_dtype is None else model.to(wire_dtype)), wire_dtype
-
-
-class ReceiverArgs(NamedTuple):
-    """What a bench receiver process is started with."""
-
-    store: str
-    job: str
-    name: str
-    spec: ModelSpec
-    wire: str | None
-    apply: str
-    timeout_s: float
-
-
-class ReceiverChild(NamedTuple):
-    model: nn.Module
-    wire_dtype: torch.dtype | None
-    receiver: WeightReceiver
-    memory: MemSample  # taken once the model was built: what the receiver itself adds grows from here
-
-
-@contextmanager
-def receiver_child(conn: Connection, args: ReceiverArgs) -> Iterator[ReceiverChild]:
-    """A bench receiver process: its model and its receiver (``ready`` sent to the parent);
-    a failure inside is reported to the parent, which raises it."""
-    init_child()
-    try:
-        model, wire_dtype = receiver_model(args.spec, args.wire)
-        memory = reset_peak()
-        with WeightReceiver(
-            model, store=args.store, job=args.job, name=args.name, timeout_s=args.timeout_s, apply=args.apply
-        ) as receiver:
-            conn.send(("ready", os.getpid()))
-            yield ReceiverChild(model, wire_dtype, receiver, memory)
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        report_failure(conn, f"receiver {args.name}")
-
-
-def _receiver_main(conn: Connection, args: ReceiverArgs) -> None:
-    with receiver_child(conn, args) as child:
-        want = 0
-        while True:
-            try:
-                version = child.receiver.wait_for_version(want, timeout_s=args.timeout_s)
-            except WeightSyncClosedError:
-                break
-            applied_at = time.monotonic()
-            conn.send(("applied", version, applied_at, growth(child.memory).to_json()))
-            # Hash only once every receiver has applied: hashing now would steal CPU from
-            # receivers still copying and inflate the latency being measured.
-            if not conn.poll(args.timeout_s) or conn.recv() != ("digest",):
-                raise BenchError(f"bench: receiver {args.name} got no digest request for version {version}")
-            conn.send(("digest", version, digest(child.model, child.wire_dtype)))
-            want = version + 1
-    conn.send(("closed",))  # after the receiver closed (after an error report too: the parent raised already)
-
-
-class Placement(NamedTuple):
-    """Where a receiver runs: a simulated host's network namespace and its host identity."""
-
-    name: str
-    netns: str
-    host_id: str
-
-
-def _receiver_on_host(conn: Connection, netns: str, host_id: str, args: ReceiverArgs) -> None:
-    from lightning_wsync.testing.hosts import enter_netns
-
-    os.environ[ENV_HOST_ID] = host_id
-    enter_netns(netns)  # before any socket: the receiver's store client and links live there
-    _receiver_main(conn, args)
 
 
 class PushRun:
@@ -234,10 +153,10 @@ class PushRun:
                 where = self._placement.get(n)
                 if where is not None:
                     self._conns[n] = self._children.start(
-                        _receiver_on_host, (where.netns, where.host_id, args), name=f"wsync-bench-{n}"
+                        receiver_on_host, (where.netns, where.host_id, args), name=f"wsync-bench-{n}"
                     )
                 else:
-                    self._conns[n] = self._children.start(_receiver_main, (args,), name=f"wsync-bench-{n}")
+                    self._conns[n] = self._children.start(receiver_main, (args,), name=f"wsync-bench-{n}")
             # Many receivers importing torch at once on a few cores start slowly: bound the
             # start-up by the receiver count, not by timeout_s alone.
             startup_s = self._timeout_s * max(1.0, len(self._names) / 4)

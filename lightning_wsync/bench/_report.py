@@ -97,6 +97,15 @@ def summarize(
         "stall_to_gather": casts,
         "gloo_throughput_to_tcp": transport == "gloo",
     }
+    targets = _targets(ratios, relevant, nbytes=nbytes, model_bytes=model_bytes)
+    problems = _problems(phase, reference, n_receivers)
+    return Summary(medians=medians, ratios=ratios, targets=targets, ok=not problems, problems=problems)
+
+
+def _targets(
+    ratios: dict[str, float | None], relevant: dict[str, bool], *, nbytes: int, model_bytes: int
+) -> list[dict[str, object]]:
+    """The project's goals that apply to this run, each with its value, limit and verdict."""
     targets: list[dict[str, object]] = []
     for key, what, limit, higher in _TARGETS:
         value = ratios[key]
@@ -111,6 +120,11 @@ def summarize(
             allowance = MEMORY_ALLOWANCE_BYTES / (model_bytes if key.endswith("model") else nbytes)
         targets.append({"name": key, "what": what, "value": value, "limit": limit, "allowance": allowance,
                         "met": value >= limit if higher else value <= limit + allowance})  # fmt: skip
+    return targets
+
+
+def _problems(phase: PushPhase, reference: PushPhase | None, n_receivers: int) -> list[str]:
+    """Every push that failed, missed a receiver or was not applied bit-exact."""
     problems: list[str] = []
     for label, samples in (("", phase.samples), ("float32 ", [] if reference is None else reference.samples)):
         for s in samples:
@@ -121,7 +135,7 @@ def summarize(
                 problems.append(f"{what}: delivered to {sorted(s.delivered)}, expected {n_receivers}")
             if not s.digest_ok:
                 problems.append(f"{what}: applied {s.applied} or digests differ from the sender's")
-    return Summary(medians=medians, ratios=ratios, targets=targets, ok=not problems, problems=problems)
+    return problems
 
 
 def format_table(result: dict[str, object]) -> str:
@@ -129,7 +143,6 @@ def format_table(result: dict[str, object]) -> str:
     cfg = _d(result["config"])
     model = _d(result["model"])
     med = _d(result["medians"])
-    rat = _d(result["ratios"])
     mem = _d(result["memory"])
     n = int(_f(cfg["receivers"]))
     pushed = int(_f(model["pushed_bytes"]))
@@ -168,7 +181,16 @@ def format_table(result: dict[str, object]) -> str:
         value = med.get(key)
         if isinstance(value, (int, float)):
             lines.append(f"{label:<48} {value:>9.4f} {moved / value / 1e9 if value > 0 else 0:>8.2f}")
-    lines += ["", f"{'ratio':<40} {'value':>9} {'target':>16}", f"{'-' * 40} {'-' * 9} {'-' * 16}"]
+    lines += _ratio_lines(result)
+    lines += _memory_lines(mem, model_mib) + _compare_lines(result) + [_correctness_line(result)]
+    return "\n".join(lines)
+
+
+def _ratio_lines(result: dict[str, object]) -> list[str]:
+    """The ratios shown for this run's configuration, with their targets."""
+    cfg = _d(result["config"])
+    rat = _d(result["ratios"])
+    lines = ["", f"{'ratio':<40} {'value':>9} {'target':>16}", f"{'-' * 40} {'-' * 9} {'-' * 16}"]
     targets = {str(_d(t)["name"]): _d(t) for t in _l(result["targets"])}
     shown = ["stall_to_memcpy", "stall_to_gather", "latency_to_shm_bound", "sender_memory_to_pushed",
              "receiver_memory_to_model"]  # fmt: skip
@@ -187,11 +209,20 @@ def format_table(result: dict[str, object]) -> str:
             extra = "+32M" if "memory_to" in key else ""
             mark = f"{op}{_f(target['limit']):.3g}{extra} {'ok' if target['met'] else 'MISS'}"
         lines.append(f"{key:<40} {value:>9.3f} {mark:>16}")
-    lines += ["", f"memory growth (MiB; model {model_mib}): peak resident / private (anon) / shared mapped"]
+    return lines
+
+
+def _memory_lines(mem: dict[str, object], model_mib: str) -> list[str]:
+    lines = ["", f"memory growth (MiB; model {model_mib}): peak resident / private (anon) / shared mapped"]
     sender = _d(mem["sender"])
     lines.append(f"  sender     {_mem(sender)}")
     for name, m in sorted(_d(mem["receivers"]).items()):
         lines.append(f"  {name:<10} {_mem(_d(m))}")
+    return lines
+
+
+def _compare_lines(result: dict[str, object]) -> list[str]:
+    lines: list[str] = []
     compare = _d(result.get("compare") or {})
     for name, entry in compare.items():
         e = _d(entry)
@@ -202,10 +233,14 @@ def format_table(result: dict[str, object]) -> str:
                 f"\ncompare {name}: stall {_f(e['stall_s']):.4f} s, latency {_f(e['latency_s']):.4f} s "
                 f"(wsync latency / {name}: {_f(e['wsync_latency_ratio']):.3f})"
             )
+    return lines
+
+
+def _correctness_line(result: dict[str, object]) -> str:
     pushes = _l(result["pushes"])
     reference = _l(result.get("fp32_pushes") or [])
     all_ok = bool(result["ok"])
-    lines.append(
+    return (
         f"\ncorrectness: {len(pushes)} pushes{f' (+{len(reference)} without the cast)' if reference else ''}, "
         + (
             "every one applied bit-exact by every receiver"
@@ -213,7 +248,6 @@ def format_table(result: dict[str, object]) -> str:
             else "PROBLEMS: " + "; ".join(map(str, _l(result["problems"])))
         )
     )
-    return "\n".join(lines)
 
 
 def _mib(n: int) -> str:

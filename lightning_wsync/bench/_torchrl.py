@@ -102,6 +102,39 @@ def _worker_main(conn: Connection, scheme: Any, port: int, rank: int, world: int
         report_failure(conn, f"torchrl worker rank {rank}")
 
 
+def _timed_sends(
+    scheme: Any, model: nn.Module, conns: list[Connection], pushes: int, timeout_s: float
+) -> tuple[list[float], bool]:
+    """Connect, then one warm-up and ``pushes`` timed ``send()`` calls; each send's seconds, and
+    whether every worker held exactly the pushed weights each time."""
+    scheme.connect()  # the initial weights, to every worker
+    expected = digest(model)
+    digests_ok = True
+    for r, conn in enumerate(conns, start=1):
+        msg = receive(conn, timeout_s, f"torchrl worker rank {r} to receive the initial weights")
+        digests_ok = digests_ok and msg[1] == expected
+    stalls: list[float] = []
+    for version in range(1, pushes + 2):  # the first is a warm-up
+        mutate(model, 100 + version)
+        expected = digest(model)
+        started = time.monotonic()
+        scheme.send()  # returns once every worker has acknowledged the applied weights
+        elapsed = time.monotonic() - started
+        for conn in conns:
+            conn.send("digest")
+        for r, conn in enumerate(conns, start=1):
+            msg = receive(conn, timeout_s, f"torchrl worker rank {r} to report its weights")
+            digests_ok = digests_ok and msg[1] == expected
+        if version > 1:
+            stalls.append(elapsed)
+    scheme._send_instruction("stop")  # the scheme's own stop for its receiver threads
+    for conn in conns:
+        conn.send("stop")
+    for conn in conns:
+        conn.poll(timeout_s)  # the worker exits; its pipe closes
+    return stalls, digests_ok
+
+
 def compare_torchrl(
     model: nn.Module, spec: ModelSpec, *, n_receivers: int, pushes: int, timeout_s: float
 ) -> dict[str, object]:
@@ -126,31 +159,7 @@ def compare_torchrl(
                 receive(conn, timeout_s, f"torchrl worker rank {r} to initialize its scheme")
             _join_group(port, 0, world, timeout_s)
             try:
-                scheme.connect()  # the initial weights, to every worker
-                expected = digest(model)
-                digests_ok = True
-                for r, conn in enumerate(conns, start=1):
-                    msg = receive(conn, timeout_s, f"torchrl worker rank {r} to receive the initial weights")
-                    digests_ok = digests_ok and msg[1] == expected
-                stalls: list[float] = []
-                for version in range(1, pushes + 2):  # the first is a warm-up
-                    mutate(model, 100 + version)
-                    expected = digest(model)
-                    started = time.monotonic()
-                    scheme.send()  # returns once every worker has acknowledged the applied weights
-                    elapsed = time.monotonic() - started
-                    for conn in conns:
-                        conn.send("digest")
-                    for r, conn in enumerate(conns, start=1):
-                        msg = receive(conn, timeout_s, f"torchrl worker rank {r} to report its weights")
-                        digests_ok = digests_ok and msg[1] == expected
-                    if version > 1:
-                        stalls.append(elapsed)
-                scheme._send_instruction("stop")  # the scheme's own stop for its receiver threads
-                for conn in conns:
-                    conn.send("stop")
-                for conn in conns:
-                    conn.poll(timeout_s)  # the worker exits; its pipe closes
+                stalls, digests_ok = _timed_sends(scheme, model, conns, pushes, timeout_s)
             finally:
                 dist.destroy_process_group()
     except (BenchError, RuntimeError, TypeError, AttributeError, ValueError, KeyError) as exc:

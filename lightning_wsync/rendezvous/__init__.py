@@ -8,7 +8,7 @@ Launch the two jobs with the same endpoint and id; ``role`` picks the elastic gr
         --rdzv-endpoint=HOST:29400 --rdzv-id=exp1 --rdzv-conf role=rollout rollout.py
 
 Each role is its own stock c10d dynamic rendezvous (inner run id
-``<rdzv-id>.<role>.e<epoch>``), so a rollout worker that dies, or a rollout node that
+``<rdzv-id>.<role>.l<launch>``), so a rollout worker that dies, or a rollout node that
 joins, restarts rollout workers at most, never trainers. Both share the TCPStore at
 the endpoint (the control plane), hosted by the trainer's agent unless ``is_host``
 says otherwise. Each round, the rank-0 agent of each role also hosts a fresh store
@@ -60,7 +60,7 @@ jobs that must outlive each other, run a standalone store and make both clients:
     torchrun ... --rdzv-conf role=trainer,is_host=false train.py
 
 Relaunching a role with the same ``--rdzv-id`` against a store that still runs moves
-that role to a fresh epoch (shutdown closes a c10d rendezvous for good).
+that role to a fresh launch number (shutdown closes a c10d rendezvous for good).
 
 This module is imported by torch while it registers rendezvous backends; it stays
 free of heavy imports, and the handler is loaded only when torchrun asks for it.

@@ -5,8 +5,8 @@ and ``create_handler``) under a role-scoped inner run id, so the trainer and the
 rollout jobs form separate elastic groups on the shared store, and adds what
 torch 2.13 lacks for that setup:
 
-* **epochs**: shutdown marks a rendezvous closed in the store for good, so the inner
-  run id carries an epoch that the next launch with the same ``--rdzv-id`` bumps.
+* **launches**: shutdown marks a rendezvous closed in the store for good, so the inner
+  run id carries a launch number that the next launch with the same ``--rdzv-id`` bumps.
 * **a fresh bootstrap store every round** (:mod:`._round`), published by rank 0, for
   the workers and for torchrun's agent.
 * **the host lingers**: an agent hosting the shared store keeps it up after its job
@@ -107,13 +107,13 @@ class WsyncRendezvousHandler(RendezvousHandler):
         self._min_nodes = min_nodes
         self._max_nodes = max_nodes
         self._local_addr = local_addr
-        self._epoch_key = keys.rdzv_epoch(job, config.role)
-        self._epoch = int(store.add(self._epoch_key, 0))
+        self._launch_key = keys.rdzv_launch(job, config.role)
+        self._launch = int(store.add(self._launch_key, 0))
         # Agents of this job (both roles) using the store, for the host's linger.
         self._agents_key = keys.rdzv_agents(job)
         store.add(self._agents_key, 1)
         self._counted = True
-        self._inner = self._create_inner(self._epoch)
+        self._inner = self._create_inner(self._launch)
         self._joined = False
         self._retired = False
         self._round = RoundStore(timedelta(seconds=config.read_timeout_s))
@@ -121,7 +121,7 @@ class WsyncRendezvousHandler(RendezvousHandler):
 
     @property
     def inner_run_id(self) -> str:
-        """The run id of the wrapped c10d rendezvous: ``<job>.<role>.e<epoch>``."""
+        """The run id of the wrapped c10d rendezvous: ``<job>.<role>.l<launch>``."""
         return self._inner.get_run_id()
 
     @override
@@ -148,7 +148,7 @@ class WsyncRendezvousHandler(RendezvousHandler):
                 # this --rdzv-id; one we did join was closed by our own job ending.
                 if self._joined or time.monotonic() >= deadline:
                     raise
-                self._advance_epoch()
+                self._advance_launch()
             except RendezvousConnectionError as exc:
                 if self._store_lost():
                     raise RendezvousClosedError(self._lost_message()) from exc
@@ -278,8 +278,8 @@ class WsyncRendezvousHandler(RendezvousHandler):
             f"{self._health.lost_message()}"
         )
 
-    def _create_inner(self, epoch: int) -> DynamicRendezvousHandler:
-        run_id = f"{self._job}.{self._config.role}.e{epoch}"
+    def _create_inner(self, launch: int) -> DynamicRendezvousHandler:
+        run_id = f"{self._job}.{self._config.role}.l{launch}"
         cfg = self._config
         params = RendezvousParameters(
             backend=BACKEND_NAME,
@@ -298,13 +298,13 @@ class WsyncRendezvousHandler(RendezvousHandler):
         backend = GuardedC10dBackend(self._store, run_id, self._health, _secret())
         return create_dynamic_handler(self._store, backend, params)
 
-    def _advance_epoch(self) -> None:
+    def _advance_launch(self) -> None:
         closed = self.inner_run_id
         current = self._store.compare_set(
-            self._epoch_key, str(self._epoch), str(self._epoch + 1)
+            self._launch_key, str(self._launch), str(self._launch + 1)
         )
-        self._epoch = int(current)
-        self._inner = self._create_inner(self._epoch)
+        self._launch = int(current)
+        self._inner = self._create_inner(self._launch)
         log.info(
             "wsync rendezvous %r: %s was closed by an earlier launch; using %s",
             self._job,

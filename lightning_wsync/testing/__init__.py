@@ -1,5 +1,11 @@
-"""Tools for testing and benchmarking weight sync: child processes cleaned up by PID,
-simulated hosts (network namespaces on shaped links), and synthetic models.
+"""Tools for testing and benchmarking weight sync.
 
-Used by the project's own tests and by ``lightning-wsync bench``.
+``procs``: child processes cleaned up by PID; ``hosts``: simulated hosts (network
+namespaces on shaped links); ``models``: synthetic transformer-shaped models;
+``steps``: versions made by real AdamW steps; ``pushmodel``: the relay's push-time
+model; ``probes``: the library's layout, snapshot copy and delta codec, for the figures
+that must measure them.
+
+Used by the project's own tests and by ``lightning-wsync bench``; this package may read
+the library's internals, the bench may not.
 """

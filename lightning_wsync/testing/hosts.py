@@ -105,6 +105,11 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def assume_host(host_id: str) -> None:
+    """Give this process (and what it starts later) the host identity ``host_id``, as :meth:`SimHosts.env` does."""
+    os.environ[ENV_HOST_ID] = host_id
+
+
 def enter_netns(path: str) -> None:
     """Move the calling thread (and what it starts later) into the network namespace at ``path``."""
     fd = os.open(path, os.O_RDONLY)

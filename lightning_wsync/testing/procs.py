@@ -12,12 +12,13 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from types import TracebackType
+from types import FrameType, TracebackType
 
 import torch
 
@@ -131,3 +132,19 @@ class Children:
         if exc_type is not None:
             self._join_timeout_s = 0.0  # failing: don't wait for children that may be stuck
         self.stop()
+
+
+def exit_on_sigterm() -> Callable[[], None]:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks reap the children; returns an undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore

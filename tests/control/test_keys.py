@@ -98,6 +98,6 @@ def test_control_puts_every_key_under_the_job_prefix(job):
 
 
 def test_rendezvous_keys():
-    assert keys.rdzv_epoch("exp1", "trainer") == "wsync.rdzv/exp1/trainer/epoch"
+    assert keys.rdzv_launch("exp1", "trainer") == "wsync.rdzv/exp1/trainer/epoch"
     assert keys.rdzv_agents("exp1") == "wsync.rdzv/exp1/agents"
     assert keys.rdzv_state("exp1.trainer.e0") == "torch.rendezvous.exp1.trainer.e0"

@@ -268,7 +268,7 @@ def test_runs_pointing_past_the_bucket_are_refused() -> None:
 
 def test_versions_from_real_adamw_steps_round_trip() -> None:
     from lightning_wsync.testing.models import ModelSpec
-    from lightning_wsync.bench._steps import Trainer
+    from lightning_wsync.testing.steps import Trainer
 
     trainer = Trainer(ModelSpec(d_model=16, vocab=64, n_layers=2), lr=1e-3, seed=0)
     tensors = select_tensors(trainer.model)

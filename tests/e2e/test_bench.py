@@ -1,21 +1,23 @@
-"""`lightning-wsync bench` end to end at a tiny size: the report's structure and correctness, not timings."""
+"""`lightning-wsync bench` end to end at a tiny size: the report's structure and correctness, not timings.
+
+The bench is a client of the library: these tests drive it as a user does, through the
+command (``lightning_wsync.cli.main`` or ``python -m lightning_wsync.cli``), never by
+importing its modules.
+"""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from lightning_wsync import bench
-from lightning_wsync.bench import _torchrl
-from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
-from lightning_wsync.bench._report import format_table
 from lightning_wsync.cli import main
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 
 MEDIANS = ("stall_s", "core_stall_s", "latency_s", "report_latency_s", "memcpy_s", "memcpy_2t_s", "gather_s",
            "shm_s", "shm_write_s", "tcp_s")  # fmt: skip
@@ -92,9 +94,6 @@ def test_bench_json_reports_every_push_applied_bit_exact(capsys, transport):
     assert result["compare"] == {}
     assert set(_children_alive()) <= before, "bench left child processes running"
 
-    table = format_table(result)
-    assert "push latency" in table and "every one applied bit-exact" in table
-
 
 @pytest.mark.timeout(120)
 def test_bench_with_a_cast_also_runs_the_uncast_pushes_and_swap_apply(capsys):
@@ -117,7 +116,25 @@ def test_bench_with_a_cast_also_runs_the_uncast_pushes_and_swap_apply(capsys):
     # With a cast the stall is held to the cast-gather bound, and the latency to the byte ratio.
     assert "stall_to_gather" in targets and "stall_to_memcpy" not in targets
     assert targets["latency_to_fp32"]["limit"] == pytest.approx(1.15 * ratios["bytes_to_fp32"])
-    assert "without the cast" in format_table(result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_table_shows_the_uncast_pushes_and_skips_torchrl_when_missing(capsys, monkeypatch):
+    # None in sys.modules makes the import fail as if the package were not installed.
+    for name in ("tensordict", "torchrl", "torchrl.weight_update"):
+        monkeypatch.setitem(sys.modules, name, None)
+    code = main(["bench", "--size-mb", "2", "--receivers", "1", "--pushes", "1", "--dtype", "bfloat16",
+                 "--compare", "torchrl"])  # fmt: skip
+    table = capsys.readouterr().out
+    assert code == 0, table
+    assert re.search(r"^push latency \(push\(\) -> applied everywhere\) +\d+\.\d{4} +\d+\.\d{2}$", table, re.M), table
+    assert re.search(r"^float32 push \(no cast\): latency +\d+\.\d{4}", table, re.M), table
+    assert (
+        "compare torchrl: torchrl is not installed; `pip install lightning-wsync[torchrl]` to compare with it "
+        "(skipped)" in table
+    )
+    assert "correctness: 3 pushes (+3 without the cast), every one applied bit-exact by every receiver" in table
 
 
 def test_digest_sees_wire_rounding_but_not_equal_copies():
@@ -147,25 +164,18 @@ def test_digest_sees_wire_rounding_but_not_equal_copies():
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    assert bench.run(parser.parse_args(argv)) == 2
+    assert main(["bench", *argv]) == 2
     assert re.search(match, capsys.readouterr().err)
 
 
-def test_compare_torchrl_without_torchrl_says_how_to_install(monkeypatch):
-    real = importlib.import_module
-
-    def no_torchrl(name: str, package: str | None = None):
-        if name.startswith(("torchrl", "tensordict")):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, package)
-
-    monkeypatch.setattr(_torchrl.importlib, "import_module", no_torchrl)
-    spec = spec_for_size(1)
-    result = _torchrl.compare_torchrl(build_model(spec, seed=0), spec, n_receivers=1, pushes=1, timeout_s=5)
-    assert result == {"skipped": _torchrl.NOT_INSTALLED}
-    assert "pip install lightning-wsync[torchrl]" in _torchrl.NOT_INSTALLED
+@pytest.mark.timeout(60)
+def test_the_bench_command_runs_as_a_module_and_exits_2_on_a_bad_flag():
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_wsync.cli", "bench", "--receivers", "0"],
+        capture_output=True, text=True, timeout=50, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "lightning-wsync bench: --receivers=0 must be >= 1, e.g. --receivers 4"
 
 
 @pytest.mark.timeout(120)

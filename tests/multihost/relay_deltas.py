@@ -26,7 +26,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import ModelSpec, digest
-from lightning_wsync.bench._steps import Trainer
+from lightning_wsync.testing.steps import Trainer
 from lightning_wsync._planes.relay.head import leader_record
 
 HERE = Path(__file__).resolve().parent

@@ -9,7 +9,7 @@ import torch
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control.manifest import build_manifest
-from lightning_wsync.bench._pushmodel import Link, depth, fit, push_time
+from lightning_wsync.testing.pushmodel import Link, depth, fit, push_time
 from lightning_wsync.config import SenderConfig
 from lightning_wsync._planes.relay.head import CHUNK_BYTES, TAIL_BYTES, chunks
 

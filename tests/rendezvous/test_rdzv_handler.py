@@ -68,7 +68,7 @@ def test_trainer_hosts_store_exports_env_and_restores_it(port: int) -> None:
         assert _listening(port)
         assert handler.get_backend() == "wsync"
         assert handler.get_run_id() == "exp1"
-        assert handler.inner_run_id == "exp1.trainer.e0"
+        assert handler.inner_run_id == "exp1.trainer.l0"
         assert "WSYNC_STORE" not in os.environ
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
@@ -94,29 +94,29 @@ def test_trainer_hosts_store_exports_env_and_restores_it(port: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_relaunch_with_same_id_moves_to_next_epoch(
+def test_relaunch_with_same_id_moves_to_next_launch(
     store: dist.TCPStore, port: int
 ) -> None:
     first = _handler(port, "role=rollout")
     try:
         first.next_rendezvous()
-        assert first.inner_run_id == "exp1.rollout.e0"
+        assert first.inner_run_id == "exp1.rollout.l0"
     finally:
-        first.shutdown()  # closes exp1.rollout.e0 for good
+        first.shutdown()  # closes exp1.rollout.l0 for good
     second = _handler(port, "role=rollout")
     try:
-        assert second.inner_run_id == "exp1.rollout.e0"
+        assert second.inner_run_id == "exp1.rollout.l0"
         info = second.next_rendezvous()
-        assert second.inner_run_id == "exp1.rollout.e1"
+        assert second.inner_run_id == "exp1.rollout.l1"
         assert (info.rank, info.world_size) == (0, 1)
-        assert store.get("wsync.rdzv/exp1/rollout/epoch") == b"1"
+        assert store.get("wsync.rdzv/exp1/rollout/launch") == b"1"
     finally:
         second.shutdown()
-    # The other role is untouched by the rollout's epochs.
+    # The other role is untouched by the rollout's launches.
     trainer = _handler(port, "role=trainer")
     try:
         trainer.next_rendezvous()
-        assert trainer.inner_run_id == "exp1.trainer.e0"
+        assert trainer.inner_run_id == "exp1.trainer.l0"
     finally:
         trainer.shutdown()
 
@@ -163,7 +163,7 @@ def test_trainer_joins_a_standalone_store_as_client(
         handler = _handler(port, conf)
         try:
             handler.next_rendezvous()
-            assert store.check(["wsync.rdzv/exp1/trainer/epoch"])
+            assert store.check(["wsync.rdzv/exp1/trainer/launch"])
         finally:
             handler.shutdown()
 

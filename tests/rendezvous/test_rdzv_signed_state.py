@@ -33,7 +33,7 @@ def test_forged_state_is_refused_before_unpickling(jobs: Jobs, events: Events, p
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     marker = tmp_path / "unpickled"
     forged = base64.b64encode(pickle.dumps(_Payload(marker))).decode()
-    server.set("torch.rendezvous.exp1.trainer.e0", forged)
+    server.set("torch.rendezvous.exp1.trainer.l0", forged)
 
     def start(name: str, secret: str) -> Job:
         env = jobs.env()
@@ -46,15 +46,15 @@ def test_forged_state_is_refused_before_unpickling(jobs: Jobs, events: Events, p
     attacked = start("attacked", "s3cret")
     assert attacked.wait(timeout_s=90) != 0
     assert not marker.exists(), "the forged rendezvous state was unpickled"
-    assert "refused the state at store key 'torch.rendezvous.exp1.trainer.e0': it is not signed" in attacked.log()
+    assert "refused the state at store key 'torch.rendezvous.exp1.trainer.l0': it is not signed" in attacked.log()
     assert events.select("start") == []
 
     # Agents that share the secret sign and verify their own state: the next launch
-    # (a fresh epoch, since the forged one never closed: reset it) forms its group.
-    server.set("torch.rendezvous.exp1.trainer.e0", "Y2FuaW1hZGFt")  # torch's "no state" sentinel
+    # (a fresh launch, since the forged one never closed: reset it) forms its group.
+    server.set("torch.rendezvous.exp1.trainer.l0", "Y2FuaW1hZGFt")  # torch's "no state" sentinel
     ok = start("ok", "s3cret")
     assert ok.wait(timeout_s=90) == 0, ok.tail()
     assert [r["tag"] for r in events.select("exit")] == ["ok"]
-    raw = server.get("torch.rendezvous.exp1.trainer.e0")
+    raw = server.get("torch.rendezvous.exp1.trainer.l0")
     assert base64.b64decode(raw).startswith(b"wsync-signed-state-v1\0")
     del server

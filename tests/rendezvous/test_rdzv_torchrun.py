@@ -243,23 +243,23 @@ def test_standalone_store_lets_jobs_outlive_each_other(
     assert r1.running()
     assert events.select("exit", tag="r1") == []
 
-    # A new trainer job with the same id forms a fresh trainer rendezvous (epoch 1).
+    # A new trainer job with the same id forms a fresh trainer rendezvous (launch 1).
     t2 = probe("t2", "role=trainer,is_host=false", "--hold", str(jobs.root / "stop-t2"))
     events.wait_for(
         "t2 to read the store",
         lambda rs: any(r["event"] == "store" and r["tag"] == "t2" for r in rs),
         90,
     )
-    assert client.get("wsync.rdzv/exp1/trainer/epoch") == b"1"
+    assert client.get("wsync.rdzv/exp1/trainer/launch") == b"1"
     (t2_value,) = {r["value"] for r in events.select("store", tag="t2")}
     assert t2_value != t1_value and t2_value.startswith("hello from trainer pid")
 
-    # The rollout job ends and is relaunched with the same id: epoch 1 for the rollout.
+    # The rollout job ends and is relaunched with the same id: launch 1 for the rollout.
     (jobs.root / "stop-r1").touch()
     assert r1.wait(timeout_s=60) == 0
     r2 = probe("r2", "role=rollout")
     assert r2.wait(timeout_s=90) == 0
-    assert client.get("wsync.rdzv/exp1/rollout/epoch") == b"1"
+    assert client.get("wsync.rdzv/exp1/rollout/launch") == b"1"
     assert [r["value"] for r in events.select("store", tag="r2")] == [t2_value]
 
     (jobs.root / "stop-t2").touch()
