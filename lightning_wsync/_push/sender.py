@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.host import host_id
+from lightning_wsync._control.host import host_id, local_address
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import ClosedRecord, ManifestRecord, SenderPointer, VersionRecord
 from lightning_wsync._control.signing import resolve_secret
@@ -39,7 +39,6 @@ from lightning_wsync._control.store import (
     Control,
     StoreHandle,
     connect_store,
-    local_address,
     resolve_job,
     retire_old_epochs,
 )
