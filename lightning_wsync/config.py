@@ -79,11 +79,10 @@ def config_values(
 
 
 def _no_secrets(value: object) -> str:
-    """``value!r`` for an error message, except a mapping's values (one may be the secret)."""
-    if isinstance(value, Mapping):
-        return f"<{type(value).__name__} with keys {sorted(map(str, value))}>"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
+    """``value!r`` for an error message, but never a mapping's values (one may be the secret)."""
+    shown = f"<{type(value).__name__} with keys {sorted(map(str, value))}>" if isinstance(value, Mapping) else None
+    text = shown or repr(value)
+    return text[:80] + ("..." if len(text) > 80 else "")
 
 
 @dataclass(kw_only=True)
@@ -99,11 +98,8 @@ class _PeerConfig:
     secret: str | None = field(default=None, repr=False)  # never in a log line
 
     def __post_init__(self) -> None:
-        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
-            raise ValueError(
-                f"{self.OWNER}: secret must be a non-empty string (got {type(self.secret).__name__}"
-                f"{' of length 0' if self.secret == '' else ''}); leave it None to use $WSYNC_SECRET, or run unsigned"
-            )
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):  # never shown
+            raise ValueError(f"{self.OWNER}: secret must be a non-empty string; leave it None to use $WSYNC_SECRET")
         _patterns(self.OWNER, "include", self.include)
         _patterns(self.OWNER, "exclude", self.exclude)
         _positive(self.OWNER, "timeout_s", self.timeout_s, "e.g. timeout_s=30")

@@ -1,12 +1,14 @@
 """Facts about this host and its processes: the host identity behind the same-host
-decision, PID liveness and PID namespaces, the default receiver name."""
+decision, the address other hosts reach this process at, PID liveness and PID namespaces,
+the default receiver name."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from lightning_wsync._control.keys import ENV_HOST_ID, ENV_ROLE
+from lightning_wsync._control.keys import ENV_ADDR, ENV_HOST_ID, ENV_ROLE
+from lightning_wsync._control.store import parse_address
 
 
 def host_id() -> str:
@@ -55,3 +57,20 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def local_address(store_address: str | None) -> str:
+    """The address other hosts reach this process at: ``$WSYNC_ADDR``, else the
+    interface that routes to the store, else 127.0.0.1."""
+    explicit = os.environ.get(ENV_ADDR)
+    if explicit:
+        return explicit
+    if store_address is not None:
+        host, port = parse_address(store_address, "store")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, port or 1))  # UDP connect sends nothing; it picks the route
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return "127.0.0.1"

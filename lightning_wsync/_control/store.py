@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import RecordShape, parse_counter
-from lightning_wsync._control.keys import ENV_ADDR, ENV_JOB, ENV_STORE
+from lightning_wsync._control.keys import ENV_JOB, ENV_STORE
 from lightning_wsync._control.records import R, Record
 from lightning_wsync._control.signing import Signer, derive_key, short
 from lightning_wsync.errors import (
@@ -110,23 +109,6 @@ def parse_address(spec: str, what: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
         raise ValueError(f"{what}={spec!r} is not 'host:port' (e.g. '127.0.0.1:29400')")
     return host.strip("[]"), int(port_text)
-
-
-def local_address(store_address: str | None) -> str:
-    """The address other hosts reach this process at: ``$WSYNC_ADDR``, else the
-    interface that routes to the store, else 127.0.0.1."""
-    explicit = os.environ.get(ENV_ADDR)
-    if explicit:
-        return explicit
-    if store_address is not None:
-        host, port = parse_address(store_address, "store")
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, port or 1))  # UDP connect sends nothing; it picks the route
-                return str(probe.getsockname()[0])
-        except OSError:
-            pass
-    return "127.0.0.1"
 
 
 _KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)

@@ -24,7 +24,7 @@ import torch
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
-from lightning_wsync._control.host import pid_namespace
+from lightning_wsync._control.host import local_address, pid_namespace
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.member_state import StateReport
 from lightning_wsync._control.records import (
@@ -36,7 +36,7 @@ from lightning_wsync._control.records import (
     SumsRecord,
     VersionRecord,
 )
-from lightning_wsync._control.store import Control, local_address
+from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
 from lightning_wsync.config import ReceiverConfig

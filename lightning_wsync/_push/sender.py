@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.host import host_id
+from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.host import host_id, local_address
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import ClosedRecord, ManifestRecord, SenderPointer, VersionRecord
 from lightning_wsync._control.signing import resolve_secret
@@ -39,7 +40,6 @@ from lightning_wsync._control.store import (
     Control,
     StoreHandle,
     connect_store,
-    local_address,
     resolve_job,
     retire_old_epochs,
 )
@@ -111,6 +111,7 @@ class WeightSender:
         self._side = SendSide(self._ctl, self.layout, spec)
         self._ring = self._side.ring
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+        self._complaints = Complaints(log, "the sender's background thread")
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
                                   total_bytes=self.layout.total_bytes, timeout_s=cfg.timeout_s)  # fmt: skip
 
@@ -325,6 +326,9 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
             if now - last_refresh >= _MEMBERSHIP_REFRESH_S:
                 sender._refresh()
                 last_refresh = now
+        except WeightSyncRecordError as exc:  # said once; skipped until its writer replaces it
+            sender._complaints.bad("background", exc)
+            stop.wait(0.2)
         except RuntimeError as exc:  # WeightSyncError (the store, a bad record) is one
             log.warning("sender background step failed (will retry): %s", str(exc).strip()[:300])
             stop.wait(0.2)
