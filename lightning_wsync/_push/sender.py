@@ -27,6 +27,7 @@ import time
 import weakref
 from types import TracebackType
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -82,16 +83,7 @@ class WeightSender:
     ) -> None:
         cfg = SenderConfig(**config_values(SenderConfig, config, options, owner="WeightSender", job=job))
         self.config = cfg
-        self._tensors = select_tensors(module, cfg.include, cfg.exclude)
-        if not self._tensors:
-            names = list(module.state_dict().keys())[:5]
-            raise ValueError(
-                f"WeightSender: include={cfg.include!r} exclude={cfg.exclude!r} select no tensor of the "
-                f"module (first names: {names!r}); loosen the patterns"
-            )
-        on_cuda = any(t.is_cuda for t in self._tensors.values())
-        if cfg.transport == "nccl" and not on_cuda:
-            raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
+        self._tensors = _selected(module, cfg)
         job_name = resolve_job(cfg.job, "WeightSender")
         key = resolve_secret(cfg.secret, "WeightSender")
         self._store: StoreHandle = connect_store(store, serve=True, timeout_s=cfg.timeout_s, owner="WeightSender")
@@ -306,6 +298,20 @@ class WeightSender:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(flush_timeout_s=0 if exc_type is not None else None, final=exc_type is None)
+
+
+def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
+    """The tensors ``cfg`` selects from ``module``; a clear error when none, or when NCCL has no GPU to use."""
+    tensors = select_tensors(module, cfg.include, cfg.exclude)
+    if not tensors:
+        names = list(module.state_dict().keys())[:5]
+        raise ValueError(
+            f"WeightSender: include={cfg.include!r} exclude={cfg.exclude!r} select no tensor of the "
+            f"module (first names: {names!r}); loosen the patterns"
+        )
+    if cfg.transport == "nccl" and not any(t.is_cuda for t in tensors.values()):
+        raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
+    return tensors
 
 
 def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:

@@ -27,6 +27,9 @@ worker on its own, while one version in every tensor-parallel worker needs the d
 run the stage-then-load round itself; the extension gives it ``wsync_stage`` and
 ``wsync_load``, works with vLLM's in-process and multi-process executors, and leaves the
 engine's own model and tokenizer loading untouched.
+
+Longer than 300 lines: the public adapter (``make_llm``, ``VllmWeightSync``) and the
+worker extension it drives, with their docstrings; staging and commit are in ``_commit.py``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ torch 2.13 lacks for that setup:
 * **store loss is the end of membership, not a crash**: once the shared store's host
   has gone, no node can arrive; the running workers carry on and the agent ends
   cleanly when they finish, so a rollout job outlives its trainer's store.
+
+Longer than 300 lines: one ``RendezvousHandler`` implementation, each of torch's abstract
+methods beside what it adds for a role-scoped, relaunchable, lingering rendezvous.
 """
 
 from __future__ import annotations

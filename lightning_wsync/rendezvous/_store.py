@@ -5,6 +5,9 @@ gone, and the stock c10d rendezvous backend guarded so that a vanished store fai
 fast and quietly. Every ``TCPStore`` operation against a dead server makes torch's C++
 layer print a multi-line stack dump, so liveness is checked first with a plain TCP
 connect: a refused connection means nobody listens at the endpoint any more.
+
+Longer than 300 lines: hosting, joining and watching the shared store in one place, with
+the guarded c10d backend that must fail fast when the store's host is gone.
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ every link at one copy per version, so the trainer's egress and each host's egre
 at one model whatever the host count; a tree with fan-out f multiplies each relay's
 egress by f, which on equal links costs f wire times, far more than the chain's extra
 chunk time per hop at these host counts.
+
+Longer than 300 lines: the chain's head (its thread, hop set-up, resends to late hops)
+with the chain record and hop framing that leaders share; the leader side is in ``host.py``.
 """
 
 from __future__ import annotations
