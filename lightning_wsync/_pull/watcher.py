@@ -371,12 +371,13 @@ class Watcher:
             self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
         with self._apply_lock:
-            if self.source is not None:
-                self.source.close()
-            self.source = source
+            old, self.source = self.source, source
             self.sender_closed = self.sender_left = False
-        log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch,
-                 self.source.describe())  # fmt: skip
+        # Outside the lock: closing a plane can take a while (a relay thread joining), and
+        # update() must not wait for it; nothing reaches the old source once it is swapped out.
+        if old is not None:
+            old.close()
+        log.info("receiver %r follows sender epoch %d (%s)", self.name, epoch, source.describe())
 
     def _make_source(
         self, epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], *, fallback: bool
