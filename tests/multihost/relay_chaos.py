@@ -61,7 +61,7 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
     for h in range(1, n_hosts + 1):
         record = leader_record(ctl, epoch, f"simh{h}")
         count += record is not None
-        if record is not None and int(str(record["rid"])) not in current:  # a host with no leader in the chain
+        if record is not None and record.rid not in current:  # a host with no leader in the chain
             stale.append(f"{keys.relay_leader(epoch, f'simh{h}')} (rid {record['rid']})")
     for rid in rids:
         names = [keys.relay_broken(epoch, rid), keys.relay_received(epoch, rid)]
@@ -111,7 +111,7 @@ class Fleet:
         if rng.random() < 0.5:
             host = rng.choice(sorted({self.hosts[n] for n in running}))
             record = leader_record(ctl, self.sender.epoch, f"simh{host}")
-            pid = None if record is None else int(str(record["pid"]))
+            pid = None if record is None else record.pid
             leader = [n for n in running if self.procs.started[n].pid == pid]
             if leader:
                 return leader[0]

@@ -64,7 +64,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
 
             def leader(host: int) -> int | None:
                 record = leader_record(ctl, sender.epoch, hosts.name(host))
-                return None if record is None else int(str(record["rid"]))
+                return None if record is None else record.rid
 
             def in_chain(hosts_: list[int]) -> bool:
                 chain = ctl.get_json(keys.relay_chain(sender.epoch))
@@ -122,10 +122,10 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             old = leader_record(ctl, sender.epoch, hosts.name(1))
             assert old is not None
             ready = {r["pid"]: r["name"] for r in read(events) if r["event"] == "ready"}
-            killed = ready[int(str(old["pid"]))]
-            os.kill(int(str(old["pid"])), signal.SIGKILL)
+            killed = ready[old.pid]
+            os.kill(old.pid, signal.SIGKILL)
             names.discard(killed)
-            wait_until("a new leader on host 1", lambda: leader(1) not in (None, int(str(old["rid"]))), 30, procs)
+            wait_until("a new leader on host 1", lambda: leader(1) not in (None, old.rid), 30, procs)
             wait_until("host 1's new leader in the chain", lambda: in_chain([1, 2, 3]), 60, procs)
             wait_until("host 1's new leader to apply version 7", lambda: applied(names, 7), 60, procs)
             wait_until("the sender to see the killed leader gone", lambda: killed not in sender.receivers(), 30)

@@ -92,8 +92,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                         lambda goal=goal: hosts.counters(1)[1] >= goal,
                         30,
                     )
-                    os.kill(int(str(record["pid"])), sig)
-                    killed = {"rid": record["rid"], "pid": record["pid"], "after_s": time.monotonic() - started,
+                    os.kill(record.pid, sig)
+                    killed = {"rid": record.rid, "pid": record.pid, "after_s": time.monotonic() - started,
                               "rx_bytes": hosts.counters(1)[1] - rx0}  # fmt: skip
                 else:
                     handle = sender.push(version)
@@ -149,7 +149,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             "killed": killed,
             "leader_after": None
             if after is None
-            else {"rid": after["rid"], "pid": after["pid"]},
+            else {"rid": after.rid, "pid": after.pid},
             "rids": {r["name"]: r["rid"] for r in ready.values()},
             "applied": [
                 {

@@ -53,7 +53,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             def chain_complete() -> bool:
                 chain = ctl.get_json(keys.relay_chain(sender.epoch))
                 rids = [leader_record(ctl, sender.epoch, hosts.name(h)) for h in (1, 2, 3)]
-                return chain is not None and None not in rids and {int(str(r["rid"])) for r in rids if r} <= set(
+                return chain is not None and None not in rids and {r.rid for r in rids if r} <= set(
                     chain["rids"]
                 )
 
