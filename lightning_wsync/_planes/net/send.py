@@ -1,7 +1,7 @@
 """The network plane's send side: one link (a standalone process group) per receiver
 that asked for one, made, replaced and pruned as receivers come and go.
 
-A receiver asks for a link by bumping ``member/<rid>/link`` (its link number); the
+A receiver asks for a link by bumping ``member/<rid>/net`` (its link number); the
 plane then builds a :class:`~lightning_wsync._planes.net.link.NetSendLink` under that
 number. A link whose receiver is gone is stopped and dropped at once (its process group
 with it: an aborted gloo group holds threads and file descriptors), and a retired

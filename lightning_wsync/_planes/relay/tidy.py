@@ -18,19 +18,10 @@ from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync.errors import WeightSyncError
 
-_ABSENT = "\x00wsync-absent"  # never a stored value: compare_set against it reads without writing
-
 
 def peek(ctl: Control, key: str) -> str | None:
-    """The value at ``key``, or None, in one request that never waits.
-
-    ``has`` then ``get`` waits the store's whole timeout when the key is deleted in
-    between (a leader resigning, a member's keys retired), and blocks every other request
-    of that client meanwhile. ``compare_set`` with an expected value no key ever holds
-    answers at once: the current value, or ``expected`` itself when there is none.
-    """
-    value = bytes(ctl.store.compare_set(key, _ABSENT, _ABSENT + "!")).decode()
-    return None if value == _ABSENT else value
+    """The value at ``key``, or None, in one request that never waits (``Control.get_text``)."""
+    return ctl.get_text(key)
 
 
 def forget_hop(ctl: Control, prefix: str, rank: int, *, spent: bool, notes: Iterable[int] = ()) -> None:
