@@ -2,7 +2,7 @@
 
 Keys of a job live under ``wsync/<job>/`` (:func:`job_prefix`; :class:`~lightning_wsync._control.Control`
 adds it). Keys that a wait depends on carry the version, sender epoch or link
-generation in their name, so a key written for one version can never satisfy a wait for
+number in their name, so a key written for one version can never satisfy a wait for
 another. Only ``latest``, ``sender/current`` and the relay's ``leader`` and ``chain``
 records are overwritten (read by value, never waited on). JSON records are signed with the job's secret when one is set;
 counters and ``1`` markers cannot be, and only say "look again", never what to trust.
