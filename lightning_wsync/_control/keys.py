@@ -2,7 +2,7 @@
 
 Keys of a job live under ``wsync/<job>/`` (:func:`job_prefix`; :class:`~lightning_wsync._control.Control`
 adds it). Keys that a wait depends on carry the version, sender epoch or link
-generation in their name, so a key written for one version can never satisfy a wait for
+number in their name, so a key written for one version can never satisfy a wait for
 another. Only ``latest``, ``sender/current`` and the relay's ``leader`` and ``chain``
 records are overwritten (read by value, never waited on). JSON records are signed with the job's secret when one is set;
 counters and ``1`` markers cannot be, and only say "look again", never what to trust.
@@ -26,13 +26,16 @@ members/low                     JSON    every rid below it is gone and its keys 
 member/<rid>                    JSON    member record (name, host, pid, PID namespace, verify)
 member/<rid>/hb                 count   heartbeat
 member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
-member/<rid>/state              JSON    ``{acked, rejected}``: newest version held, last rejection
+member/<rid>/state              JSON    ``{acked, rejected: {version, reason}}``: newest version
+                                        held, last rejection (the old ``{error: [v, r]}`` decodes)
 member/<rid>/net                count   link number: the receiver's newest network link
 pg/<epoch>/<rid>/<link>/        prefix  one sender-receiver link: gloo's rendezvous keys ``0/0``,
                                         ``0/1``; ``ready/<n>`` (receiver: ready for send n, what
                                         it holds), ``ann/<n>`` (sender: version of send n)
-relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, term, shm}`` of the host's leader (hostkey: sha256
-                                        of the host id, 16 hex digits); replaced by compare-and-set
+relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, pidns, term, shm, ready}`` of the host's leader
+                                        (pidns: its PID namespace; ready: its segment exists;
+                                        hostkey: sha256 of the host id, 16 hex digits); replaced by
+                                        compare-and-set, and like a dead leader's when unreadable
 relay/<epoch>/chain             JSON    ``{number, rids}``: the relay chain's number and leader rids
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
 relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ready/<n>`` (downstream
@@ -46,10 +49,16 @@ Deleted so the store stays bounded (see :mod:`lightning_wsync._push.membership`)
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
 is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it,
 ``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
-behind the current one.
+behind the current one. The relay's keys (see :mod:`lightning_wsync._planes.relay.tidy`):
+each side of a hop deletes its ``relay/<epoch>/pg/...`` keys when it leaves; a closing
+leader deletes its leader record and ``received`` key; the sender deletes the hops of
+chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago, the ``received`` and
+``broken`` keys of leaders that left the chain, the leader records of hosts with no live
+leader for that long, and the ``chain`` key when it closes.
 
 Outside any job, the rendezvous backend keeps on the shared store
-``wsync.rdzv/<job>/<role>/launch`` (count: the role's launch number),
+``wsync.rdzv/<job>/<role>/launch`` (count: the role's launch number n; the inner run
+id is ``<job>.<role>.l<n>``),
 ``wsync.rdzv/<job>/agents`` (count: agents using the store) and torch's own
 ``torch.rendezvous.<run id>`` (the signed rendezvous state); on each round's store the
 agent writes ``WSYNC_BOOTSTRAP`` and keeps torchrun's keys under ``wsync.agent/``.
