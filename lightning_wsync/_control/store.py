@@ -211,12 +211,8 @@ class Control:
         return self._call("check", key, lambda: bool(self.store.check([key])))
 
     def get_text(self, key: str) -> str | None:
-        """The value at ``key``, or None when absent, in one request that never waits.
-
-        ``has`` then ``get`` would wait the store's whole timeout (blocking this client)
-        when the key is deleted in between; ``compare_set`` with an expected value no key
-        holds answers at once with the value, or with that expected value when there is none.
-        """
+        """The value at ``key``, or None, in one request that never waits (``has`` then ``get``
+        waits the store's timeout if the key goes in between; this compare-and-set never writes)."""
         seen = self._call("get", key, lambda: bytes(self.store.compare_set(key, _PROBE, _PROBE)))
         return None if seen == _PROBE.encode() else seen.decode("utf-8", "replace")
 
