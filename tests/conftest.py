@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 from collections.abc import Iterator
@@ -13,11 +14,23 @@ import torch.distributed as dist
 
 from lightning_wsync.testing.procs import Children
 
+_PORTS = (20000, 32000)  # below Linux's ephemeral range (32768-60999)
+_RNG = random.SystemRandom()  # independent of any seed a test sets
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, drawn below the ephemeral range: a port the kernel hands out with
+    ``bind(0)`` can be taken, before the test binds it, as the source port of any outgoing
+    connection on the machine (seen in CI: a sender's store then could not listen)."""
+    for _ in range(200):
+        candidate = _RNG.randrange(*_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("", candidate))
+            except OSError:
+                continue
+            return candidate
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 @pytest.fixture

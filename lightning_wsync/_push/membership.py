@@ -221,8 +221,9 @@ class Membership:
             return list(self._members.values())
 
     def live(self) -> list[Member]:
-        """Members that are neither gone nor silent past ``heartbeat_timeout_s``."""
-        return [m for m in self.members() if m.gone_reason is None and self._silent_reason(m) is None]
+        """Members that are neither gone, nor exited since the last refresh, nor silent past
+        ``heartbeat_timeout_s``: a push right after a receiver died does not target it."""
+        return [m for m in self.members() if self.failure(m.rid) is None]
 
     def get(self, rid: int) -> Member | None:
         with self._lock:
