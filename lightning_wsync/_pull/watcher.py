@@ -29,6 +29,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.member_state import StateReport
 from lightning_wsync._control.records import (
     ClosedRecord,
+    FleetAck,
     ManifestRecord,
     MemberRecord,
     SenderPointer,
@@ -229,7 +230,9 @@ class Watcher:
         self._state.moved_to(self.rid)
         self._state.write(ctl, force=True)
         self._beat = ctl.add(keys.member_heartbeat(self.rid), 1)
-        me = MemberRecord(self.name, self._host, os.getpid(), pid_namespace(), self.config.verify)
+        if self.config.fleet is not None:  # before the record: the sender reads it for every fleet member
+            ctl.put(keys.member_fleet(self.rid), FleetAck(self.config.fleet))
+        me = MemberRecord(self.name, self._host, os.getpid(), pid_namespace(), self.config.verify, self.config.fleet)
         ctl.put(keys.member(self.rid), me)
 
     def _rejoin(self, ctl: Control) -> None:

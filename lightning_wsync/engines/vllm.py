@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -45,7 +45,7 @@ import torch
 from typing_extensions import Self
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run
+from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run, unwrap
 from lightning_wsync.engines._vllm_names import check_names
 from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
@@ -127,18 +127,31 @@ class WsyncWorkerExtension:
             elif staged.version is None or staged.version < min_version:
                 receiver.wait_for_version(min_version, timeout_s)
             if staged.version is not None:
-                self._wsync_check_names(receiver.name, staged)
+                self._wsync_check_names(receiver.name, staged.tensors)
             return staged.version
 
         return outcome(stage)
 
-    def _wsync_check_names(self, name: str, staged: StagedVersion) -> None:
-        """Refuse a staged version whose tensor names the model would not load (once per name set)."""
-        names = frozenset(staged.tensors)
+    def wsync_check_layout(self) -> dict[str, Any]:
+        """At start-up: check the names the sender publishes now, if its layout is on the store
+        already (the trainer started first); else the first stage checks them."""
+
+        def check() -> int | None:
+            receiver = self._wsync_get()
+            tensors = receiver.published_tensors()
+            if tensors is not None:
+                self._wsync_check_names(receiver.name, tensors)
+            return None
+
+        return outcome(check)
+
+    def _wsync_check_names(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse tensor names the model would not load (checked once per name set)."""
+        names = frozenset(tensors)
         if names == self._wsync_checked:
             return
         if self._wsync_refused is None or self._wsync_refused[0] != names:
-            refused, missing = check_names(cast(_Worker, self).vllm_config, staged.tensors.items())
+            refused, missing = check_names(cast(_Worker, self).vllm_config, tensors.items())
             if not refused:
                 if missing:
                     log.warning("vLLM worker %r: no trainer tensor reaches %s; they keep their values", name, missing)
@@ -246,6 +259,11 @@ class VllmWeightSync:
                 f"({type(exc).__name__}: {exc}); create the LLM with "
                 f"worker_extension_cls={WORKER_EXTENSION!r} (make_llm does), and check store={store!r}, job={job!r}"
             ) from exc
+        try:  # names checked now when the trainer published its layout first
+            unwrap(self._llm.collective_rpc("wsync_check_layout"), self.names, "start")
+        except WeightSyncError:
+            self._llm.collective_rpc("wsync_close")
+            raise
         self._closed = False
         log.info("VllmWeightSync: receivers %s started", self.names)
 
