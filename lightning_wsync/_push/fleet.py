@@ -218,7 +218,7 @@ class FleetCoordinator:
             if switch.excluded:
                 log.warning("fleet %r switched to version %d without %s", g.name, switch.version, switch.excluded)
         else:
-            log.warning("fleet %r: no member staged version %d (%s)", g.name, switch.version, switch.excluded)
+            log.info("fleet %r: no member staged version %d (%s)", g.name, switch.version, switch.excluded)
         g.last_version = switch.version
         assert g.lease is not None
         g.lease.release()
