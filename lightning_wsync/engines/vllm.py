@@ -38,6 +38,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -190,6 +191,7 @@ class WsyncWorkerExtension:
             "rejected": r.rejected,
             "latest_published": r.latest_published,
             "sender_closed": r.sender_closed,
+            "fleet_switch": None if not r.fleet_switches else asdict(r.fleet_switches[-1]),
         }
 
     def wsync_close(self) -> None:
@@ -294,7 +296,8 @@ class VllmWeightSync:
         return self.version
 
     def state(self) -> list[dict[str, Any]]:
-        """Per worker: version loaded, version staged, rejected count, newest published, sender closed."""
+        """Per worker: version loaded, version staged, rejected count, newest published, sender
+        closed, and with ``fleet`` the newest switch seen (version, ``at``, rids, ``excluded``)."""
         return list(self._llm.collective_rpc("wsync_state"))
 
     @property

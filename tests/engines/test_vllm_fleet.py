@@ -69,7 +69,10 @@ def test_an_engine_and_a_plain_receiver_switch_to_the_same_versions(tmp_path, po
                 finally:
                     stop.set()
                     pusher.join(timeout=10)
+                state = sync.state()
                 conn.send("stop")
+        switch = state[0]["fleet_switch"]
+        assert switch["version"] >= seen[-1][0] and len(switch["rids"]) == 2 and switch["at"] > 0, switch
         assert len(seen) >= 20, f"only {len(seen)} observations ({raced} raced a switch)"
         assert all(v == engine == plain for v, engine, plain in seen), f"engine and receiver differ: {seen}"
         assert len({v for v, _, _ in seen}) >= 5, f"the fleet hardly moved: {seen}"
