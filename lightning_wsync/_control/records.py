@@ -31,7 +31,7 @@ from lightning_wsync._control.checks import (
 from lightning_wsync._control.manifest import Manifest
 
 __all__ = [
-    "ChainRecord", "ClosedRecord", "FleetAck", "FleetRound", "FleetSwitch", "FleetSwitches",
+    "NOT_FOLLOWING", "ChainRecord", "ClosedRecord", "FleetAck", "FleetRound", "FleetSwitch", "FleetSwitches",
     "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
     "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer", "SenderRecord",
     "SumsRecord", "VersionRecord",
@@ -332,6 +332,9 @@ class ReceiptsRecord:
 
 
 # -- one version across a fleet (lightning_wsync._push.fleet, lightning_wsync._pull.fleet) --
+NOT_FOLLOWING = -2  # FleetAck.round of a member that does not follow the sender yet
+
+
 @dataclass(frozen=True)
 class FleetAck:
     """``member/<rid>/fleet``: a fleet member's group, the newest round it saw, the version it

@@ -21,7 +21,15 @@ from collections.abc import Callable
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
-from lightning_wsync._control.records import FleetAck, FleetRound, FleetSwitch, FleetSwitches, R, SumsRecord
+from lightning_wsync._control.records import (
+    NOT_FOLLOWING,
+    FleetAck,
+    FleetRound,
+    FleetSwitch,
+    FleetSwitches,
+    R,
+    SumsRecord,
+)
 from lightning_wsync._control.store import Control
 from lightning_wsync._pull.watcher import POLL_S, Watcher
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncIntegrityError, WeightSyncRecordError
@@ -109,7 +117,11 @@ class FleetMember:
             holding = self._holding()
             if target is not None and rid in target.rids and not holding and self.staged != target.version:
                 self._stage(target.version)
-        ack = FleetAck(self.group, -1 if target is None else target.round, _or(self.staged), holding)
+        if self._watcher.source is None:  # not following the sender yet: not to be waited for
+            seen = NOT_FOLLOWING
+        else:
+            seen = -1 if target is None else target.round
+        ack = FleetAck(self.group, seen, _or(self.staged), holding)
         if ack != self._ack:
             ctl.put(keys.member_fleet(rid), ack)
             self._ack = ack

@@ -16,8 +16,10 @@ One target per round, held in the ring until the round ends, so pushes faster th
 members stage never make them chase a moving version (no livelock). A member left out
 (stalled, slow, gone) is not waited for again until its own record shows it has caught
 up (it saw a later round and holds nothing unapplied): it then takes part in the next
-round. The trainer's ``push()`` never waits for any of this; at worst one ring slot is
-held per group, so a push finding the other slot being read is dropped as usual.
+round. A new member is taken in the same way, once it follows the sender and has seen
+the newest round, so a member still starting never holds a round up. The trainer's
+``push()`` never waits for any of this; at worst one ring slot is held per group, so a
+push finding the other slot being read is dropped as usual.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class _Group:
     lease: Lease | None = None
     opened_at: float = 0.0
     last_version: int = -1
-    left_out: dict[int, int] = field(default_factory=dict)  # rid -> the round it was left out of
+    left_out: dict[int, int] = field(default_factory=dict)  # rid -> the round it must have seen to come back
+    known: set[int] = field(default_factory=set)  # rids seen in this group
     history: list[FleetSwitch] = field(default_factory=list)
 
 
@@ -162,6 +165,13 @@ class FleetCoordinator:
         return out
 
     def _open(self, g: _Group, live: list[Member], acks: dict[int, FleetAck]) -> None:
+        for rid in [r for r in g.left_out if (m := self._members.get(r)) is None or m.retired]:
+            del g.left_out[rid]  # gone for good: forgotten here too
+        for m in live:
+            if m.rid not in g.known:  # new: taken in once it follows the sender and sees the rounds
+                g.known.add(m.rid)
+                g.left_out[m.rid] = g.next_round - 1
+        g.known &= {m.rid for m in self._members.members()}
         for m in live:  # a member left out comes back once it has caught up
             ack = acks.get(m.rid)
             since = g.left_out.get(m.rid)
@@ -194,6 +204,7 @@ class FleetCoordinator:
         if waiting and not late:
             return
         excluded: dict[str, str] = {}
+        newly = []
         for rid in target.rids:
             if rid in staged:
                 continue
@@ -204,9 +215,13 @@ class FleetCoordinator:
             else:
                 excluded[label] = f"left the job during the round ({self._members.failure(rid) or 'gone'})"
             g.left_out[rid] = target.round + 1
+            newly.append(label)
         for m in live:
             if m.rid in g.left_out and m.rid not in target.rids:
                 excluded.setdefault(m.label, f"left out since round {g.left_out[m.rid] - 1}; not caught up yet")
+        if newly and staged:
+            log.warning("fleet %r switched to version %d without %s", g.name, target.version,
+                        {n: excluded[n] for n in newly})  # fmt: skip
         self._switch(g, FleetSwitch(target.round, target.version, tuple(staged), excluded, time.time()))
 
     def _switch(self, g: _Group, switch: FleetSwitch) -> None:
@@ -215,8 +230,6 @@ class FleetCoordinator:
             self._ctl.put(keys.fleet_switch(g.name), FleetSwitches(tuple(history)))
             with self._lock:  # after the store: a switch seen here is one members can apply
                 g.history = history
-            if switch.excluded:
-                log.warning("fleet %r switched to version %d without %s", g.name, switch.version, switch.excluded)
         else:
             log.info("fleet %r: no member staged version %d (%s)", g.name, switch.version, switch.excluded)
         g.last_version = switch.version
