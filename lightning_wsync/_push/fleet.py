@@ -56,6 +56,7 @@ class _Group:
     last_version: int = -1
     left_out: dict[int, int] = field(default_factory=dict)  # rid -> the round it must have seen to come back
     known: set[int] = field(default_factory=set)  # rids seen in this group
+    joining: set[int] = field(default_factory=set)  # new, not in a round yet
     history: list[FleetSwitch] = field(default_factory=list)
 
 
@@ -171,12 +172,15 @@ class FleetCoordinator:
             if m.rid not in g.known:  # new: taken in once it follows the sender and sees the rounds
                 g.known.add(m.rid)
                 g.left_out[m.rid] = g.next_round - 1
+                g.joining.add(m.rid)
         g.known &= {m.rid for m in self._members.members()}
+        g.joining &= g.known
         for m in live:  # a member left out comes back once it has caught up
             ack = acks.get(m.rid)
             since = g.left_out.get(m.rid)
             if since is not None and ack is not None and ack.round >= since and not ack.holding:
                 del g.left_out[m.rid]
+                g.joining.discard(m.rid)
         rids = tuple(sorted(m.rid for m in live if m.rid not in g.left_out))
         version = self._published()
         if not rids or version is None or version <= g.last_version:
@@ -217,7 +221,9 @@ class FleetCoordinator:
             g.left_out[rid] = target.round + 1
             newly.append(label)
         for m in live:
-            if m.rid in g.left_out and m.rid not in target.rids:
+            if m.rid in g.joining:
+                excluded.setdefault(m.label, "joining: takes part once it follows the sender and saw a round")
+            elif m.rid in g.left_out and m.rid not in target.rids:
                 excluded.setdefault(m.label, f"left out since round {g.left_out[m.rid] - 1}; not caught up yet")
         if newly and staged:
             log.warning("fleet %r switched to version %d without %s", g.name, target.version,

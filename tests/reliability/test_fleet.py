@@ -152,3 +152,31 @@ def test_a_stalled_member_is_left_out_and_rejoins(port):
         # the push reports name who was left out
         reports = [h.wait(0.1) for h in pusher.handles[pushes_at_stop : pushes_at_stop + 200] if not h.dropped]
         assert any("b" in r.fleet[GROUP].excluded for r in reports if GROUP in r.fleet), "no report names b"
+
+
+@pytest.mark.timeout(120)
+def test_a_member_joining_later_never_holds_the_fleet_up(port):
+    timeout_s = 20.0  # a round waiting on the newcomer would show as a gap this long
+    with fleet(port, "fleet-join", timeout_s=timeout_s) as (sender, model, conns, rids, kids):
+        both = {rids["a"], rids["b"]}
+        switches = lambda: sender.fleet_switches(GROUP)  # noqa: E731
+        with Pusher(sender, model) as pusher:
+            until("a switch with both", conns, "ab", lambda: any(both <= set(s.rids) for s in switches()))
+            store = f"127.0.0.1:{port}"
+            conns["c"] = kids.start(
+                fleet_member_main, (store, "fleet-join", "c", {"fleet": GROUP, "timeout_s": 30}), "c"
+            )
+            started = time.monotonic()
+            rids["c"] = receive(conns["c"], 60, "c ready")[1]
+            until("a switch with all three", conns, "abc", lambda: rids["c"] in switches()[-1].rids)
+            assert time.monotonic() - started < timeout_s / 2, "the newcomer held a round up"
+            for _ in range(50):
+                sw = switches()[-1]
+                seen = observe(conns, "abc")
+                if switches()[-1] == sw and set(rids.values()) <= set(sw.rids):
+                    assert seen["a"] == seen["b"] == seen["c"] == (sw.version, pusher.digests[sw.version])
+                    break
+            else:
+                pytest.fail("no observation with all three members in the newest switch")
+        reasons = {s.excluded["c"] for s in switches() if "c" in s.excluded}
+        assert all(r.startswith("joining") for r in reasons), reasons
