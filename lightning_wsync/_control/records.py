@@ -359,21 +359,24 @@ class FleetAck:
 @dataclass(frozen=True)
 class FleetRound:
     """``fleet/<group>/round``: the group's newest round: the target version every member of
-    ``rids`` stages (the sender keeps it in its ring until the round ends)."""
+    ``rids`` stages (the sender keeps it in its ring until the round ends), with its bucket
+    checksums when a member verifies (the version's own ``v/<version>/sums`` may be gone by then)."""
 
-    EXPECTED: ClassVar[str] = '{"round": <int>, "version": <int>, "rids": [<int>, ...]}'
+    EXPECTED: ClassVar[str] = '{"round": <int>, "version": <int>, "rids": [<int>, ...], "sums": [<int>, ...]}'
     round: int
     version: int
     rids: tuple[int, ...]
+    sums: tuple[int, ...] = ()  # its bucket checksums, when a member verifies
 
     def encode(self) -> object:
-        return {"round": self.round, "version": self.version, "rids": list(self.rids)}
+        return {"round": self.round, "version": self.version, "rids": list(self.rids), "sums": list(self.sums)}
 
     @classmethod
     def decode(cls, value: object) -> Self:
         v = fields(value, "round", "version", "rids")
         rids = tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids"))
-        return cls(as_int(v["round"], "round"), as_int(v["version"], "version"), rids)
+        sums = tuple(as_int(x, "sums[]") for x in as_list(v.get("sums", []), "sums"))
+        return cls(as_int(v["round"], "round"), as_int(v["version"], "version"), rids, sums)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class FleetMember:
         with self._apply_lock:
             holding = self._holding()
             if target is not None and rid in target.rids and not holding and self.staged != target.version:
-                self._stage(target.version)
+                self._stage(target)
         if self._watcher.source is None:  # not following the sender yet: not to be waited for
             seen = NOT_FOLLOWING
         else:
@@ -137,11 +137,14 @@ class FleetMember:
         rid = self._watcher.rid
         return any(s.version == version and rid in s.rids for s in self.switches)
 
-    def _stage(self, version: int) -> None:
+    def _stage(self, target: FleetRound) -> None:
         source = self._watcher.source
         if source is None:
             return
-        sums: Callable[[int], list[int] | None] | None = self._sums if self._verify else None
+        version = target.version
+        sums: Callable[[int], list[int] | None] | None = None
+        if self._verify:
+            sums = (lambda v: list(target.sums) if v == version else None) if target.sums else self._sums
         exact = getattr(source, "apply_exactly", None)
         before, self.staged = self.staged, None  # until the copy is complete
         try:

@@ -189,7 +189,13 @@ class FleetCoordinator:
         lease = None if ref is None else self._ring.acquire(ref)
         if lease is None:
             return  # overwritten already: the next published version opens the round
-        g.open, g.lease, g.opened_at = FleetRound(g.next_round, version, rids), lease, time.monotonic()
+        sums: tuple[int, ...] = ()
+        if any(m.verify for m in live if m.rid in rids):
+            found = self._ring.checksums(lease)
+            if found is None:  # a GPU ring: members verify against the version's own sums record
+                found = []
+            sums = tuple(found)
+        g.open, g.lease, g.opened_at = FleetRound(g.next_round, version, rids, sums), lease, time.monotonic()
         g.next_round += 1
         self._ctl.put(keys.fleet_round(g.name), g.open)
         log.debug("fleet %r round %d: version %d for rids %s", g.name, g.open.round, version, rids)

@@ -180,3 +180,39 @@ def test_a_member_joining_later_never_holds_the_fleet_up(port):
                 pytest.fail("no observation with all three members in the newest switch")
         reasons = {s.excluded["c"] for s in switches() if "c" in s.excluded}
         assert all(r.startswith("joining") for r in reasons), reasons
+
+
+@pytest.mark.timeout(60)
+def test_verifying_members_stage_checked_versions(port):
+    """With ``verify=True`` a member checks the round's target against the checksums carried
+    in the round record (the version's own sums key is deleted a few pushes later)."""
+    from lightning_wsync import WeightReceiver
+
+    store, job = f"127.0.0.1:{port}", "fleet-verify"
+    model = mixed_model(1)
+    mods = {n: mixed_model(5) for n in "ab"}
+    digests: dict[int, str] = {}
+    with (
+        WeightSender(model, store=store, job=job, timeout_s=10) as sender,
+        WeightReceiver(mods["a"], store=store, job=job, name="a", fleet=GROUP, verify=True) as a,
+        WeightReceiver(mods["b"], store=store, job=job, name="b", fleet=GROUP, verify=True) as b,
+    ):
+        deadline = time.monotonic() + 30
+        for version in range(1, 10**6):
+            mutate(model, version)
+            digests[version] = digest(model)
+            sender.push(version)
+            a.update(), b.update()
+            switches = sender.fleet_switches(GROUP)
+            if len({s.version for s in switches if {a.rid, b.rid} <= set(s.rids)}) >= 5:
+                break
+            assert time.monotonic() < deadline, f"the fleet did not move: {switches}"
+            time.sleep(PUSH_EVERY_S)  # the trainer's pace, not a synchronisation
+        while True:  # pushes have stopped: the fleet settles on one last switch
+            a.update(), b.update()
+            final = sender.fleet_switches(GROUP)[-1]
+            if a.version == b.version == final.version and {a.rid, b.rid} <= set(final.rids):
+                break
+            assert time.monotonic() < deadline, (a.version, b.version, final)
+        assert digest(mods["a"]) == digest(mods["b"]) == digests[final.version]
+        assert a.rejected == b.rejected == 0
