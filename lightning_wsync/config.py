@@ -5,11 +5,14 @@ The same fields are the components' keyword arguments, so they work without Hydr
     WeightSender(model, store="127.0.0.1:29400", job="exp1", dtype="bfloat16", bucket_mb=32)
 
 and as Hydra structured configs (see :func:`register_configs`).
+
+Longer than 300 lines: every component's settings and their docstrings, declared once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -172,6 +175,7 @@ class SenderConfig(_PeerConfig):
 
 
 APPLY_MODES = ("copy", "swap")
+_FLEET_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(kw_only=True)
@@ -197,6 +201,12 @@ class ReceiverConfig(_PeerConfig):
             version into the buffer it held before: one full copy less per version, same
             memory; it needs every tensor in the wire dtype on the link's device. The
             shared-memory path always copies (its one copy is the private one).
+        fleet: a group name (opt-in): every receiver of the job with the same ``fleet``
+            switches to the same version. A version is applied only once every live
+            member of the group has staged it (received and verified, into a private copy
+            of the weights); a member that cannot stage it within the sender's
+            ``timeout_s`` is left out of that version and named in push reports, and
+            joins again at a later one. None (default): apply the newest version.
     """
 
     OWNER: ClassVar[str] = "WeightReceiver"
@@ -205,6 +215,7 @@ class ReceiverConfig(_PeerConfig):
     heartbeat_s: float = 0.5
     verify: bool = False
     apply: str = "copy"
+    fleet: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -216,6 +227,11 @@ class ReceiverConfig(_PeerConfig):
             raise ValueError(f"{owner}: apply={self.apply!r} must be one of {APPLY_MODES} (default 'copy')")
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"{owner}: name={self.name!r} must be non-empty and contain no '/'")
+        if self.fleet is not None and (not isinstance(self.fleet, str) or not _FLEET_NAME.fullmatch(self.fleet)):
+            raise ValueError(
+                f"{owner}: fleet={self.fleet!r} must be a group name of letters, digits, '.', '_' or '-' "
+                f"(e.g. fleet='rollout'), or None to apply the newest version on its own"
+            )
 
 
 @dataclass(kw_only=True)

@@ -3,8 +3,9 @@
 Keys of a job live under ``wsync/<job>/`` (:func:`job_prefix`; :class:`~lightning_wsync._control.Control`
 adds it). Keys that a wait depends on carry the version, sender epoch or link
 number in their name, so a key written for one version can never satisfy a wait for
-another. Only ``latest``, ``sender/current`` and the relay's ``leader`` and ``chain``
-records are overwritten (read by value, never waited on). JSON records are signed with the job's secret when one is set;
+another. Only ``latest``, ``sender/current``, the fleet's ``round`` and ``switch`` and the relay's
+``leader`` and ``chain`` records are overwritten (read by value, never waited on). JSON
+records are signed with the job's secret when one is set;
 counters and ``1`` markers cannot be, and only say "look again", never what to trust.
 
 ==============================  ======  =========================================================
@@ -29,6 +30,12 @@ member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
 member/<rid>/state              JSON    ``{acked, rejected: {version, reason}}``: newest version
                                         held, last rejection (the old ``{error: [v, r]}`` decodes)
 member/<rid>/net                count   link number: the receiver's newest network link
+member/<rid>/fleet              JSON    ``{group, round, staged, holding}``: a fleet member's
+                                        newest round seen and the version it staged
+fleet/<group>/round             JSON    ``{round, version, rids}``: the group's newest round
+                                        (overwritten by the next; read by value)
+fleet/<group>/switch            JSON    ``{switches: [{round, version, rids, excluded, at}]}``:
+                                        the group's newest few switches (overwritten)
 pg/<epoch>/<rid>/<link>/        prefix  one sender-receiver link: gloo's rendezvous keys ``0/0``,
                                         ``0/1``; ``ready/<n>`` (receiver: ready for send n, what
                                         it holds), ``ann/<n>`` (sender: version of send n)
@@ -139,9 +146,23 @@ def member_link(rid: int) -> str:
     return f"member/{rid}/net"
 
 
+def member_fleet(rid: int) -> str:
+    """A fleet member's newest round seen and the version it staged."""
+    return f"member/{rid}/fleet"
+
+
 def member_keys(rid: int) -> tuple[str, ...]:
     """Every key receiver ``rid`` writes outside its links."""
-    return (member(rid), member_heartbeat(rid), member_state(rid), member_gone(rid), member_link(rid))
+    return (member(rid), member_heartbeat(rid), member_state(rid), member_gone(rid), member_link(rid),
+            member_fleet(rid))  # fmt: skip
+
+
+def fleet_round(group: str) -> str:
+    return f"fleet/{group}/round"
+
+
+def fleet_switch(group: str) -> str:
+    return f"fleet/{group}/switch"
 
 
 def link_prefix(epoch: int, rid: int, link: int) -> str:

@@ -28,11 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_wsync._control import keys
 from lightning_wsync._control.host import default_receiver_name, host_id
 from lightning_wsync._control.manifest import Manifest, select_tensors
+from lightning_wsync._control.records import FleetSwitch, ManifestRecord, SenderPointer
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import Control, connect_store, resolve_job
+from lightning_wsync._pull.fleet import FleetMember
 from lightning_wsync._pull.target import ApplyTarget, TargetTensors
+from lightning_wsync._pull.target import CopyInto as _CopyInto
 from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.errors import (
@@ -71,8 +75,11 @@ class WeightReceiver:
         cfg = ReceiverConfig(**config_values(ReceiverConfig, config, options, owner="WeightReceiver", job=job))
         self.config = cfg
         self._target: TargetTensors | None = None
+        self._module = isinstance(module, nn.Module)
         if isinstance(module, nn.Module):
             self._tensors = select_tensors(module, cfg.include, cfg.exclude)
+            if cfg.fleet is not None:  # versions are staged privately, applied when the fleet switches
+                self._target = TargetTensors(_CopyInto(self._tensors), cfg.include, cfg.exclude)
         elif callable(module):
             self._target = TargetTensors(module, cfg.include, cfg.exclude)
             self._tensors = {}  # allocated from the sender's layout when it is known
@@ -95,6 +102,9 @@ class WeightReceiver:
             self._ctl, cfg, name=self.name, host=host_id(), store_address=handle.address, device=self._device,
             bind=self._bind, apply_lock=self._apply_lock,
         )  # fmt: skip
+        self._fleet: FleetMember | None = None
+        if cfg.fleet is not None:
+            self._fleet = FleetMember(self._ctl, cfg.fleet, self._watcher, self._apply_lock, verify=cfg.verify)
         log.info("WeightReceiver %r (rid=%d) joined job %r", self.name, self.rid, job_name)
 
     @property
@@ -109,10 +119,14 @@ class WeightReceiver:
 
     def _bind(self, layout: Manifest) -> list[torch.Tensor]:
         """The tensors a sender's versions are written into, in its layout's order."""
-        if self._target is not None:
-            self._tensors = self._target.tensors_for(layout)
+        if self._target is None:
+            layout.check_module(self._tensors, self.name)
+            return [self._tensors[e.name] for e in layout.entries]
+        staged = self._target.tensors_for(layout)
+        if not self._module:
+            self._tensors = staged
         layout.check_module(self._tensors, self.name)
-        return [self._tensors[e.name] for e in layout.entries]
+        return [staged[e.name] for e in layout.entries]
 
     # -- user API -----------------------------------------------------------------
     def update(self) -> int | None:
@@ -127,17 +141,22 @@ class WeightReceiver:
         watcher = self._watcher
         with self._apply_lock:
             source = watcher.source
-            if source is None:
+            if self._fleet is not None:
+                applied = self._fleet.take(self.version)  # only a version its fleet switched to
+            elif source is None:
                 return None
-            try:
-                applied = source.apply(
-                    self.version, watcher.published_sums if self.config.verify else None, watcher.on_rejected
-                )
-            except WeightSyncIntegrityError:
-                self.version = None  # the module may hold a torn copy now; say so
-                raise
+            else:
+                try:
+                    applied = source.apply(
+                        self.version, watcher.published_sums if self.config.verify else None, watcher.on_rejected
+                    )
+                except WeightSyncIntegrityError:
+                    self.version = None  # the module may hold a torn copy now; say so
+                    raise
             if applied is not None and self._target is not None:
                 self._hand_over(applied)
+            if applied is not None and self._fleet is not None:
+                self._fleet.did_apply(applied, lent=not self._module)
         if applied is not None:
             self.version = applied
             watcher.held(applied)
@@ -179,13 +198,40 @@ class WeightReceiver:
                     f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
                     f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
                 )
-            self._watcher.wait_for_news(time.monotonic() + min(remaining, SLOW_POLL_S))
+            until = time.monotonic() + min(remaining, SLOW_POLL_S)
+            if self._fleet is not None:
+                self._fleet.wait_for_news(until)  # a switch, not a new version, is news here
+            else:
+                self._watcher.wait_for_news(until)
 
     @property
     def latest_published(self) -> int | None:
         """Newest version the sender has published (as last seen on the store)."""
         latest = self._watcher.latest
         return None if latest is None else latest.version
+
+    def published_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The tensors the job's current sender publishes (those ``include``/``exclude`` select),
+        as meta tensors of their wire shape and dtype; None when no sender's layout is on the store.
+
+        For checks before the first version (an engine's names). Reads the store.
+        """
+        pointer = self._ctl.get_record(keys.SENDER_CURRENT, SenderPointer)
+        record = None if pointer is None else self._ctl.get_record(keys.manifest(pointer.epoch), ManifestRecord)
+        if record is None:
+            return None
+        pick = TargetTensors(lambda tensors, version: None, self.config.include, self.config.exclude)
+        return {
+            e.name: torch.empty(e.shape, dtype=e.wire_dtype, device="meta")
+            for e in record.layout.entries
+            if pick.selects(e.name)
+        }
+
+    @property
+    def fleet_switches(self) -> tuple[FleetSwitch, ...]:
+        """With ``fleet``: the group's newest few switches as last seen (version, ``at`` on the
+        sender's clock, the rids that switched, who was left out and why); else ()."""
+        return () if self._fleet is None else self._fleet.switches
 
     @property
     def sender_closed(self) -> bool:
@@ -231,6 +277,8 @@ class WeightReceiver:
         if self._closed:
             return
         self._closed = True
+        if self._fleet is not None:
+            self._fleet.close()
         self._watcher.close()
         log.info("WeightReceiver %r (rid=%d) closed at version %r", self.name, self.rid, self.version)
 

@@ -55,7 +55,7 @@ class TargetTensors:
             self._tensors = {
                 e.name: torch.empty(e.shape, dtype=e.wire_dtype)
                 for e in layout.entries
-                if self._selected(e.name)
+                if self.selects(e.name)
             }
             self._layout = layout
         return self._tensors
@@ -63,7 +63,21 @@ class TargetTensors:
     def hand_over(self, version: int) -> None:
         self.target(MappingProxyType(self._tensors), version)
 
-    def _selected(self, name: str) -> bool:
+    def selects(self, name: str) -> bool:
+        """``name`` passes this receiver's include/exclude patterns."""
         if self._include and not any(fnmatch.fnmatchcase(name, p) for p in self._include):
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self._exclude)
+
+
+class CopyInto:
+    """An apply target that copies each version into a module's tensors (a fleet member's
+    module: versions are staged privately and copied in once the fleet switched)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], version: int, /) -> None:
+        with torch.no_grad():
+            for name, t in tensors.items():
+                self._tensors[name].copy_(t)

@@ -28,7 +28,9 @@ from lightning_wsync._control.host import local_address, pid_namespace
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.member_state import StateReport
 from lightning_wsync._control.records import (
+    NOT_FOLLOWING,
     ClosedRecord,
+    FleetAck,
     ManifestRecord,
     MemberRecord,
     SenderPointer,
@@ -229,7 +231,9 @@ class Watcher:
         self._state.moved_to(self.rid)
         self._state.write(ctl, force=True)
         self._beat = ctl.add(keys.member_heartbeat(self.rid), 1)
-        me = MemberRecord(self.name, self._host, os.getpid(), pid_namespace(), self.config.verify)
+        if self.config.fleet is not None:  # before the record: the sender reads it for every fleet member
+            ctl.put(keys.member_fleet(self.rid), FleetAck(self.config.fleet, round=NOT_FOLLOWING))
+        me = MemberRecord(self.name, self._host, os.getpid(), pid_namespace(), self.config.verify, self.config.fleet)
         ctl.put(keys.member(self.rid), me)
 
     def _rejoin(self, ctl: Control) -> None:

@@ -44,6 +44,7 @@ class Member:
     pidns: int = 0  # its PID namespace (0: unknown); its pid is checked only from the same one
     gone_at: float = 0.0  # time.monotonic() when gone_reason was set
     retired: bool = False  # gone for good and its keys deleted from the store
+    fleet: str | None = None  # the fleet group it switches versions with
 
     @property
     def label(self) -> str:
@@ -124,7 +125,8 @@ class Membership:
                     log.info("receiver rid=%d reserved an id but never registered; forgotten", rid)
                 continue
             del self._unrecorded[rid]
-            member = Member(rid, record.name, record.host, record.pid, verify=record.verify, pidns=record.pidns)
+            member = Member(rid, record.name, record.host, record.pid, verify=record.verify, pidns=record.pidns,
+                            fleet=record.fleet)  # fmt: skip
             member.hb, member.hb_seen_at = self._heartbeat(member), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member

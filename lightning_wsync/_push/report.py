@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.member_state import decode_state
+from lightning_wsync._control.records import FleetSwitch
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import SendPlane
 from lightning_wsync._planes.delta.encode import DeltaStreams
@@ -47,6 +48,10 @@ class PushReport:
         delta_encode_s: the sender's time encoding the delta (once for all receivers).
         delta_decode_s: the slowest delta receiver's time rebuilding the version, when
             it reported it before this report was made (else None).
+        fleet: per fleet group (``ReceiverConfig.fleet``), its first switch to this version
+            or a newer one, when it happened before this report was made: the version,
+            ``at`` (``time.time()`` on the sender), the receiver ids that switched and
+            ``excluded`` (name -> why it was left out).
     """
 
     version: int
@@ -61,6 +66,7 @@ class PushReport:
     delta_changed_share: float | None = None
     delta_encode_s: float | None = None
     delta_decode_s: float | None = None
+    fleet: Mapping[str, FleetSwitch] = field(default_factory=dict)
 
 
 class PushHandle:
@@ -104,6 +110,7 @@ class Reporter:
     def __init__(
         self, ctl: Control, members: Membership, planes: Callable[[], Sequence[SendPlane]],
         deltas: DeltaStreams | None, *, total_bytes: int, timeout_s: float,
+        fleet: Callable[[int], Mapping[str, FleetSwitch]] = lambda version: {},
     ) -> None:  # fmt: skip
         self._ctl = ctl.clone()
         self._lock = threading.Lock()
@@ -113,6 +120,7 @@ class Reporter:
         self._bytes = total_bytes
         self.timeout_s = timeout_s
         self._complaints = Complaints(log, "push report")
+        self._fleet = fleet
 
     def collect(self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float) -> PushReport:
         if handle.dropped:
@@ -197,4 +205,5 @@ class Reporter:
             delta_changed_share=None if stats is None else stats.changed_share,
             delta_encode_s=None if stats is None else stats.encode_s,
             delta_decode_s=max(decode_times) if decode_times else None,
+            fleet=dict(self._fleet(handle.version)),
         )

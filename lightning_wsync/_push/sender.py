@@ -35,7 +35,13 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import host_id, local_address
 from lightning_wsync._control.manifest import build_manifest, select_tensors
-from lightning_wsync._control.records import ClosedRecord, ManifestRecord, SenderPointer, VersionRecord
+from lightning_wsync._control.records import (
+    ClosedRecord,
+    FleetSwitch,
+    ManifestRecord,
+    SenderPointer,
+    VersionRecord,
+)
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import (
     Control,
@@ -45,6 +51,7 @@ from lightning_wsync._control.store import (
     retire_old_epochs,
 )
 from lightning_wsync._planes.open import SenderSpec, SendSide
+from lightning_wsync._push.fleet import FleetCoordinator
 from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
 from lightning_wsync.config import SenderConfig, config_values
@@ -104,15 +111,19 @@ class WeightSender:
         self._ring = self._side.ring
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
         self._complaints = Complaints(log, "the sender's background thread")
+        self._published_versions: list[int] = []
+        # Receivers with ReceiverConfig.fleet switch versions together: rounds on a thread of its own.
+        self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._ring,
+                                       self._newest_published, cfg.timeout_s)  # fmt: skip
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
-                                  total_bytes=self.layout.total_bytes, timeout_s=cfg.timeout_s)  # fmt: skip
+                                  total_bytes=self.layout.total_bytes, timeout_s=cfg.timeout_s,
+                                  fleet=self._fleet.switched_for)  # fmt: skip
 
         self._announce(spec)
 
         self._closed = False
         self._last_handle: PushHandle | None = None
         self._pending: list[PushHandle] = []
-        self._published_versions: list[int] = []
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -218,6 +229,10 @@ class WeightSender:
         for plane in self._side.planes:
             plane.published(version, peers)
 
+    def _newest_published(self) -> int | None:
+        published = self._published_versions
+        return published[-1] if published else None
+
     def _refresh(self) -> None:
         """Follow the receivers, and hand every plane who is live, gone and retired."""
         self._members.refresh()
@@ -235,6 +250,10 @@ class WeightSender:
     def superseded_sends(self) -> int:
         """Network sends overwritten mid-send (a receiver stalled past the pin lease), over all links."""
         return sum(plane.superseded for plane in self._side.planes)
+
+    def fleet_switches(self, group: str) -> list[FleetSwitch]:
+        """The newest few switches of fleet ``group`` (receivers with ``fleet=group``), oldest first."""
+        return self._fleet.switches(group)
 
     def receivers(self) -> list[str]:
         """Names of the receivers currently considered live."""
@@ -284,6 +303,7 @@ class WeightSender:
             with self._wake:
                 self._wake.notify()
             self._side.stop()  # ends sends blocked on stalled receivers now
+            self._fleet.close()
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             stuck = self._side.close(deadline)

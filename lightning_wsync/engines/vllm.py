@@ -37,7 +37,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -45,7 +46,7 @@ import torch
 from typing_extensions import Self
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run
+from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run, unwrap
 from lightning_wsync.engines._vllm_names import check_names
 from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
@@ -127,18 +128,31 @@ class WsyncWorkerExtension:
             elif staged.version is None or staged.version < min_version:
                 receiver.wait_for_version(min_version, timeout_s)
             if staged.version is not None:
-                self._wsync_check_names(receiver.name, staged)
+                self._wsync_check_names(receiver.name, staged.tensors)
             return staged.version
 
         return outcome(stage)
 
-    def _wsync_check_names(self, name: str, staged: StagedVersion) -> None:
-        """Refuse a staged version whose tensor names the model would not load (once per name set)."""
-        names = frozenset(staged.tensors)
+    def wsync_check_layout(self) -> dict[str, Any]:
+        """At start-up: check the names the sender publishes now, if its layout is on the store
+        already (the trainer started first); else the first stage checks them."""
+
+        def check() -> int | None:
+            receiver = self._wsync_get()
+            tensors = receiver.published_tensors()
+            if tensors is not None:
+                self._wsync_check_names(receiver.name, tensors)
+            return None
+
+        return outcome(check)
+
+    def _wsync_check_names(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse tensor names the model would not load (checked once per name set)."""
+        names = frozenset(tensors)
         if names == self._wsync_checked:
             return
         if self._wsync_refused is None or self._wsync_refused[0] != names:
-            refused, missing = check_names(cast(_Worker, self).vllm_config, staged.tensors.items())
+            refused, missing = check_names(cast(_Worker, self).vllm_config, tensors.items())
             if not refused:
                 if missing:
                     log.warning("vLLM worker %r: no trainer tensor reaches %s; they keep their values", name, missing)
@@ -177,6 +191,7 @@ class WsyncWorkerExtension:
             "rejected": r.rejected,
             "latest_published": r.latest_published,
             "sender_closed": r.sender_closed,
+            "fleet_switch": None if not r.fleet_switches else asdict(r.fleet_switches[-1]),
         }
 
     def wsync_close(self) -> None:
@@ -246,6 +261,11 @@ class VllmWeightSync:
                 f"({type(exc).__name__}: {exc}); create the LLM with "
                 f"worker_extension_cls={WORKER_EXTENSION!r} (make_llm does), and check store={store!r}, job={job!r}"
             ) from exc
+        try:  # names checked now when the trainer published its layout first
+            unwrap(self._llm.collective_rpc("wsync_check_layout"), self.names, "start")
+        except WeightSyncError:
+            self._llm.collective_rpc("wsync_close")
+            raise
         self._closed = False
         log.info("VllmWeightSync: receivers %s started", self.names)
 
@@ -276,7 +296,8 @@ class VllmWeightSync:
         return self.version
 
     def state(self) -> list[dict[str, Any]]:
-        """Per worker: version loaded, version staged, rejected count, newest published, sender closed."""
+        """Per worker: version loaded, version staged, rejected count, newest published, sender
+        closed, and with ``fleet`` the newest switch seen (version, ``at``, rids, ``excluded``)."""
         return list(self._llm.collective_rpc("wsync_state"))
 
     @property

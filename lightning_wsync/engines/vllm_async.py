@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, Results, agree, load, run_async
+from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,11 @@ class AsyncVllmWeightSync:
                 f"{exc}); create the engine with worker_extension_cls=WORKER_EXTENSION, and check store={store!r}, "
                 f"job={job!r}"
             ) from exc
+        try:  # names checked now when the trainer published its layout first
+            unwrap(list(await engine.collective_rpc("wsync_check_layout")), names, "start")
+        except WeightSyncError:
+            await engine.collective_rpc("wsync_close")
+            raise
         return cls(engine, names, timeout_s, pause_mode, clear_cache)
 
     async def update(self) -> int | None:

@@ -18,7 +18,7 @@ def _table_rows() -> list[re.Pattern[str]]:
     rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
     body = lines[rules[1] + 1 : rules[2]]  # between the header's rule and the closing one
     firsts = [line.split()[0] for line in body if line and not line.startswith(" ")]
-    parts = {"<name>": "[^/]+", "<hostkey>": "[0-9a-f]{16}"}
+    parts = {"<name>": "[^/]+", "<group>": "[^/]+", "<hostkey>": "[0-9a-f]{16}"}
     return [re.compile(re.sub(r"<[a-z]+>", lambda m: parts.get(m[0], "[0-9]+"), first)) for first in firsts]
 
 
@@ -42,6 +42,9 @@ def _built() -> dict[str, str]:
         "member_gone": keys.member_gone(7),
         "member_state": keys.member_state(7),
         "member_link": keys.member_link(7),
+        "member_fleet": keys.member_fleet(7),
+        "fleet_round": keys.fleet_round("rollout"),
+        "fleet_switch": keys.fleet_switch("rollout"),
         "link_prefix": prefix,
         "relay_leader": keys.relay_leader(3, "node-1/boot"),
         "relay_chain": keys.relay_chain(3),
@@ -54,7 +57,7 @@ def _built() -> dict[str, str]:
 
 def test_every_key_built_has_a_row_in_the_table_and_every_row_a_builder():
     rows = _table_rows()
-    assert len(rows) == 23, [r.pattern for r in rows]
+    assert len(rows) == 26, [r.pattern for r in rows]
     unmatched_rows = set(range(len(rows)))
     for name, key in _built().items():
         hits = [i for i, row in enumerate(rows) if row.fullmatch(key)]
@@ -77,7 +80,8 @@ def test_keys_carry_their_arguments_and_never_collide():
 
 def test_grouped_keys_are_the_single_keys():
     assert keys.member_keys(4) == (
-        keys.member(4), keys.member_heartbeat(4), keys.member_state(4), keys.member_gone(4), keys.member_link(4)
+        keys.member(4), keys.member_heartbeat(4), keys.member_state(4), keys.member_gone(4), keys.member_link(4),
+        keys.member_fleet(4),
     )  # fmt: skip
     assert keys.version_keys(9) == (keys.version_record(9), keys.version_sums(9))
     assert keys.epoch_keys(2) == (keys.sender_record(2), keys.manifest(2), keys.closed(2))

@@ -132,20 +132,20 @@ class ShmSegment:
         self.header[_SLOT_BASE + 2 * slot] = seq
         return seq
 
-    def newest(self) -> SlotRef | None:
-        """The complete slot with the highest version, as the header stands now."""
+    def newest(self, version: int | None = None) -> SlotRef | None:
+        """The complete slot with the highest version (or holding ``version``), as the header stands now."""
         best: SlotRef | None = None
         for slot in range(self.slots):
             seq = self.seq(slot)
             if seq == 0 or seq % 2:
                 continue
             fence()
-            version = self.version(slot)
+            held = self.version(slot)
             fence()
-            if self.seq(slot) != seq:
+            if self.seq(slot) != seq or (version is not None and held != version):
                 continue
-            if best is None or version > best.version:
-                best = SlotRef(slot, seq, version)
+            if best is None or held > best.version:
+                best = SlotRef(slot, seq, held)
         return best
 
     def close(self) -> None:
@@ -233,8 +233,8 @@ class ShmReader:
         else:
             time.sleep(timeout_s)
 
-    def newest(self) -> SlotRef | None:
-        return self._segment.newest()
+    def newest(self, version: int | None = None) -> SlotRef | None:
+        return self._segment.newest(version)
 
     def change_marker(self) -> tuple[int, ...]:
         """Every slot's sequence: it moves whenever a write starts or ends."""

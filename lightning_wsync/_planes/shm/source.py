@@ -78,6 +78,34 @@ class SharedMemorySource:
             )
         return None
 
+    def apply_exactly(self, version: int, sums: SumsLookup | None, reject: Reject) -> int | None:
+        """Write ``version`` itself (not the newest) into the module; None when the ring no
+        longer holds it, its checksums are not out yet, or it failed them.
+
+        Raises:
+            WeightSyncIntegrityError: it was overwritten under the copy (the module holds a torn copy).
+        """
+        for _ in range(_PIN_ATTEMPTS):
+            ref = self._reader.newest(version)
+            if ref is None or version == self._rejected:
+                return None
+            expected = None if sums is None else sums(version)
+            if sums is not None and expected is None:
+                return None
+            if not self._reader.pin(ref):
+                continue
+            if expected is not None and not self._verified(ref, expected, reject):
+                self._reader.unpin(ref)
+                return None
+            self._reader.copy_to(ref, self._ordered)
+            if self._reader.unpin(ref):
+                return version
+            raise WeightSyncIntegrityError(
+                f"WeightReceiver {self._name!r}: version {version} was overwritten in shared memory while "
+                f"copied (this process stalled past the sender's pin lease)"
+            )
+        return None
+
     def _verified(self, ref: SlotRef, expected: list[int], reject: Reject) -> bool:
         bad = self._reader.mismatch(ref, expected)
         if bad is None:
