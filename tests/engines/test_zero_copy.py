@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from lightning_wsync import WeightSender, WeightSyncIntegrityError
 from lightning_wsync.engines.vllm import VllmWeightSync
+from lightning_wsync.testing.procs import Children, init_child, receive, report_failure
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,20 +69,23 @@ def anon_bytes() -> int:
 
 @contextmanager
 def lending_engine(
-    port: int, job: str, model: Callable[[], nn.Module], zero_copy: bool = True
+    port: int, job: str, model: Callable[[], nn.Module], zero_copy: bool = True, verify: bool = False
 ) -> Iterator[tuple[nn.Module, FakeEngine, WeightSender, VllmWeightSync]]:
     src, engine = model(), FakeEngine(2)
     engine.workers = [LendingWorker(rank, model()) for rank in range(2)]
     store = f"127.0.0.1:{port}"
     with (
         WeightSender(src, store=store, job=job, timeout_s=10) as sender,
-        VllmWeightSync(engine, store=store, job=job, name="engine", timeout_s=10, zero_copy=zero_copy) as sync,
+        VllmWeightSync(
+            engine, store=store, job=job, name="engine", timeout_s=10, zero_copy=zero_copy, verify=verify
+        ) as sync,
     ):
         yield src, engine, sender, sync
 
 
-def test_workers_load_views_of_the_shared_segment(port):
-    with lending_engine(port, "zc-views", lambda: mixed_model(1)) as (src, engine, sender, sync):
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_workers_load_views_of_the_shared_segment(port, verify):
+    with lending_engine(port, f"zc-v{verify}", lambda: mixed_model(1), verify=verify) as (src, engine, sender, sync):
         for version in range(4):
             mutate(src, version)
             sender.push(version)
@@ -97,18 +102,30 @@ def test_workers_load_views_of_the_shared_segment(port):
         assert [w._wsync_lender.loan for w in engine.workers] == [None, None]  # type: ignore[union-attr]
 
 
+def measure_growth(conn: Connection, port: int, zero_copy: bool, mb: int) -> None:
+    """In a fresh process (no freed memory to reuse): private memory grown by two versions' loads."""
+    init_child()
+    try:
+        with lending_engine(port, "zc-rss", lambda: big_model(mb), zero_copy) as (src, engine, sender, sync):
+            sender.push(0)
+            before = anon_bytes()
+            assert sync.wait_for_version(0) == 0
+            mutate(src, 1)
+            sender.push(1)
+            assert sync.update() == 1
+            grown = anon_bytes() - before
+            assert [digest(w.model) for w in engine.workers] == [digest(src)] * 2
+        conn.send(("grown", grown))
+    except Exception:  # noqa: BLE001 - the parent shows it
+        report_failure(conn, "measure_growth")
+
+
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "copying"])
 def test_no_private_copy_of_the_weights(port, zero_copy):
     mb = 64
-    with lending_engine(port, f"zc-rss-{zero_copy}", lambda: big_model(mb), zero_copy) as (src, engine, sender, sync):
-        sender.push(0)
-        before = anon_bytes()
-        assert sync.wait_for_version(0) == 0
-        mutate(src, 1)
-        sender.push(1)
-        assert sync.update() == 1
-        grown = anon_bytes() - before
-        assert [digest(w.model) for w in engine.workers] == [digest(src)] * 2
+    with Children() as kids:
+        grown = receive(kids.start(measure_growth, (port, zero_copy, mb), "measure"), 90, "the growth")[1]
+    assert isinstance(grown, int)
     if zero_copy:
         assert grown < (mb << 20) // 4, f"the workers' private memory grew by {grown / 2**20:.1f} MiB"
     else:  # the measurement sees private copies: one per worker
