@@ -35,6 +35,7 @@ from lightning_wsync._control.records import FleetSwitch, ManifestRecord, Sender
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import Control, connect_store, resolve_job
 from lightning_wsync._pull.fleet import FleetMember
+from lightning_wsync._pull.loan import SharedLender
 from lightning_wsync._pull.target import ApplyTarget, TargetTensors
 from lightning_wsync._pull.target import CopyInto as _CopyInto
 from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
@@ -226,6 +227,12 @@ class WeightReceiver:
             for e in record.layout.entries
             if pick.selects(e.name)
         }
+
+    def shared_lender(self) -> SharedLender:
+        """Lends versions straight out of this host's shared memory (an engine's loader reads
+        the pinned slot itself): :mod:`~lightning_wsync._pull.loan`. Apply targets only."""
+        assert self._target is not None and not self._module and self._fleet is None
+        return SharedLender(self._watcher, self._apply_lock, self._target.selects, self.config.verify, self.name)
 
     @property
     def fleet_switches(self) -> tuple[FleetSwitch, ...]:

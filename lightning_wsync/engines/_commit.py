@@ -143,8 +143,20 @@ def load(names: Sequence[str], version: int, timeout_s: float) -> Steps[None]:
     try:
         loaded = unwrap((yield Call("wsync_load", (version,), timeout_s + RPC_MARGIN_S)), names, "load")
     except WeightSyncError as exc:
-        raise WeightSyncError(
+        raise type(exc)(
             f"engine: loading version {version} failed ({exc}); workers may hold parts of different "
             f"versions until the next update() loads the newest everywhere"
         ) from exc
     assert loaded == [version] * len(names), loaded
+
+
+def zero_copy_option(owner: str, zero_copy: bool, values: Mapping[str, Any]) -> dict[str, bool]:
+    """The worker option for ``zero_copy`` (none when off), checked against the receiver's options."""
+    if not isinstance(zero_copy, bool):
+        raise TypeError(f"{owner}: zero_copy={zero_copy!r} must be True or False")
+    if zero_copy and values.get("fleet") is not None:
+        raise ValueError(
+            f"{owner}: zero_copy=True with fleet={values['fleet']!r}: a fleet member stages its round's "
+            f"version in a private copy; leave one of them out"
+        )
+    return {"zero_copy": True} if zero_copy else {}

@@ -46,11 +46,12 @@ import torch
 from typing_extensions import Self
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run, unwrap
+from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run, unwrap, zero_copy_option
 from lightning_wsync.engines._vllm_names import check_names
-from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
+from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
 
 if TYPE_CHECKING:
+    from lightning_wsync._pull.loan import SharedLender
     from lightning_wsync._pull.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class WsyncWorkerExtension:
 
     _wsync_receiver: WeightReceiver | None = None
     _wsync_staged: StagedVersion | None = None
+    _wsync_lender: SharedLender | None = None  # with zero_copy: versions lent out of shared memory
     _wsync_loaded: int | None = None
     _wsync_checked: frozenset[str] = frozenset()
     _wsync_refused: tuple[frozenset[str], str] | None = None  # names refused, and why
@@ -110,8 +112,11 @@ class WsyncWorkerExtension:
         rank = cast(_Worker, self).rank
         options = dict(options)  # workers in one process share the caller's dict
         base = options.pop("name", None) or f"vllm-{os.getpid()}"
+        zero_copy = bool(options.pop("zero_copy", False))
         self._wsync_staged = StagedVersion()
         self._wsync_receiver = WeightReceiver(self._wsync_staged, store, job, name=f"{base}-w{rank}", **options)
+        if zero_copy:
+            self._wsync_lender = self._wsync_receiver.shared_lender()
         return self._wsync_receiver.name
 
     def wsync_stage(self, min_version: int | None, timeout_s: float) -> dict[str, Any]:
@@ -123,6 +128,14 @@ class WsyncWorkerExtension:
         def stage() -> int | None:
             receiver, staged = self._wsync_get(), self._wsync_staged
             assert staged is not None
+            lender = self._wsync_lender
+            if lender is not None and not lender.copies:  # zero_copy, the trainer's host: no private copy
+                loan = lender.lend(min_version, timeout_s, self._wsync_loaded)
+                if loan is not None or not lender.copies:
+                    if loan is not None and loan.version != self._wsync_loaded:
+                        self._wsync_check_names(receiver.name, loan.tensors)
+                    staged.version, staged.tensors = (None, {}) if loan is None else loan
+                    return staged.version
             if min_version is None:
                 receiver.update()
             elif staged.version is None or staged.version < min_version:
@@ -176,7 +189,20 @@ class WsyncWorkerExtension:
                 raise WeightSyncError(f"asked to load version {version} but version {staged.version!r} is staged")
             started = time.perf_counter()
             self._wsync_loaded = None  # until the reload returns, the model may hold parts of two versions
-            cast(_Worker, self).reload_weights(weights_iterator=iter(staged.tensors.items()))
+            lender = self._wsync_lender
+            lent = lender is not None and lender.loan is not None and lender.loan.version == version
+            intact = True
+            try:
+                cast(_Worker, self).reload_weights(weights_iterator=iter(staged.tensors.items()))
+            finally:
+                if lender is not None and lent:
+                    intact = lender.give_back()
+                    staged.tensors = {}  # views of a slot no longer pinned
+            if lent and not intact:
+                raise WeightSyncIntegrityError(
+                    f"version {version} was overwritten in shared memory while the engine loaded it (the worker "
+                    f"stalled past the sender's pin lease); the model may hold a torn copy"
+                )
             self._wsync_loaded = version
             log.debug("vLLM worker loaded version %d in %.3f s", version, time.perf_counter() - started)
             return version
@@ -187,14 +213,18 @@ class WsyncWorkerExtension:
         r = self._wsync_get()
         return {
             "version": self._wsync_loaded,
-            "staged": r.version,
+            "staged": r.version if self._wsync_lender is None else cast(StagedVersion, self._wsync_staged).version,
             "rejected": r.rejected,
             "latest_published": r.latest_published,
             "sender_closed": r.sender_closed,
             "fleet_switch": None if not r.fleet_switches else asdict(r.fleet_switches[-1]),
+            "zero_copy": self._wsync_lender is not None and not self._wsync_lender.copies,
         }
 
     def wsync_close(self) -> None:
+        lender, self._wsync_lender = self._wsync_lender, None
+        if lender is not None:
+            lender.close()
         receiver, self._wsync_receiver = self._wsync_receiver, None
         if receiver is not None:
             receiver.close()
@@ -233,6 +263,9 @@ class VllmWeightSync:
         store: ``"host:port"`` of the job's store. Default ``$WSYNC_STORE``.
         job: the job's name on the store. Default ``$WSYNC_JOB``.
         name: receivers appear as ``{name}-w{worker rank}`` in push reports.
+        zero_copy: workers on the trainer's host load each version straight out of the host's
+            shared memory (the pinned snapshot slot) instead of a private copy each; elsewhere
+            they copy as usual. Not with ``fleet``. See docs/engines.md.
         options: :class:`~lightning_wsync.ReceiverConfig` fields (``timeout_s``, ``secret``,
             ``verify``, ``include``, ``exclude``), as for :class:`WeightReceiver` (``secret``
             default ``$WSYNC_SECRET``, read in the workers).
@@ -245,12 +278,14 @@ class VllmWeightSync:
         job: str | None = None,
         *,
         name: str | None = None,
+        zero_copy: bool = False,
         **options: object,
     ) -> None:
         # Validated here, before any worker starts: bad input fails in the caller's process.
         values = config_values(ReceiverConfig, None, {"name": name, **options}, owner="VllmWeightSync")
         self._llm = cast(_Engine, llm)
         self.timeout_s = ReceiverConfig(**values).timeout_s
+        values.update(zero_copy_option("VllmWeightSync", zero_copy, values))
         self.version: int | None = None
         try:
             self.names: list[str] = self._llm.collective_rpc("wsync_start", args=(store, job, values))
@@ -297,7 +332,8 @@ class VllmWeightSync:
 
     def state(self) -> list[dict[str, Any]]:
         """Per worker: version loaded, version staged, rejected count, newest published, sender
-        closed, and with ``fleet`` the newest switch seen (version, ``at``, rids, ``excluded``)."""
+        closed, with ``fleet`` the newest switch seen (version, ``at``, rids, ``excluded``), and
+        whether it loads straight out of shared memory (``zero_copy``)."""
         return list(self._llm.collective_rpc("wsync_state"))
 
     @property

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap
+from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class AsyncVllmWeightSync:
         name: str | None = None,
         pause_mode: PauseMode = "keep",
         clear_cache: bool = False,
+        zero_copy: bool = False,
         **options: object,
     ) -> AsyncVllmWeightSync:
         """Start a receiver in every worker of ``engine`` (created with ``worker_extension_cls=WORKER_EXTENSION``)."""
@@ -107,6 +108,7 @@ class AsyncVllmWeightSync:
             )
         values = config_values(ReceiverConfig, None, {"name": name, **options}, owner="AsyncVllmWeightSync")
         timeout_s = ReceiverConfig(**values).timeout_s
+        values.update(zero_copy_option("AsyncVllmWeightSync", zero_copy, values))
         try:
             names = list(await engine.collective_rpc("wsync_start", args=(store, job, values)))
         except Exception as exc:

@@ -3,7 +3,8 @@
 Every worker holds half of each sharded weight, so a worker left on another version
 garbles every token; greedy tokens equal to transformers' at the reported version show
 both workers loaded that same version. Versions are also pushed faster than the engine
-reloads (landing between the workers' stages).
+reloads (landing between the workers' stages). With ``zero_copy`` both workers load
+straight out of the host's shared memory.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BURST = range(3, 9)  # versions pushed every few ms while the engine updates
 
 
-def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatch, children):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copying", "zero_copy"])
+def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatch, children, zero_copy):
     import psutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
@@ -62,9 +64,10 @@ def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatc
     try:
         with (
             WeightSender(trainer, store=store, job="tp2", timeout_s=60) as sender,
-            VllmWeightSync(llm, store=store, job="tp2", name="engine", timeout_s=60) as sync,
+            VllmWeightSync(llm, store=store, job="tp2", name="engine", timeout_s=60, zero_copy=zero_copy) as sync,
         ):
             assert sync.names == ["engine-w0", "engine-w1"]
+            assert [s["zero_copy"] for s in sync.state()] == [zero_copy, zero_copy]
             seen = []
             for version in range(3):
                 push(version)

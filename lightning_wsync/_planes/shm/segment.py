@@ -12,6 +12,8 @@ sequence and lets go if it moved. At least one of the two sees the other, so a r
 re-check copies bytes that stay intact until it unpins. A pin expires when its process
 is gone or after ``lease_s``; only a reader stalled that long mid-copy can be
 overwritten, and it notices (the sequence moved) and copies again.
+
+Longer than 300 lines: the writer's segment and the reader's side of one pin protocol, kept together.
 """
 
 from __future__ import annotations
@@ -271,6 +273,14 @@ class ShmReader:
             time.sleep(_CLAIM_WAIT_S)  # the writer is reading the pin directory: microseconds
             seq = self._segment.seq(ref.slot)
         return seq
+
+    def views(self, ref: SlotRef) -> list[torch.Tensor]:
+        """``ref``'s entries as read-only views of the segment, in layout order (intact while pinned)."""
+        return self._views[ref.slot]
+
+    def touch(self) -> None:
+        """Renew the pin: it holds its slot for another lease from now."""
+        self._pin.touch()
 
     def copy_to(self, ref: SlotRef, tensors: list[torch.Tensor]) -> None:
         """Copy the pinned slot into ``tensors``, renewing the pin every _TOUCH_BYTES: only a

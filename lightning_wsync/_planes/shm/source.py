@@ -106,6 +106,41 @@ class SharedMemorySource:
             )
         return None
 
+    def lend(
+        self, version: int | None, sums: SumsLookup | None, reject: Reject
+    ) -> tuple[SlotRef, list[torch.Tensor]] | None:
+        """Pin the newest complete slot (or the one holding ``version``) and return it with its
+        entries' read-only views, in layout order: no copy. None when there is none, its
+        checksums are not out yet, or it failed them. The pin holds until :meth:`give_back`
+        as long as :meth:`touch` renews it within the sender's lease."""
+        for _ in range(_PIN_ATTEMPTS):
+            ref = self._reader.newest(version)
+            if ref is None or ref.version == self._rejected:
+                return None
+            expected = None if sums is None else sums(ref.version)
+            if sums is not None and expected is None:
+                return None
+            if not self._reader.pin(ref):
+                continue
+            if expected is not None and not self._verified(ref, expected, reject):
+                self._reader.unpin(ref)
+                return None
+            return ref, self._reader.views(ref)
+        return None
+
+    def give_back(self, ref: SlotRef) -> bool:
+        """Unpin a lent slot; True when its bytes stayed intact the whole time."""
+        try:
+            return self._reader.unpin(ref)
+        except (AttributeError, ValueError):
+            return False  # closed under the loan (a new sender epoch): not known to be intact
+
+    def touch(self) -> None:
+        try:
+            self._reader.touch()
+        except ValueError:
+            pass  # closed under the loan: give_back says so
+
     def _verified(self, ref: SlotRef, expected: list[int], reject: Reject) -> bool:
         bad = self._reader.mismatch(ref, expected)
         if bad is None:

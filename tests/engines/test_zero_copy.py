@@ -1,0 +1,164 @@
+"""``zero_copy=True``: engine workers on the trainer's host load each version straight out of
+the host's shared memory, without a private copy each (no vLLM needed: the workers are
+:class:`WsyncWorkerExtension` objects with real receivers, a real store and a real ring).
+
+What is checked: every tensor handed to ``reload_weights`` lies in a read-only mapping of
+the snapshot segment; the workers' anonymous memory does not grow by a copy of the weights
+(it does by one per worker without ``zero_copy``); a slot overwritten while a worker loads
+it fails the load with ``WeightSyncIntegrityError`` and the next ``update()`` loads the
+newest everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+from _workers import big_model, digest, mixed_model, mutate
+from test_tp_commit import FakeEngine, FakeWorker
+from torch import nn
+
+from lightning_wsync import WeightSender, WeightSyncIntegrityError
+from lightning_wsync.engines.vllm import VllmWeightSync
+from lightning_wsync.testing.procs import Children, init_child, receive, report_failure
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class LendingWorker(FakeWorker):
+    """Loads into its model without keeping a copy; notes where each tensor it was handed lives."""
+
+    def __init__(self, rank: int, model: nn.Module) -> None:
+        super().__init__(rank)
+        self.model = model
+        self.ptrs: list[list[int]] = []
+        self.before_read: Callable[[], None] | None = None
+
+    def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
+        hook, self.before_read = self.before_read, None
+        if hook is not None:
+            hook()
+        weights = dict(weights_iterator)
+        self.ptrs.append([t.data_ptr() for t in weights.values()])
+        self.model.load_state_dict(weights)  # copies into the model's own tensors
+
+
+def segment_mappings(readonly: bool = True) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of wsync snapshot segments (the readers' are read-only)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and "/wsync-" in fields[5] and fields[1].startswith("r--" if readonly else "r"):
+                a, b = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((a, b))
+    return ranges
+
+
+def anon_bytes() -> int:
+    """This process's resident anonymous memory (private copies; shared memory is not counted)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@contextmanager
+def lending_engine(
+    port: int, job: str, model: Callable[[], nn.Module], zero_copy: bool = True, verify: bool = False
+) -> Iterator[tuple[nn.Module, FakeEngine, WeightSender, VllmWeightSync]]:
+    src, engine = model(), FakeEngine(2)
+    engine.workers = [LendingWorker(rank, model()) for rank in range(2)]
+    store = f"127.0.0.1:{port}"
+    with (
+        WeightSender(src, store=store, job=job, timeout_s=10) as sender,
+        VllmWeightSync(
+            engine, store=store, job=job, name="engine", timeout_s=10, zero_copy=zero_copy, verify=verify
+        ) as sync,
+    ):
+        yield src, engine, sender, sync
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_workers_load_views_of_the_shared_segment(port, verify):
+    with lending_engine(port, f"zc-v{verify}", lambda: mixed_model(1), verify=verify) as (src, engine, sender, sync):
+        for version in range(4):
+            mutate(src, version)
+            sender.push(version)
+            assert sync.wait_for_version(version) == version
+            assert [digest(w.model) for w in engine.workers] == [digest(src)] * 2
+        ranges = segment_mappings()
+        assert ranges, "no read-only mapping of a snapshot segment"
+        for w in engine.workers:
+            assert len(w.ptrs) == 4
+            outside = [p for load in w.ptrs for p in load if not any(a <= p < b for a, b in ranges)]
+            assert not outside, f"worker {w.rank} was handed tensors outside the shared segment: {outside}"
+        assert [(s["version"], s["zero_copy"]) for s in sync.state()] == [(3, True), (3, True)]
+        assert sync.update() is None  # nothing newer: no load, no pin held
+        assert [w._wsync_lender.loan for w in engine.workers] == [None, None]  # type: ignore[union-attr]
+
+
+def measure_growth(conn: Connection, port: int, zero_copy: bool, mb: int) -> None:
+    """In a fresh process (no freed memory to reuse): private memory grown by two versions' loads."""
+    init_child()
+    try:
+        with lending_engine(port, "zc-rss", lambda: big_model(mb), zero_copy) as (src, engine, sender, sync):
+            sender.push(0)
+            before = anon_bytes()
+            assert sync.wait_for_version(0) == 0
+            mutate(src, 1)
+            sender.push(1)
+            assert sync.update() == 1
+            grown = anon_bytes() - before
+            assert [digest(w.model) for w in engine.workers] == [digest(src)] * 2
+        conn.send(("grown", grown))
+    except Exception:  # noqa: BLE001 - the parent shows it
+        report_failure(conn, "measure_growth")
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "copying"])
+def test_no_private_copy_of_the_weights(port, zero_copy):
+    mb = 64
+    with Children() as kids:
+        grown = receive(kids.start(measure_growth, (port, zero_copy, mb), "measure"), 90, "the growth")[1]
+    assert isinstance(grown, int)
+    if zero_copy:
+        assert grown < (mb << 20) // 4, f"the workers' private memory grew by {grown / 2**20:.1f} MiB"
+    else:  # the measurement sees private copies: one per worker
+        assert grown > 1.5 * (mb << 20), f"copying workers grew by only {grown / 2**20:.1f} MiB"
+
+
+def test_a_slot_overwritten_during_the_load_fails_it_and_the_next_update_loads_the_newest(port):
+    with lending_engine(port, "zc-torn", lambda: mixed_model(1)) as (src, engine, sender, sync):
+        sender.push(0)
+        assert sync.wait_for_version(0) == 0
+        mutate(src, 1)
+        sender.push(1)
+        w1 = engine.workers[1]
+
+        def stall_past_the_lease() -> None:
+            # as if worker 1 stopped past the sender's lease: its pin lapses, two pushes
+            # later the slot it loads from holds version 3
+            source = w1._wsync_lender._held[0]  # type: ignore[union-attr,index]
+            source._reader._pin.release()
+            for version in (2, 3):
+                mutate(src, version)
+                assert not sender.push(version).dropped, f"version {version} dropped"
+
+        w1.before_read = stall_past_the_lease
+        with pytest.raises(WeightSyncIntegrityError, match=r"loading version 1 failed .*overwritten in shared memory"):
+            sync.update()
+        assert sync.version is None
+        assert [s["version"] for s in sync.state()] == [1, None]
+        assert sync.update() == 3  # the newest, everywhere
+        assert [digest(w.model) for w in engine.workers] == [digest(src)] * 2
+        assert [s["version"] for s in sync.state()] == [3, 3]
+
+
+def test_zero_copy_is_refused_with_fleet(port):
+    with pytest.raises(ValueError, match=r"VllmWeightSync: zero_copy=True with fleet='g'"):
+        VllmWeightSync(FakeEngine(1), store=f"127.0.0.1:{port}", job="zc", zero_copy=True, fleet="g")
