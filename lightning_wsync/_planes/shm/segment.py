@@ -134,7 +134,11 @@ class ShmSegment:
 
     def newest(self) -> SlotRef | None:
         """The complete slot with the highest version, as the header stands now."""
-        best: SlotRef | None = None
+        return max(self.complete(), key=lambda ref: ref.version, default=None)
+
+    def complete(self) -> list[SlotRef]:
+        """Every slot that holds a complete version, as the header stands now."""
+        refs: list[SlotRef] = []
         for slot in range(self.slots):
             seq = self.seq(slot)
             if seq == 0 or seq % 2:
@@ -142,11 +146,9 @@ class ShmSegment:
             fence()
             version = self.version(slot)
             fence()
-            if self.seq(slot) != seq:
-                continue
-            if best is None or version > best.version:
-                best = SlotRef(slot, seq, version)
-        return best
+            if self.seq(slot) == seq:
+                refs.append(SlotRef(slot, seq, version))
+        return refs
 
     def close(self) -> None:
         # Never ``mmap.close()``: it unmaps even while tensor views exist (``torch.frombuffer``
@@ -236,6 +238,9 @@ class ShmReader:
     def newest(self) -> SlotRef | None:
         return self._segment.newest()
 
+    def complete(self) -> list[SlotRef]:
+        return self._segment.complete()
+
     def change_marker(self) -> tuple[int, ...]:
         """Every slot's sequence: it moves whenever a write starts or ends."""
         return tuple(self._segment.seq(s) for s in range(self._segment.slots))
@@ -282,6 +287,11 @@ class ShmReader:
 
     def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:
         staging.copy_(self._segment.data[ref.slot])
+
+    def checksums(self, ref: SlotRef) -> list[int]:
+        """Every bucket's checksum of the pinned slot."""
+        data = self._segment.data[ref.slot]
+        return [checksum(data, a, b) for a, b in self._layout.buckets]
 
     def mismatch(self, ref: SlotRef, sums: list[int]) -> int | None:
         """Index of the first bucket of the pinned slot whose checksum differs (None: all match)."""
