@@ -142,11 +142,8 @@ def _sharded_rows(name: str, t: torch.Tensor, world: int) -> list[tuple[int, int
     if all(isinstance(p, Replicate) for p in placements):
         return None
     mesh = t.device_mesh
-    if mesh.ndim == 1 and mesh.mesh.tolist() != list(range(world)):
-        raise ValueError(
-            f"sharded push: tensor {name!r} is sharded over ranks {mesh.mesh.tolist()!r}, not over every trainer "
-            f"rank 0..{world - 1} in order; shard over the whole data-parallel group, or push unsharded (sharded=False)"
-        )
+    if mesh.size() == 1:
+        return None  # a mesh of one rank: every rank holds the whole tensor (as DDP would)
     if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
         raise ValueError(
             f"sharded push: tensor {name!r} has placements {placements!r} on a {mesh.ndim}-D mesh; only Shard(0) "
@@ -157,6 +154,12 @@ def _sharded_rows(name: str, t: torch.Tensor, world: int) -> list[tuple[int, int
         raise ValueError(
             f"sharded push: tensor {name!r} is sharded over {mesh.size()} ranks, but the trainer has {world}; "
             f"shard over the whole data-parallel group, or push unsharded (sharded=False)"
+        )
+    if mesh.get_local_rank() != torch.distributed.get_rank():
+        raise ValueError(
+            f"sharded push: tensor {name!r} is sharded over a mesh where this rank (global rank "
+            f"{torch.distributed.get_rank()}) is number {mesh.get_local_rank()}; shard over every trainer rank in "
+            f"order, or push unsharded (sharded=False)"
         )
     n = t.shape[0]
     chunk = -(-n // world)

@@ -54,7 +54,7 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(t
     for _ in receivers:
         next_message(results, "ready", timeout_s=60)
 
-    trainer = _trainer(tmp_path, store, strategy, "--every", "2", "--max-steps", "5")
+    trainer = _trainer(tmp_path, store, strategy, "--every", "2", "--max-steps", "5", "--fsdp-shards", "2")
     children.track(trainer.pid)
     output = _finish(trainer, 150)
     assert trainer.returncode == 0, output[-4000:]

@@ -168,14 +168,14 @@ class _Probe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.digest = self._full_digest(trainer, pl_module)
-        self._record(trainer, pl_module, self.digest)
+        self._record(trainer, pl_module, known=True)
 
-    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, known: str | None = None) -> None:
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, known: bool = False) -> None:
         version = self.sync.last_pushed_version  # the same on every rank: the collective below is safe
         if version is None or version == self._seen:
             return
         self._seen = version
-        value = known if known is not None else self._full_digest(trainer, pl_module)
+        value = self.digest if known else self._full_digest(trainer, pl_module)
         if trainer.is_global_zero and value is not None:
             self.digests[version] = value
             if self._out is not None:
@@ -200,9 +200,17 @@ class _Probe(pl.Callback):
         return digest(plain)
 
 
-def main() -> None:
+def _fsdp(shards: int) -> Any:
+    """Lightning's ModelParallelStrategy: with ``shards`` (2) FSDP2 splits every parameter over both
+    ranks; with 0 ("auto") its data-parallel mesh has one rank, so each rank holds whole tensors."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    if not shards:
+        return ModelParallelStrategy()
+    return ModelParallelStrategy(data_parallel_size=shards, tensor_parallel_size=1)
+
+
+def main() -> None:
     from lightning_wsync.callback import WeightSyncCallback
 
     parser = argparse.ArgumentParser()
@@ -213,6 +221,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=5)
     parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--fsdp-shards", type=int, default=0, help="FSDP2's data-parallel size (0: Lightning's auto)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -222,7 +231,7 @@ def main() -> None:
     logger = RecordingLogger()
     fsdp = args.strategy == "fsdp2"
     trainer = pl.Trainer(**trainer_kwargs(
-        args.out, devices=2, strategy=ModelParallelStrategy() if fsdp else "ddp", max_steps=args.max_steps,
+        args.out, devices=2, strategy=_fsdp(args.fsdp_shards) if fsdp else "ddp", max_steps=args.max_steps,
         logger=logger, callbacks=[sync, probe],
     ))  # fmt: skip
     trainer.fit(PolicyModule(shard=fsdp), train_dataloaders=loader())
