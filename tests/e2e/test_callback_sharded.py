@@ -80,3 +80,56 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(t
         assert [v for v, _ in got] == [0, 2, 4, 5], name  # max_version_lag=0: each receiver applies each
         assert all(d == expected[v] for v, d in got), (name, got, expected)
     del server
+
+
+def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path, port, children):
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = f"127.0.0.1:{port}"
+    results = CTX.Queue()
+    receivers = []
+    for name in ("r0", "r1"):
+        receiver = CTX.Process(target=receiver_main, args=(store, "ddp", name, results), daemon=True)
+        receiver.start()
+        children.track(receiver.pid)
+        receivers.append(receiver)
+    for _ in receivers:
+        next_message(results, "ready", timeout_s=60)
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    # Rank 1 SIGKILLs itself halfway through its share of version 4; Lightning then kills rank 0.
+    trainer = _trainer(first, store, "ddp", "--every", "2", "--max-steps", "9", "--timeout-s", "10",
+                       "--kill-share-at", "4")  # fmt: skip
+    children.track(trainer.pid)
+    output = _finish(trainer, 120)
+    assert trainer.returncode != 0, output[-4000:]
+    killed = _digests(first)
+    assert sorted(killed)[:2] == [0, 2]
+
+    trainer = _trainer(second, store, "ddp", "--every", "2", "--max-steps", "8")
+    children.track(trainer.pid)
+    output = _finish(trainer, 150)
+    assert trainer.returncode == 0, output[-4000:]
+    relaunched = json.loads((second / "rank0.json").read_text())["versions"]
+    assert relaunched and relaunched[0] > 2 and relaunched[-1] == 8
+
+    served = {**{v: d for v, d in killed.items() if v < 4}, **_digests(second)}
+    seen: dict[str, list[tuple[int, str]]] = {"r0": [], "r1": []}
+    while any(not got or got[-1][0] < 8 for got in seen.values()):
+        msg = next_message(results, "version", timeout_s=30)
+        seen[msg[1]].append((msg[2], msg[3]))
+    for name, got in seen.items():
+        # Never the killed trainer's version 4 (nor a mix of its shares): 0 and 2 from it, then the relaunch's.
+        assert [v for v, _ in got] == [0, 2, *relaunched], (name, got)
+        assert all(d == served[v] for v, d in got), (name, got, served)
+    for receiver in receivers:
+        receiver.join(timeout=30)
+        assert receiver.exitcode == 0
+    del server
+
+
+def _digests(out: Path) -> dict[int, str]:
+    """The full weights' digest at every version a trainer run pushed (rank 0's probe)."""
+    rows = [json.loads(line) for line in (out / "digests.jsonl").read_text().splitlines()]
+    return {int(v): d for v, d in rows}

@@ -200,6 +200,29 @@ class _Probe(pl.Callback):
         return digest(plain)
 
 
+def _kill_mid_share(version: int) -> None:
+    """Ranks other than 0 SIGKILL themselves halfway through writing their share of ``version``."""
+    import signal
+
+    from lightning_wsync._control.manifest import copy_tensors
+    from lightning_wsync._push import shares
+
+    original = shares.ShareWriter.write
+
+    def write(self: Any, v: int, **kwargs: Any) -> bool:
+        if v == version:
+            ring = self._ring
+            draft = ring.draft()  # the slot is marked as being written
+            assert draft is not None
+            half = len(self._shares.sources) // 2 or 1
+            copy_tensors(ring._views[draft.slot][:half], self._shares.sources[:half])
+            os.kill(os.getpid(), signal.SIGKILL)
+        result: bool = original(self, v, **kwargs)
+        return result
+
+    shares.ShareWriter.write = write  # type: ignore[method-assign]
+
+
 def _fsdp(shards: int) -> Any:
     """Lightning's ModelParallelStrategy: with ``shards`` (2) FSDP2 splits every parameter over both
     ranks; with 0 ("auto") its data-parallel mesh has one rank, so each rank holds whole tensors."""
@@ -221,12 +244,16 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=5)
     parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--kill-share-at", type=int, default=None, help="rank 1 dies mid-share of this version")
     parser.add_argument("--fsdp-shards", type=int, default=0, help="FSDP2's data-parallel size (0: Lightning's auto)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.kill_share_at is not None:
+        _kill_mid_share(args.kill_share_at)
 
     sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
-                              max_version_lag=0, timeout_s=60, sharded=args.sharded)  # fmt: skip
+                              max_version_lag=0, timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
     probe = _Probe(sync, args.out)
     logger = RecordingLogger()
     fsdp = args.strategy == "fsdp2"
