@@ -4,6 +4,8 @@ ShareWriter), a real TCPStore and a receiver. All shares of a version or none of
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest, select_tensors
+from lightning_wsync._control.records import RecordShape, ShardsRecord
 from lightning_wsync._control.shards import plan_shards
 from lightning_wsync._push.shares import ShareWriter, prepare_shares
 from lightning_wsync.testing.models import digest, mutate
@@ -86,3 +89,55 @@ def test_versions_apply_only_when_every_share_is_complete(server, dtype):
             assert digest(rollout, wire) == digest(model, wire)
     finally:
         writer.close()
+
+
+def _placement_worker(rank: int, port: int, results: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        tensors = {"ok": distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)]),
+                   "wide": distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])}  # fmt: skip
+        layout = build_manifest(tensors, None, 1 << 20)
+        try:
+            plan_shards(tensors, layout, 2, 1 << 20)
+            results.put((rank, None))
+        except ValueError as exc:
+            results.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_placement_other_than_shard_0_is_refused_naming_the_tensor_and_placement(port):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_placement_worker, args=(r, port, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        assert got[rank] is not None and "tensor 'wide' has placements (Shard(dim=1),)" in got[rank], got
+        assert "exclude=['wide']" in got[rank] and "sharded=False" in got[rank]
+
+
+def test_the_shard_plan_record_round_trips_and_refuses_a_plan_without_segments():
+    model = _model()
+    tensors = select_tensors(model)
+    layout = build_manifest(tensors, None, 1 << 20)
+    plan = plan_shards(tensors, layout, 2, 1 << 20).with_segments(["wsync-1-2-a", "wsync-1-3-a"])
+    assert ShardsRecord.decode(ShardsRecord(plan).encode()).plan == plan
+    with pytest.raises(RecordShape, match="0 segment names for 2 shares"):
+        ShardsRecord.decode(dataclasses.replace(plan, segments=()).to_json())

@@ -31,6 +31,7 @@ from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, 
 from lightning_wsync._planes.shm.fence import fence
 from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
 from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
+from lightning_wsync._planes.shm.pieces import pieces
 from lightning_wsync._planes.shm.pins import ReaderPin
 from lightning_wsync._planes.shm.wake import WakeSocket
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncError
@@ -188,31 +189,6 @@ def _map(path: str, size: int, create: bool, slots: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _pieces(
-    dst: list[torch.Tensor], src: list[torch.Tensor], piece_bytes: int
-) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """``dst <- src`` as groups of about ``piece_bytes`` (one fused copy each); a tensor larger
-    than that is cut along its flat view where both sides allow it."""
-    out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], [])]
-    size = 0
-    for d, s in zip(dst, src):
-        nbytes = s.numel() * s.element_size()
-        if nbytes > piece_bytes and d.is_contiguous() and s.is_contiguous() and d.numel() == s.numel():
-            step = max(1, piece_bytes // s.element_size())
-            flat_d, flat_s = d.view(-1), s.view(-1)
-            out += [([flat_d[a : a + step]], [flat_s[a : a + step]]) for a in range(0, s.numel(), step)]
-            out.append(([], []))
-            size = 0
-            continue
-        if size and size + nbytes > piece_bytes:
-            out.append(([], []))
-            size = 0
-        out[-1][0].append(d)
-        out[-1][1].append(s)
-        size += nbytes
-    return [group for group in out if group[0]]
-
-
 class ShmReader:
     """A receiver's access to a sender's (or host leader's) ring on this host."""
 
@@ -281,7 +257,7 @@ class ShmReader:
         """Copy the pinned slot into ``tensors``, renewing the pin every _TOUCH_BYTES: only a
         reader that makes no progress for the writer's lease loses its slot."""
         with torch.no_grad():  # flat views of parameters that require grad
-            for dst, src in _pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
+            for dst, src in pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
                 copy_tensors(dst, src)
                 self._pin.touch()
 
