@@ -7,6 +7,7 @@
     lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
     lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
+    lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128  # sharded push vs one rank
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed

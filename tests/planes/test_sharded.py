@@ -49,8 +49,8 @@ def test_plan_covers_every_element_once_and_balances_the_bytes():
     assert again == plan
 
 
-@pytest.mark.parametrize("dtype", [None, "bfloat16"])
-def test_versions_apply_only_when_every_share_is_complete(server, dtype):
+@pytest.mark.parametrize(("dtype", "verify"), [(None, False), ("bfloat16", False), (None, True)])
+def test_versions_apply_only_when_every_share_is_complete(server, dtype, verify):
     model = _model()
     cfg = SenderConfig(job="sharded", timeout_s=2, dtype=dtype)
     mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
@@ -59,8 +59,9 @@ def test_versions_apply_only_when_every_share_is_complete(server, dtype):
     rollout = _zeroed()
     wire = cfg.wire_dtype
     try:
-        with WeightSender(model, store=server, config=cfg, shares=dataclasses.replace(mine, plan=plan)) as sender, \
-                WeightReceiver(rollout, store=server, job="sharded", timeout_s=10) as receiver:  # fmt: skip
+        shares = dataclasses.replace(mine, plan=plan)
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(rollout, store=server, job="sharded", timeout_s=10, verify=verify) as receiver:
             for version in (1, 2):
                 mutate(model, version)
                 assert writer.write(version)
