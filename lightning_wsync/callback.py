@@ -17,6 +17,11 @@ the module's own tensors; the other ranks never talk to rollout workers. FSDP
 push every rank takes part in gathering the full weights
 (``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``), and rank 0 copies
 them into a CPU mirror that it sends. Other strategies (DeepSpeed, XLA) are refused.
+With ``sharded=True`` (DDP and FSDP2, several ranks; receivers on the trainer's host)
+there is no gather and no funnel: every rank snapshots its own share (FSDP2: its local
+shards; replicated tensors: ~1/world of their bytes) into a shared-memory ring of its own,
+and receivers apply a version only once every rank's share of it is complete
+(docs/sharded.md). ``wsync/stall_s`` is then rank 0's own share.
 
 **Blocking.** A push blocks for the snapshot only (plus the gather under FSDP); delivery
 reports are awaited by a daemon thread (``wsync-callback-reports``). With
@@ -53,6 +58,7 @@ metrics), as Lightning's own callbacks are.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -75,6 +81,7 @@ from typing_extensions import override
 
 from lightning_wsync._push.report import PushReport
 from lightning_wsync._push.sender import WeightSender
+from lightning_wsync._push.shares import Shares, ShareWriter, prepare_shares
 from lightning_wsync._push.waiter import ReportWaiter
 from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
@@ -95,6 +102,9 @@ class WeightSyncCallback(Callback):
         job: the job (run) name shared with the receivers (default ``$WSYNC_JOB``).
         max_version_lag: None (default) never waits for receivers; K >= 0 bounds how
             far the slowest receiver may fall behind (see the module docs).
+        sharded: with several ranks (DDP, FSDP2), every rank snapshots its own share
+            into shared memory instead of rank 0 sending everything (after a gather
+            under FSDP2); receivers on the trainer's host only. See docs/sharded.md.
         sender: a whole :class:`~lightning_wsync.SenderConfig` instead of the flat options
             (``job``, when given, overrides its ``job``).
         options: the :class:`~lightning_wsync.SenderConfig` fields (``dtype``, ``include``,
@@ -110,6 +120,7 @@ class WeightSyncCallback(Callback):
         job: str | None = None,
         *,
         max_version_lag: int | None = None,
+        sharded: bool = False,
         sender: SenderConfig | None = None,
         **options: object,
     ) -> None:
@@ -120,7 +131,7 @@ class WeightSyncCallback(Callback):
         values = config_values(SenderConfig, sender, options, owner="WeightSyncCallback", param="sender", job=job)
         self.config = CallbackConfig(
             every_n_steps=every_n_steps, module=module, store=store if isinstance(store, str) else None,
-            max_version_lag=max_version_lag, **values,
+            max_version_lag=max_version_lag, sharded=sharded, **values,
         )  # fmt: skip
         #: What the WeightSender is built with.
         self.sender_config = self.config.sender_config()
@@ -129,7 +140,9 @@ class WeightSyncCallback(Callback):
         self._floor: int | None = None  # pushes must be above this (checkpoint and store)
         self._restored: int | None = None  # last_pushed_version of the checkpoint resumed from
         self._published: int | None = None  # the store's newest version when this fit started
-        self._sharded = False
+        self._sharded = False  # the strategy shards weights: gather them for rank 0, unless pushing sharded
+        self._shares: Shares | None = None  # sharded push: this rank's share
+        self._writer: ShareWriter | None = None  # sharded push, ranks other than 0
         self._sender: WeightSender | None = None
         self._target: nn.Module | None = None
         self._mirror: dict[str, torch.Tensor] = {}
@@ -180,13 +193,14 @@ class WeightSyncCallback(Callback):
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, push: bool) -> None:
         self._target = _submodule(pl_module, self.config.module)
         self._pushes, self._held, self._failing = 0, {}, set()
-        full = self._gather(trainer) if self._sharded else None
+        self._shares = self._start_shares(trainer) if self.config.sharded and trainer.world_size > 1 else None
+        full = self._gather(trainer) if self._sharded and self._shares is None else None
         latest: int | None = None
         error: str | None = None
         if trainer.is_global_zero:
             try:
                 source = self._target if full is None else _mirror(self._target, full, self._mirror)
-                self._sender = WeightSender(source, store=self._store, config=self.sender_config)
+                self._sender = WeightSender(source, store=self._store, config=self.sender_config, shares=self._shares)
                 latest = self._sender.latest_version
                 self._reports = ReportWaiter(self._sender.config.timeout_s)
             except Exception as exc:
@@ -203,6 +217,32 @@ class WeightSyncCallback(Callback):
         self._floor = max(floors) if floors else None
         if push:
             self._maybe_push(trainer, full)
+
+    def _start_shares(self, trainer: pl.Trainer) -> Shares:
+        """Every rank's share and, on ranks other than 0, its ring; rank 0 learns every ring's name."""
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                "WeightSyncCallback: sharded=True needs DDP or ModelParallelStrategy (FSDP2, DTensor shards); "
+                "FSDPStrategy's flat parameters cannot be split by tensor: use sharded=False (rank 0 gathers)"
+            )
+        assert self._target is not None
+        rank, world = trainer.global_rank, trainer.world_size
+        error: str | None = None
+        name = ""
+        try:
+            shares = prepare_shares(self._target, self.sender_config, rank, world)
+            if rank != 0:
+                self._writer = ShareWriter(shares, self.sender_config)
+                name = self._writer.name
+        except Exception as exc:  # every rank must reach the gather below, or the others hang in it
+            error = f"{type(exc).__name__}: {exc}"
+        gathered: list[tuple[str, str | None]] = [("", None)] * world
+        dist.all_gather_object(gathered, (name, error))
+        failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        if failed:
+            raise WeightSyncError(f"WeightSyncCallback: sharded push: trainer rank {failed[0][0]} could not "
+                                  f"prepare its share: {failed[0][1]}")  # fmt: skip
+        return dataclasses.replace(shares, plan=shares.plan.with_segments([n for n, _ in gathered]))
 
     @override
     def on_train_batch_end(
@@ -257,8 +297,13 @@ class WeightSyncCallback(Callback):
                          "in the resumed checkpoint, and versions must increase", step, self._floor)  # fmt: skip
             return
         started = time.perf_counter()
-        full = gathered if gathered is not None or not self._sharded else self._gather(trainer)
+        wait_s = self.config.timeout_s if final else 0.0
+        gather = self._sharded and self._shares is None
+        full = gathered if gathered is not None or not gather else self._gather(trainer)
         self._floor = self._last_pushed = step
+        if self._writer is not None:
+            self._writer.write(step, wait_for_slot_s=wait_s)
+            return
         if self._sender is None:
             return
         if full is not None:
@@ -266,7 +311,7 @@ class WeightSyncCallback(Callback):
                 tensor.copy_(full[name])
         # The final weights must not be dropped for want of a free slot; the run is over,
         # so a bounded wait for a reader to finish its copy costs training nothing.
-        handle = self._sender.push(step, wait_for_slot_s=self.config.timeout_s if final else 0.0)
+        handle = self._sender.push(step, wait_for_slot_s=wait_s)
         metrics = {
             "wsync/version": float(step),
             "wsync/stall_s": time.perf_counter() - started,
@@ -337,8 +382,10 @@ class WeightSyncCallback(Callback):
         return metrics
 
     def _close(self, trainer: pl.Trainer, *, flush: bool, final: bool) -> None:
-        sender, reports = self._sender, self._reports
-        self._sender, self._reports, self._mirror = None, None, {}
+        sender, reports, writer = self._sender, self._reports, self._writer
+        self._sender, self._reports, self._mirror, self._writer, self._shares = None, None, {}, None, None
+        if writer is not None:
+            writer.close()
         if reports is not None:
             reports.close(flush=flush)  # flushing waits (bounded) for the last push's report
             metrics = self._report_metrics(reports.take())

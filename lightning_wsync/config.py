@@ -1,5 +1,7 @@
 """Configuration of each component: one dataclass each, validated at construction.
 
+Longer than 300 lines: every component's settings, declared once, side by side.
+
 The same fields are the components' keyword arguments, so they work without Hydra::
 
     WeightSender(model, store="127.0.0.1:29400", job="exp1", dtype="bfloat16", bucket_mb=32)
@@ -260,6 +262,9 @@ class CallbackConfig(SenderConfig):
         max_version_lag: when set, after each push the trainer waits (at most
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
+        sharded: with several trainer ranks (DDP, FSDP2), every rank snapshots its own
+            share (~1/world of the bytes) into shared memory, with no gather; receivers
+            on the trainer's host only (see docs/sharded.md). Default False.
 
     The sender's fields are as in :class:`SenderConfig`. Leave ``secret`` unset in YAML
     (Hydra writes configs to its output folder) and set ``$WSYNC_SECRET`` instead.
@@ -273,6 +278,7 @@ class CallbackConfig(SenderConfig):
     module: str | None = None
     store: str | None = None
     max_version_lag: int | None = None
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -294,6 +300,8 @@ class CallbackConfig(SenderConfig):
                 f"{owner}: max_version_lag={lag!r} must be an int >= 0 (versions a receiver may fall "
                 f"behind), or None to never wait for receivers"
             )
+        if not isinstance(self.sharded, bool):
+            raise TypeError(f"{owner}: sharded={self.sharded!r} must be True or False")
         if self.store is not None and not isinstance(self.store, str):
             raise TypeError(f"{owner}: store={self.store!r} must be a 'host:port' string or None for $WSYNC_STORE")
 

@@ -17,6 +17,8 @@ sender/current                  JSON    ``{epoch}`` of the newest sender
 sender/<epoch>                  JSON    sender record (host, pid, transport, backend, shm, addr,
                                         relay, heartbeat_timeout_s, timeout_s)
 layout/<epoch>                  JSON    the manifest: tensor table and buckets of that epoch
+shards/<epoch>                  JSON    a sharded sender's plan: each trainer rank's pieces and the
+                                        shared-memory segment of its ring
 latest                          JSON    ``{version, epoch}`` of the newest published version
 v/<version>                     JSON    ``{version, epoch}`` of a published version (newest few)
 v/<version>/sums                JSON    ``{version, sums}`` bucket checksums (when a receiver verifies)
@@ -106,13 +108,17 @@ def manifest(epoch: int) -> str:
     return f"layout/{epoch}"
 
 
+def shards(epoch: int) -> str:
+    return f"shards/{epoch}"
+
+
 def closed(epoch: int) -> str:
     return f"closed/{epoch}"
 
 
 def epoch_keys(epoch: int) -> tuple[str, ...]:
     """The records of one sender epoch."""
-    return (sender_record(epoch), manifest(epoch), closed(epoch))
+    return (sender_record(epoch), manifest(epoch), shards(epoch), closed(epoch))
 
 
 def version_record(version: int) -> str:

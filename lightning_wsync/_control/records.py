@@ -7,7 +7,7 @@ expected. Reads go through :meth:`Control.get_record
 <lightning_wsync._control.store.Control.get_record>`, which turns any failure into a
 :class:`~lightning_wsync.errors.WeightSyncRecordError` naming the key.
 
-Longer than 300 lines: a catalogue of sixteen small types, one per stored record; split,
+Longer than 300 lines: a catalogue of seventeen small types, one per stored record; split,
 a record's format would no longer be found in one place.
 """
 
@@ -29,12 +29,13 @@ from lightning_wsync._control.checks import (
     fields,
 )
 from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.shards import ShardPlan
 
 __all__ = [
     "NOT_FOLLOWING", "ChainRecord", "ClosedRecord", "FleetAck", "FleetRound", "FleetSwitch", "FleetSwitches",
     "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
     "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer", "SenderRecord",
-    "SumsRecord", "VersionRecord",
+    "ShardsRecord", "SumsRecord", "VersionRecord",
 ]  # fmt: skip
 
 
@@ -73,7 +74,7 @@ class SenderRecord:
 
     EXPECTED: ClassVar[str] = (
         '{"epoch", "host", "pid", "addr", "heartbeat_timeout_s", "timeout_s", "transport", "backend", '
-        '"relay", "shm": <str or null>}'
+        '"relay", "shm": <str or null>, "sharded": <bool>}'
     )
     epoch: int
     host: str
@@ -85,6 +86,7 @@ class SenderRecord:
     backend: str
     relay: bool
     shm: str | None
+    sharded: bool = False  # every trainer rank writes its share: read shards/<epoch>
 
     def encode(self) -> object:
         return asdict(self)
@@ -99,7 +101,7 @@ class SenderRecord:
             as_str(v["addr"], "addr"), as_float(v["heartbeat_timeout_s"], "heartbeat_timeout_s"),
             as_float(v["timeout_s"], "timeout_s"), as_str(v["transport"], "transport"),
             as_str(v["backend"], "backend"), as_bool(v["relay"], "relay"),
-            None if shm is None else as_str(shm, "shm"),
+            None if shm is None else as_str(shm, "shm"), as_bool(v.get("sharded", False), "sharded"),
         )  # fmt: skip
 
 
@@ -119,6 +121,27 @@ class ManifestRecord:
             return cls(Manifest.from_json(as_str(value, "manifest")))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise RecordShape(f"not a manifest ({type(exc).__name__}: {str(exc)[:80]})") from exc
+
+
+@dataclass(frozen=True)
+class ShardsRecord:
+    """``shards/<epoch>``: a sharded sender's plan (its JSON text, as a string)."""
+
+    EXPECTED: ClassVar[str] = "the JSON text of a shard plan"
+    plan: ShardPlan
+
+    def encode(self) -> object:
+        return self.plan.to_json()
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        try:
+            plan = ShardPlan.from_json(as_str(value, "shards"))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise RecordShape(f"not a shard plan ({type(exc).__name__}: {str(exc)[:80]})") from exc
+        if len(plan.segments) != plan.world:
+            raise RecordShape(f"{len(plan.segments)} segment names for {plan.world} shares")
+        return cls(plan)
 
 
 @dataclass(frozen=True)

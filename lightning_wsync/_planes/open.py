@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest, dtype_to_name
-from lightning_wsync._control.records import SenderRecord
+from lightning_wsync._control.records import SenderRecord, ShardsRecord
+from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource, SendPlane
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
@@ -29,6 +31,8 @@ from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.host import open_relay_source
 from lightning_wsync._planes.relay.send import RelaySendPlane
+from lightning_wsync._planes.shard.send import ShardSendPlane
+from lightning_wsync._planes.shard.source import ShardedSource
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.shm.send import ShmSendPlane
@@ -54,12 +58,17 @@ class SenderSpec:
     device: torch.device  # where the module's tensors are
     timeout_s: float
     heartbeat_timeout_s: float
+    shards: ShardPlan | None = None  # sharded: this is trainer rank 0, its ring holds its share
 
 
 class SendSide:
     """A sender's snapshot ring and the planes that deliver from it."""
 
     def __init__(self, ctl: Control, layout: Manifest, spec: SenderSpec) -> None:
+        self.shards: ShardPlan | None = None
+        if spec.shards is not None:
+            self._open_sharded(ctl, layout, spec, spec.shards)
+            return
         from_device = spec.device.type == "cuda" and spec.transport == "nccl"
         segment = None
         if not from_device and spec.transport in ("auto", "shm"):
@@ -93,6 +102,29 @@ class SendSide:
             heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s,  # timeout_s bounds every relay hop
             transport=spec.transport, backend=self.backend, relay=relay,
             shm=segment.name if segment is not None else None,
+        )  # fmt: skip
+
+    def _open_sharded(self, ctl: Control, layout: Manifest, spec: SenderSpec, plan: ShardPlan) -> None:
+        """Rank 0 of a sharded push: a ring of its own share, and the plane watching every rank's."""
+        if spec.transport not in ("auto", "shm"):
+            raise WeightSyncConfigError(
+                f"WeightSender: a sharded push goes through shared memory, but transport={spec.transport!r}; "
+                f"use transport='auto' or 'shm', or push unsharded (sharded=False)"
+            )
+        shares = plan.share_layouts(layout)
+        remove_stale_segments()
+        segment = ShmSegment(segment_name(spec.job, spec.epoch), shares[0].total_bytes, create=True, slots=2)
+        self.segment = segment
+        self.backend = "gloo"
+        lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2, lease_s=lease_s)
+        self.deltas = None
+        self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
+        self.planes = (ShardSendPlane(ctl, self.ring, plan, shares, timeout_s=spec.timeout_s),)
+        self.record = SenderRecord(
+            epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
+            heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s, transport=spec.transport,
+            backend=self.backend, relay=False, shm=segment.name, sharded=True,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -145,6 +177,8 @@ def open_source(
     no wsync header) stays a configuration error.
     """
     host, name = me.host, me.name
+    if record.sharded:
+        return _open_sharded(epoch, layout, record, ordered, me)
     if record.relay and record.host != host:
         if me.swap:
             log.warning(
@@ -189,6 +223,35 @@ def open_source(
         on_rejected=me.on_rejected, newest=me.newest,
     )  # fmt: skip
     return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
+
+
+def _open_sharded(
+    epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec
+) -> ReceiveSource:
+    """Every trainer rank's ring of a sharded sender (same host only, for now)."""
+    if record.host != me.host:
+        raise WeightSyncConfigError(
+            f"WeightReceiver {me.name!r}: the trainer pushes sharded (each rank writes its share into shared "
+            f"memory on host {record.host!r}), which reaches receivers on that host only, not here ({me.host!r}); "
+            f"run the trainer with sharded=False to serve other hosts"
+        )
+    shards = me.ctl.get_record(keys.shards(epoch), ShardsRecord)
+    if shards is None:
+        raise WeightSyncConfigError(
+            f"WeightReceiver {me.name!r}: sender epoch {epoch} is sharded but published no plan"
+        )
+    plan = shards.plan
+    try:
+        plan.check(layout)
+    except ValueError as exc:
+        raise WeightSyncConfigError(f"WeightReceiver {me.name!r}: sender epoch {epoch}'s shard plan: {exc}") from exc
+    for t in ordered:
+        if not t.is_contiguous():
+            raise WeightSyncSchemaError(
+                f"WeightReceiver {me.name!r}: a sharded push is written into contiguous tensors, but a tensor of "
+                f"shape {tuple(t.shape)} is not; make the rollout module's tensors contiguous"
+            )
+    return ShardedSource(epoch, layout, plan, plan.share_layouts(layout), ordered, me.name)
 
 
 def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, backend: str) -> None:

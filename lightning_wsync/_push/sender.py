@@ -40,6 +40,7 @@ from lightning_wsync._control.records import (
     FleetSwitch,
     ManifestRecord,
     SenderPointer,
+    ShardsRecord,
     VersionRecord,
 )
 from lightning_wsync._control.signing import resolve_secret
@@ -54,6 +55,7 @@ from lightning_wsync._planes.open import SenderSpec, SendSide
 from lightning_wsync._push.fleet import FleetCoordinator
 from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
+from lightning_wsync._push.shares import Shares
 from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import (
     WeightSyncClosedError,
@@ -77,6 +79,8 @@ class WeightSender:
         job: the job's name on the store (default ``$WSYNC_JOB``); overrides ``config.job``.
         config: a :class:`SenderConfig`; or pass its fields (``dtype``, ``bucket_mb``, ...)
             as keyword ``options``, not both.
+        shares: trainer rank 0's part of a sharded push (made by the callback, with every
+            other rank's ring named in its plan): the ring then holds rank 0's share only.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class WeightSender:
         job: str | None = None,
         *,
         config: SenderConfig | None = None,
+        shares: Shares | None = None,
         **options: object,
     ) -> None:
         cfg = SenderConfig(**config_values(SenderConfig, config, options, owner="WeightSender", job=job))
@@ -98,6 +103,8 @@ class WeightSender:
 
         self.layout = build_manifest(self._tensors, cfg.wire_dtype, cfg.bucket_bytes)
         self._ordered = [self._tensors[e.name] for e in self.layout.entries]
+        if shares is not None:  # sharded: the ring holds this rank's pieces
+            self.layout, self._ordered = shares.layout, shares.sources
         self._host = host_id()
         self.epoch = self._ctl.add(keys.SENDER_EPOCH, 1)
         self.latest_version = self._latest_version()
@@ -105,7 +112,7 @@ class WeightSender:
             job=job_name, epoch=self.epoch, host=self._host, addr=local_address(self._store.address),
             transport=cfg.transport, cross_host=cfg.cross_host, delta=cfg.delta,
             device=next(iter(self._tensors.values())).device, timeout_s=cfg.timeout_s,
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s, shards=None if shares is None else shares.plan,
         )  # fmt: skip
         self._side = SendSide(self._ctl, self.layout, spec)
         self._ring = self._side.ring
@@ -151,6 +158,8 @@ class WeightSender:
     def _announce(self, spec: SenderSpec) -> None:
         """Publish this epoch's layout and record, then point receivers at it."""
         self._ctl.put(keys.manifest(self.epoch), ManifestRecord(self.layout))
+        if self._side.shards is not None:
+            self._ctl.put(keys.shards(self.epoch), ShardsRecord(self._side.shards))
         self._ctl.put(keys.sender_record(self.epoch), self._side.record)
         self._ctl.put(keys.SENDER_CURRENT, SenderPointer(self.epoch))  # signed: receivers follow it
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)

@@ -7,6 +7,7 @@
     lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
     lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
+    lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128  # sharded push vs one rank
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed
@@ -77,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=10.0, help="length of an --interval-ms run (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _hostbench.add_arguments(parser)
+    parser.add_argument("--trainer-ranks", type=int, default=None,
+                        help="a Lightning trainer of this many CPU ranks pushing every step, unsharded and sharded, "
+                             "against one rank (see --strategy)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                        help="the --trainer-ranks trainer's strategy (fsdp: FSDP2 over every rank)")
     parser.add_argument("--delta", action="store_true",
                         help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
                              "(changed share, delta bytes vs full push, encode/decode time); with --hosts: "
@@ -99,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.hosts is not None:
         return _hostbench.run(args)
+    if args.trainer_ranks is not None:
+        from lightning_wsync.bench._ranks import run_ranks
+
+        return run_ranks(args)
     if args.delta:
         from lightning_wsync.bench._delta import run_delta
 
@@ -260,5 +270,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--interval-ms={args.interval_ms!r} must be >= 0 (0: back to back), e.g. --interval-ms 20")
     if not args.duration_s > 0:
         raise ValueError(f"--duration-s={args.duration_s!r} must be > 0, e.g. --duration-s 10")
+    if args.trainer_ranks is not None and args.trainer_ranks < 2:
+        raise ValueError(f"--trainer-ranks={args.trainer_ranks!r} must be >= 2 (one rank is the baseline it runs)")
     if not args.timeout_s > 0:
         raise ValueError(f"--timeout-s={args.timeout_s!r} must be > 0, e.g. --timeout-s 120")

@@ -34,6 +34,7 @@ def _built() -> dict[str, str]:
         "MEMBERS_LOW": keys.MEMBERS_LOW,
         "sender_record": keys.sender_record(3),
         "manifest": keys.manifest(3),
+        "shards": keys.shards(3),
         "closed": keys.closed(3),
         "version_record": keys.version_record(12),
         "version_sums": keys.version_sums(12),
@@ -57,7 +58,7 @@ def _built() -> dict[str, str]:
 
 def test_every_key_built_has_a_row_in_the_table_and_every_row_a_builder():
     rows = _table_rows()
-    assert len(rows) == 26, [r.pattern for r in rows]
+    assert len(rows) == 27, [r.pattern for r in rows]
     unmatched_rows = set(range(len(rows)))
     for name, key in _built().items():
         hits = [i for i, row in enumerate(rows) if row.fullmatch(key)]
@@ -84,7 +85,7 @@ def test_grouped_keys_are_the_single_keys():
         keys.member_fleet(4),
     )  # fmt: skip
     assert keys.version_keys(9) == (keys.version_record(9), keys.version_sums(9))
-    assert keys.epoch_keys(2) == (keys.sender_record(2), keys.manifest(2), keys.closed(2))
+    assert keys.epoch_keys(2) == (keys.sender_record(2), keys.manifest(2), keys.shards(2), keys.closed(2))
 
 
 def test_host_key_hides_the_slash_of_a_host_id():

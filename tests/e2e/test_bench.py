@@ -161,6 +161,7 @@ def test_digest_sees_wire_rounding_but_not_equal_copies():
         (["--bucket-mb", "0"], r"--bucket-mb=0.0 must be > 0"),
         (["--interval-ms", "-1"], r"--interval-ms=-1.0 must be >= 0"),
         (["--duration-s", "0"], r"--duration-s=0.0 must be > 0"),
+        (["--trainer-ranks", "1"], r"--trainer-ranks=1 must be >= 2"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):
@@ -193,3 +194,17 @@ def test_bench_interval_reports_applied_fraction_and_age_per_receiver(capsys, tr
         assert r["bit_exact"] is True  # the final version, on every receiver
         assert 0 < r["applied"] <= result["published"] and 0 < r["applied_fraction"] <= 1
         assert r["age_median_s"] is not None and 0 <= r["age_median_s"] <= r["age_p95_s"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_trainer_ranks_bench_reports_every_configuration(capsys):
+    argv = ["bench", "--trainer-ranks", "2", "--strategy", "fsdp", "--size-mb", "2", "--pushes", "1",
+            "--receivers", "1", "--timeout-s", "60", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["config"] for r in result["rows"]] == ["1 rank", "2 ranks, fsdp", "2 ranks, fsdp, sharded"]
+    for row in result["rows"]:
+        assert row["stall_s"] > 0 and row["delivery_s"] is not None and row["delivery_s"] > 0, row
+        assert len(row["rank_stall_s"]) == len(row["rank_peak_rise_mib"]) == (1 if row["config"] == "1 rank" else 2)
+    assert not _children_alive()

@@ -145,17 +145,44 @@ def next_message(results: mp.Queue[Any], kind: str, timeout_s: float) -> tuple[A
 
 
 class _Probe(pl.Callback):
-    """Placed after WeightSyncCallback: records whether this rank sends, and the final weights."""
+    """Placed after WeightSyncCallback: records whether this rank sends, and the full weights
+    (a digest) at every version pushed, written to ``digests.jsonl`` by rank 0 as they come."""
 
-    def __init__(self, sync: Any) -> None:
+    def __init__(self, sync: Any, out: str | None = None) -> None:
         self.sync = sync
         self.had_sender = False
         self.digest: str | None = None
+        self.digests: dict[int, str] = {}
+        self._out = out
+        self._seen: int | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.had_sender = self.had_sender or self.sync.sender is not None
+        self._record(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.digest = self._full_digest(trainer, pl_module)
+        self._record(trainer, pl_module, known=True)
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, known: bool = False) -> None:
+        version = self.sync.last_pushed_version  # the same on every rank: the collective below is safe
+        if version is None or version == self._seen:
+            return
+        self._seen = version
+        value = self.digest if known else self._full_digest(trainer, pl_module)
+        if trainer.is_global_zero and value is not None:
+            self.digests[version] = value
+            if self._out is not None:
+                with open(Path(self._out, "digests.jsonl"), "a") as f:
+                    f.write(json.dumps([version, value]) + "\n")
+
+    def _full_digest(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -163,19 +190,50 @@ class _Probe(pl.Callback):
 
         assert isinstance(pl_module, PolicyModule)
         if not pl_module.shard:
-            self.digest = digest(pl_module.policy)
-            return
+            return digest(pl_module.policy)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(pl_module.policy, options=options)  # a collective
-        if trainer.is_global_zero:
-            plain = make_policy()
-            plain.load_state_dict(full)
-            self.digest = digest(plain)
+        if not trainer.is_global_zero:
+            return None
+        plain = make_policy()
+        plain.load_state_dict(full)
+        return digest(plain)
+
+
+def _kill_mid_share(version: int) -> None:
+    """Ranks other than 0 SIGKILL themselves halfway through writing their share of ``version``."""
+    import signal
+
+    from lightning_wsync._control.manifest import copy_tensors
+    from lightning_wsync._push import shares
+
+    original = shares.ShareWriter.write
+
+    def write(self: Any, v: int, **kwargs: Any) -> bool:
+        if v == version:
+            ring = self._ring
+            draft = ring.draft()  # the slot is marked as being written
+            assert draft is not None
+            half = len(self._shares.sources) // 2 or 1
+            copy_tensors(ring._views[draft.slot][:half], self._shares.sources[:half])
+            os.kill(os.getpid(), signal.SIGKILL)
+        result: bool = original(self, v, **kwargs)
+        return result
+
+    shares.ShareWriter.write = write  # type: ignore[method-assign]
+
+
+def _fsdp(shards: int) -> Any:
+    """Lightning's ModelParallelStrategy: with ``shards`` (2) FSDP2 splits every parameter over both
+    ranks; with 0 ("auto") its data-parallel mesh has one rank, so each rank holds whole tensors."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not shards:
+        return ModelParallelStrategy()
+    return ModelParallelStrategy(data_parallel_size=shards, tensor_parallel_size=1)
 
 
 def main() -> None:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     from lightning_wsync.callback import WeightSyncCallback
 
     parser = argparse.ArgumentParser()
@@ -185,16 +243,22 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=5)
+    parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--kill-share-at", type=int, default=None, help="rank 1 dies mid-share of this version")
+    parser.add_argument("--fsdp-shards", type=int, default=0, help="FSDP2's data-parallel size (0: Lightning's auto)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.kill_share_at is not None:
+        _kill_mid_share(args.kill_share_at)
 
     sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
-                              max_version_lag=0, timeout_s=60)  # fmt: skip
-    probe = _Probe(sync)
+                              max_version_lag=0, timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
+    probe = _Probe(sync, args.out)
     logger = RecordingLogger()
     fsdp = args.strategy == "fsdp2"
     trainer = pl.Trainer(**trainer_kwargs(
-        args.out, devices=2, strategy=ModelParallelStrategy() if fsdp else "ddp", max_steps=args.max_steps,
+        args.out, devices=2, strategy=_fsdp(args.fsdp_shards) if fsdp else "ddp", max_steps=args.max_steps,
         logger=logger, callbacks=[sync, probe],
     ))  # fmt: skip
     trainer.fit(PolicyModule(shard=fsdp), train_dataloaders=loader())
@@ -205,6 +269,7 @@ def main() -> None:
         "delivered": logger.values("wsync/delivered"),
         "last_pushed": sync.last_pushed_version,
         "digest": probe.digest,
+        "digests": {str(v): d for v, d in probe.digests.items()},
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

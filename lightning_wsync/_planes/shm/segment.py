@@ -33,6 +33,7 @@ from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, 
 from lightning_wsync._planes.shm.fence import fence
 from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
 from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
+from lightning_wsync._planes.shm.pieces import pieces
 from lightning_wsync._planes.shm.pins import ReaderPin
 from lightning_wsync._planes.shm.wake import WakeSocket
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncError
@@ -136,7 +137,12 @@ class ShmSegment:
 
     def newest(self, version: int | None = None) -> SlotRef | None:
         """The complete slot with the highest version (or holding ``version``), as the header stands now."""
-        best: SlotRef | None = None
+        refs = [ref for ref in self.complete() if version is None or ref.version == version]
+        return max(refs, key=lambda ref: ref.version, default=None)
+
+    def complete(self) -> list[SlotRef]:
+        """Every slot that holds a complete version, as the header stands now."""
+        refs: list[SlotRef] = []
         for slot in range(self.slots):
             seq = self.seq(slot)
             if seq == 0 or seq % 2:
@@ -144,11 +150,9 @@ class ShmSegment:
             fence()
             held = self.version(slot)
             fence()
-            if self.seq(slot) != seq or (version is not None and held != version):
-                continue
-            if best is None or held > best.version:
-                best = SlotRef(slot, seq, held)
-        return best
+            if self.seq(slot) == seq:
+                refs.append(SlotRef(slot, seq, held))
+        return refs
 
     def close(self) -> None:
         # Never ``mmap.close()``: it unmaps even while tensor views exist (``torch.frombuffer``
@@ -188,31 +192,6 @@ def _map(path: str, size: int, create: bool, slots: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _pieces(
-    dst: list[torch.Tensor], src: list[torch.Tensor], piece_bytes: int
-) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """``dst <- src`` as groups of about ``piece_bytes`` (one fused copy each); a tensor larger
-    than that is cut along its flat view where both sides allow it."""
-    out: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], [])]
-    size = 0
-    for d, s in zip(dst, src):
-        nbytes = s.numel() * s.element_size()
-        if nbytes > piece_bytes and d.is_contiguous() and s.is_contiguous() and d.numel() == s.numel():
-            step = max(1, piece_bytes // s.element_size())
-            flat_d, flat_s = d.view(-1), s.view(-1)
-            out += [([flat_d[a : a + step]], [flat_s[a : a + step]]) for a in range(0, s.numel(), step)]
-            out.append(([], []))
-            size = 0
-            continue
-        if size and size + nbytes > piece_bytes:
-            out.append(([], []))
-            size = 0
-        out[-1][0].append(d)
-        out[-1][1].append(s)
-        size += nbytes
-    return [group for group in out if group[0]]
-
-
 class ShmReader:
     """A receiver's access to a sender's (or host leader's) ring on this host."""
 
@@ -237,6 +216,9 @@ class ShmReader:
 
     def newest(self, version: int | None = None) -> SlotRef | None:
         return self._segment.newest(version)
+
+    def complete(self) -> list[SlotRef]:
+        return self._segment.complete()
 
     def change_marker(self) -> tuple[int, ...]:
         """Every slot's sequence: it moves whenever a write starts or ends."""
@@ -286,12 +268,17 @@ class ShmReader:
         """Copy the pinned slot into ``tensors``, renewing the pin every _TOUCH_BYTES: only a
         reader that makes no progress for the writer's lease loses its slot."""
         with torch.no_grad():  # flat views of parameters that require grad
-            for dst, src in _pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
+            for dst, src in pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
                 copy_tensors(dst, src)
                 self._pin.touch()
 
     def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:
         staging.copy_(self._segment.data[ref.slot])
+
+    def checksums(self, ref: SlotRef) -> list[int]:
+        """Every bucket's checksum of the pinned slot."""
+        data = self._segment.data[ref.slot]
+        return [checksum(data, a, b) for a, b in self._layout.buckets]
 
     def mismatch(self, ref: SlotRef, sums: list[int]) -> int | None:
         """Index of the first bucket of the pinned slot whose checksum differs (None: all match)."""

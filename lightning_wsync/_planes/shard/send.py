@@ -1,0 +1,117 @@
+"""The sharded plane's send side, on trainer rank 0: it watches the other ranks' rings (read
+only, on this host) to tell push reports which rank's share of a version is missing, and
+publishes every share's checksums for receivers that verify."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.shards import ShardPlan
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import Delivery, Peer
+from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.001
+
+
+class ShardSendPlane:
+    """Rank 0's view of every rank's share; receivers read the rings themselves."""
+
+    def __init__(
+        self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, shares: Sequence[Manifest], *, timeout_s: float
+    ) -> None:  # fmt: skip
+        self._ctl = ctl
+        self._ring = ring
+        self._timeout_s = timeout_s
+        self._others: list[ShmReader] = []
+        try:
+            for segment, share in zip(plan.segments[1:], shares[1:]):
+                self._others.append(ShmReader(segment, share))
+        except BaseException:
+            self.close(0.0)
+            raise
+        self._missing: tuple[int, int] | None = None  # (version, rank) of the newest incomplete version
+        self._stop = threading.Event()
+
+    def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
+        pass  # readers pin slots themselves; a dead reader's pin expires
+
+    def _missing_ranks(self, version: int) -> list[int]:
+        """Ranks (>= 1) whose ring holds neither ``version`` nor a newer version complete."""
+        return [rank for rank, reader in enumerate(self._others, start=1)
+                if not any(ref.version >= version for ref in reader.complete())]  # fmt: skip
+
+    def published(self, version: int, live: Sequence[Peer]) -> None:
+        """Wait (at most ``timeout_s``) for every rank's share of ``version``, then publish checksums."""
+        deadline = time.monotonic() + self._timeout_s
+        while (missing := self._missing_ranks(version)) and time.monotonic() < deadline:
+            if self._stop.wait(_POLL_S):
+                return
+        if missing:
+            self._missing = (version, missing[0])
+            log.warning("trainer rank %d did not complete its share of version %d within timeout_s=%s: no receiver "
+                        "applies that version (all shares or none)", missing[0], version, self._timeout_s)  # fmt: skip
+            return
+        self._missing = None
+        if any(p.verify for p in live):
+            sums = self._checksums(version)
+            if sums is not None:
+                self._ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
+
+    def _checksums(self, version: int) -> list[int] | None:
+        """Every rank's bucket checksums of ``version``, rank by rank; None once any was overwritten."""
+        ref = self._ring.find(version)
+        lease = None if ref is None else self._ring.acquire(ref)
+        if lease is None:
+            return None
+        try:
+            sums = self._ring.checksums(lease)
+        finally:
+            lease.release()
+        if sums is None:
+            return None
+        for reader in self._others:
+            theirs: SlotRef | None = next((r for r in reader.complete() if r.version == version), None)
+            if theirs is None or not reader.pin(theirs):
+                return None
+            try:
+                part = reader.checksums(theirs)
+            finally:
+                intact = reader.unpin(theirs)
+            if not intact:
+                return None
+            sums += part
+        return sums
+
+    def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
+        return {}  # always the whole version, copied from the rings
+
+    def failure(self, rid: int) -> str | None:
+        missing = self._missing
+        if missing is None:
+            return None
+        version, rank = missing
+        return (f"trainer rank {rank} did not complete its share of version {version} within "
+                f"timeout_s={self._timeout_s} (it died, stalled, or dropped that push): no receiver applies "
+                f"version {version}")  # fmt: skip
+
+    @property
+    def superseded(self) -> int:
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self, deadline: float) -> list[str]:
+        others, self._others = self._others, []
+        for reader in others:
+            reader.close()
+        return []

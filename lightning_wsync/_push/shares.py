@@ -1,0 +1,98 @@
+"""A trainer rank's share of a sharded push (see docs/sharded.md).
+
+Every trainer rank makes the same :class:`~lightning_wsync._control.shards.ShardPlan`
+from its module (:func:`prepare_shares`). Rank 0 hands its part to its
+:class:`~lightning_wsync._push.sender.WeightSender`, whose ring then holds only rank 0's
+share; every other rank keeps a :class:`ShareWriter`: a ring of its own share in shared
+memory, written at each push and never touching the store. Receivers on the host read
+every rank's ring and apply a version only when all of them hold it complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_wsync._control.manifest import Manifest, build_manifest, select_tensors
+from lightning_wsync._control.shards import ShardPlan, plan_shards, share_sources
+from lightning_wsync._control.store import resolve_job
+from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
+from lightning_wsync.config import SenderConfig
+
+log = logging.getLogger(__name__)
+
+_PIN_LEASE_MAX_S = 5.0  # as the sender's ring: a reader that makes no progress this long loses its slot
+_SERIALS = itertools.count(10**12)  # a share ring's name: wsync-<pid>-<serial>-<job>, never a sender epoch
+
+
+@dataclass(frozen=True)
+class Shares:
+    """One rank's part of a sharded push: the plan, the full layout, its share and its sources."""
+
+    rank: int
+    plan: ShardPlan
+    layout: Manifest  # the whole version, as receivers bind it
+    share: Manifest  # this rank's bytes
+    sources: list[torch.Tensor]  # this rank's tensors (local shards, or slices of replicated ones), one per piece
+
+
+def prepare_shares(module: nn.Module, config: SenderConfig, rank: int, world: int) -> Shares:
+    """This rank's :class:`Shares` of ``module``; the plan is the same on every rank.
+
+    Raises:
+        ValueError: a tensor placed in a way a sharded push cannot take (named, with its placement).
+    """
+    tensors = select_tensors(module, config.include, config.exclude)
+    if not tensors:
+        raise ValueError(
+            f"WeightSyncCallback: include={config.include!r} exclude={config.exclude!r} select no tensor; "
+            f"loosen the patterns"
+        )
+    layout = build_manifest(tensors, config.wire_dtype, config.bucket_bytes)
+    plan = plan_shards(tensors, layout, world, config.bucket_bytes)
+    ordered = [tensors[e.name] for e in layout.entries]
+    sources = share_sources(plan, rank, layout, ordered)
+    return Shares(rank, plan, layout, plan.share_layout(rank, layout), sources)
+
+
+class ShareWriter:
+    """A trainer rank's (other than 0) ring of its share, in shared memory."""
+
+    def __init__(self, shares: Shares, config: SenderConfig) -> None:
+        job = resolve_job(config.job, "WeightSyncCallback")
+        remove_stale_segments()
+        self._shares = shares
+        self.segment = ShmSegment(segment_name(job, next(_SERIALS)), shares.share.total_bytes, create=True, slots=2)
+        lease_s = min(config.timeout_s, config.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        self._ring = SnapshotRing(shares.share, segment=self.segment, device=torch.device("cpu"), slots=2,
+                                  lease_s=lease_s)  # fmt: skip
+        self.stall_s: float | None = None  # the last write's
+        log.info("trainer rank %d writes its share of each version (%.1f MiB of %.1f MiB) into %s", shares.rank,
+                 shares.share.total_bytes / 2**20, shares.layout.total_bytes / 2**20, self.segment.name)  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    @property
+    def dropped(self) -> int:
+        return self._ring.dropped
+
+    def write(self, version: int, *, wait_for_slot_s: float = 0.0) -> bool:
+        """Snapshot this rank's share as ``version``; False when every slot was being read (dropped)."""
+        started = time.perf_counter()
+        written = self._ring.write(version, self._shares.sources, wait_s=wait_for_slot_s, wake=False)
+        self.stall_s = time.perf_counter() - started
+        if written is not None:
+            self._ring.wake_readers()
+        return written is not None
+
+    def close(self) -> None:
+        self._ring.close()
+        self.segment.close()

@@ -1,0 +1,153 @@
+"""``lightning-wsync bench --trainer-ranks W --strategy ddp|fsdp``: a Lightning trainer of W
+ranks on CPU (gloo) pushing the benchmark model every step, unsharded (rank 0 sends
+everything, after a gather under FSDP2) and sharded (every rank writes its share), against
+one rank pushing the same model, in the same run.
+
+::
+
+    lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128
+
+Each configuration is its own trainer (:mod:`~lightning_wsync.bench._ranks_trainer`, one
+torch thread per rank) with ``--receivers`` receiver processes on this host following
+the job. Reported per configuration: each rank's median stall per push (time in the push
+hook), a push's stall (the slowest rank's: the others wait for it at the next
+collective), each rank's peak resident memory over the run above what it held before the
+callback started (snapshot rings, FSDP2's gathered copy and its CPU mirror, but also the
+training's own gradients), and the median delivery latency (push to the last receiver's
+acknowledgement, from the push reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_wsync import WeightReceiver, WeightSyncClosedError
+from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
+from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
+
+_WARMUP = 2  # pushes left out of the medians: first touches of buffers and pages
+
+
+def run_ranks(args: argparse.Namespace) -> int:
+    """Run every configuration; print the table (or JSON); return the exit status."""
+    spec = spec_for_size(args.size_mb)
+    configs = [(1, False), (args.trainer_ranks, False), (args.trainer_ranks, True)]
+    rows: list[dict[str, Any]] = []
+    try:
+        for ranks, sharded in configs:
+            rows.append(_one(args, spec, ranks, sharded))
+    except BenchError as exc:
+        print(f"lightning-wsync bench: {exc}", file=sys.stderr)
+        return 1
+    base = rows[0]["stall_s"]
+    for row in rows:
+        row["vs_one_rank"] = row["stall_s"] / base if base else None
+    result = {"size_mb": args.size_mb, "strategy": args.strategy, "trainer_ranks": args.trainer_ranks,
+              "receivers": args.receivers, "pushes": args.pushes, "rows": rows}  # fmt: skip
+    print(json.dumps(result, indent=2) if args.json else _table(args, rows))
+    return 0
+
+
+def _one(args: argparse.Namespace, spec: ModelSpec, ranks: int, sharded: bool) -> dict[str, Any]:
+    """One trainer run and its receivers; the medians of what its ranks measured."""
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=args.timeout_s))  # fmt: skip
+    job = f"ranks{ranks}{'s' if sharded else ''}"
+    steps = args.pushes + _WARMUP
+    with tempfile.TemporaryDirectory(prefix="wsync-bench-ranks-") as out, Children() as children:
+        conns = [children.start(_receiver, (f"127.0.0.1:{port}", job, spec, args.timeout_s), name=f"receiver-{i}")
+                 for i in range(args.receivers)]  # fmt: skip
+        for conn in conns:
+            receive(conn, args.timeout_s, "a receiver's start")
+        cmd = [sys.executable, "-m", "lightning_wsync.bench._ranks_trainer", "--d-model", str(spec.d_model),
+               "--vocab", str(spec.vocab), "--ranks", str(ranks), "--strategy", args.strategy, "--steps", str(steps),
+               "--store", f"127.0.0.1:{port}", "--job", job, "--out", out, "--timeout-s", str(args.timeout_s),
+               *(["--sharded"] if sharded else [])]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        trainer = subprocess.Popen(cmd, env=env, cwd=out, start_new_session=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            output, _ = trainer.communicate(timeout=args.timeout_s * 4)
+        except subprocess.TimeoutExpired:
+            output = ""
+        finally:
+            if trainer.poll() is None:
+                os.killpg(trainer.pid, signal.SIGKILL)
+                trainer.wait()
+        if trainer.returncode != 0:
+            raise BenchError(f"the {ranks}-rank trainer failed (exit {trainer.returncode}):\n{output[-3000:]}")
+        for conn in conns:
+            receive(conn, args.timeout_s, "a receiver's end")
+        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
+    del store
+    stalls = [_median(r["stall_s"]) for r in per_rank]
+    slowest = [max(s) for s in zip(*(r["stall_s"][_WARMUP:] for r in per_rank))]
+    return {
+        "config": f"{ranks} rank{'s' if ranks > 1 else ''}" + (f", {args.strategy}" if ranks > 1 else "")
+        + (", sharded" if sharded else ""),
+        "stall_s": statistics.median(slowest),
+        "rank_stall_s": stalls,
+        "rank_peak_rise_mib": [r["peak_rise_mib"] for r in per_rank],
+        "delivery_s": _median(per_rank[0]["delivery_s"], warmup=0) if per_rank[0]["delivery_s"] else None,
+    }
+
+
+def _median(values: list[float], warmup: int = _WARMUP) -> float:
+    return statistics.median(values[warmup:] or values)
+
+
+def _receiver(conn: Connection, store: str, job: str, spec: ModelSpec, timeout_s: float) -> None:
+    """Follow the job until its sender closes; say when ready and when done."""
+    init_child()
+    try:
+        model = build_model(spec, seed=None)
+        with WeightReceiver(model, store=store, job=job, timeout_s=timeout_s) as receiver:
+            conn.send(("ready",))
+            want = 0
+            while True:
+                try:
+                    want = receiver.wait_for_version(want, timeout_s=timeout_s * 4) + 1
+                except WeightSyncClosedError:
+                    break
+        conn.send(("done", want - 1))
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the run
+        report_failure(conn, "receiver")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"trainer ranks {args.trainer_ranks}, {args.strategy}, {args.size_mb:g} MiB float32 policy, a push every "
+        f"step, {args.receivers} receiver(s) on this host; medians of {args.pushes} pushes after {_WARMUP}",
+        "| trainer | stall per push (slowest rank) | / one rank | stall by rank | memory rise (MiB) | delivery |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ranks = ", ".join(f"{s * 1e3:.1f} ms" for s in row["rank_stall_s"])
+        rises = ", ".join(f"{m:.0f}" for m in row["rank_peak_rise_mib"])
+        delivery = "—" if row["delivery_s"] is None else f"{row['delivery_s'] * 1e3:.0f} ms"
+        lines.append(f"| {row['config']} | {row['stall_s'] * 1e3:.1f} ms | {row['vs_one_rank']:.2f} | {ranks} | "
+                     f"{rises} | {delivery} |")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""The trainer of ``lightning-wsync bench --trainer-ranks``: Lightning on CPU (gloo), a
+benchmark model pushed every step; each rank writes what it measured to ``rank<r>.json``.
+
+Run by :mod:`lightning_wsync.bench._ranks` as ``python -m lightning_wsync.bench._ranks_trainer``;
+Lightning starts the other ranks with the same command line.
+
+Per push and per rank: the time the training loop spends in the push hook (the stall;
+under DDP without sharding the other ranks then wait for rank 0 at the next collective,
+so a push's stall is the slowest rank's); per rank, how far its peak resident memory
+(VmHWM, shared-memory rings included) rose above what it held before the callback started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_wsync import WeightSyncCallback
+from lightning_wsync.testing.models import ModelSpec, build_model
+
+warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+
+
+def _block_forward(b: Any, h: torch.Tensor) -> torch.Tensor:
+    """One token through a block: every weight used, little arithmetic."""
+    out: torch.Tensor = h + b.out(b.q(b.ln1(h)) + b.k(h) + b.v(h)) + b.fc2(b.fc1(b.ln2(h)))
+    return out
+
+
+def _policy_forward(p: Any, idx: torch.Tensor) -> torch.Tensor:
+    h = p.tok(idx)
+    for block in p.blocks:
+        h = block(h)
+    out: torch.Tensor = p.ln_f(h)
+    return out
+
+
+class _Policy(pl.LightningModule):
+    def __init__(self, spec: ModelSpec, fsdp: bool) -> None:
+        super().__init__()
+        self.policy = build_model(spec, seed=0)
+        # Called as modules, so FSDP2's hooks gather each one's weights around its forward.
+        self.policy.forward = types.MethodType(_policy_forward, self.policy)
+        for block in self.policy.blocks:
+            block.forward = types.MethodType(_block_forward, block)
+        self.fsdp = fsdp
+
+    def configure_model(self) -> None:
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            assert self.device_mesh is not None  # ModelParallelStrategy sets it before configure_model
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.policy.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.policy, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (idx,) = batch
+        out: torch.Tensor = self.policy(idx)
+        return out.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class _Metrics(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "bench"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+
+def _rss_kib() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in KiB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+class _Before(pl.Callback):
+    """Placed before WeightSyncCallback: the resident memory before it starts, and each push's start."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.rss_kib = 0
+
+    def on_fit_start(self, *args: Any) -> None:
+        self.rss_kib = _rss_kib()[0]
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.started = time.perf_counter()
+
+
+class _After(pl.Callback):
+    """Placed after WeightSyncCallback: each push's stall."""
+
+    def __init__(self, before: _Before) -> None:
+        self.before = before
+        self.stall_s: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.stall_s.append(time.perf_counter() - self.before.started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--d-model", type=int, required=True)
+    parser.add_argument("--vocab", type=int, required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), required=True)
+    parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = ModelSpec(d_model=args.d_model, vocab=args.vocab)
+    fsdp = args.strategy == "fsdp" and args.ranks > 1
+    sync = WeightSyncCallback(every_n_steps=1, module="policy", store=args.store, job=args.job,
+                              timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
+    before = _Before()
+    after = _After(before)
+    metrics = _Metrics()
+    if args.ranks == 1:
+        strategy: Any = "auto"
+    elif fsdp:
+        strategy = ModelParallelStrategy(data_parallel_size=args.ranks, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=metrics,
+        callbacks=[before, sync, after], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out,
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.zeros(args.steps * args.ranks, 1, dtype=torch.long))
+    trainer.fit(_Policy(spec, fsdp), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
+    record = {
+        "rank": trainer.global_rank,
+        "stall_s": after.stall_s,
+        "peak_rise_mib": (_rss_kib()[1] - before.rss_kib) / 1024,  # the run's peak over the memory before any push
+        "delivery_s": [m["wsync/delivery_s"] for m in metrics.rows if "wsync/delivery_s" in m],
+        "logged_stall_s": [m["wsync/stall_s"] for m in metrics.rows if "wsync/stall_s" in m],
+    }
+    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

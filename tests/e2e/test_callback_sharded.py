@@ -1,0 +1,135 @@
+"""WeightSyncCallback(sharded=True) under 2-rank DDP and FSDP2 (CPU, gloo): every rank writes
+its own share; receivers apply whole versions only, bit-exact with the full weights."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from _lightning_workers import next_message, receiver_main
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+CTX = mp.get_context("spawn")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "_lightning_workers.py"
+
+
+def _trainer(tmp_path: Path, store: str, strategy: str, *extra: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--store", store, "--job", strategy,
+           "--out", str(tmp_path), "--sharded", *extra]  # fmt: skip
+    # Its own session, so the rank Lightning starts can be ended with it, by group id.
+    return subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _finish(trainer: subprocess.Popen[str], timeout_s: float) -> str:
+    try:
+        output, _ = trainer.communicate(timeout=timeout_s)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    return output
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(tmp_path, port, children, strategy):
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = f"127.0.0.1:{port}"
+    results = CTX.Queue()
+    receivers = []
+    for name in ("r0", "r1"):
+        receiver = CTX.Process(target=receiver_main, args=(store, strategy, name, results), daemon=True)
+        receiver.start()
+        children.track(receiver.pid)
+        receivers.append(receiver)
+    for _ in receivers:
+        next_message(results, "ready", timeout_s=60)
+
+    trainer = _trainer(tmp_path, store, strategy, "--every", "2", "--max-steps", "5", "--fsdp-shards", "2")
+    children.track(trainer.pid)
+    output = _finish(trainer, 150)
+    assert trainer.returncode == 0, output[-4000:]
+
+    seen: dict[str, list[tuple[int, str]]] = {"r0": [], "r1": []}
+    finished: set[str] = set()
+    while len(finished) < 2:
+        msg = next_message(results, "version", timeout_s=30)
+        seen[msg[1]].append((msg[2], msg[3]))
+        if msg[2] == 5:
+            finished.add(msg[1])
+    for receiver in receivers:
+        receiver.join(timeout=30)
+        assert receiver.exitcode == 0
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["had_sender"] for r in ranks] == [True, False]
+    assert ranks[0]["versions"] == [0, 2, 4, 5]
+    assert ranks[0]["delivered"] == [2, 2, 2, 2]
+    expected = {int(v): d for v, d in ranks[0]["digests"].items()}
+    assert sorted(expected) == [0, 2, 4, 5]
+    for name, got in seen.items():
+        assert [v for v, _ in got] == [0, 2, 4, 5], name  # max_version_lag=0: each receiver applies each
+        assert all(d == expected[v] for v, d in got), (name, got, expected)
+    del server
+
+
+def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path, port, children):
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = f"127.0.0.1:{port}"
+    results = CTX.Queue()
+    receivers = []
+    for name in ("r0", "r1"):
+        receiver = CTX.Process(target=receiver_main, args=(store, "ddp", name, results), daemon=True)
+        receiver.start()
+        children.track(receiver.pid)
+        receivers.append(receiver)
+    for _ in receivers:
+        next_message(results, "ready", timeout_s=60)
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    # Rank 1 SIGKILLs itself halfway through its share of version 4; Lightning then kills rank 0.
+    trainer = _trainer(first, store, "ddp", "--every", "2", "--max-steps", "9", "--timeout-s", "10",
+                       "--kill-share-at", "4")  # fmt: skip
+    children.track(trainer.pid)
+    output = _finish(trainer, 120)
+    assert trainer.returncode != 0, output[-4000:]
+    killed = _digests(first)
+    assert sorted(killed)[:2] == [0, 2]
+
+    trainer = _trainer(second, store, "ddp", "--every", "2", "--max-steps", "8")
+    children.track(trainer.pid)
+    output = _finish(trainer, 150)
+    assert trainer.returncode == 0, output[-4000:]
+    relaunched = json.loads((second / "rank0.json").read_text())["versions"]
+    assert relaunched and relaunched[0] > 2 and relaunched[-1] == 8
+
+    served = {**{v: d for v, d in killed.items() if v < 4}, **_digests(second)}
+    seen: dict[str, list[tuple[int, str]]] = {"r0": [], "r1": []}
+    while any(not got or got[-1][0] < 8 for got in seen.values()):
+        msg = next_message(results, "version", timeout_s=30)
+        seen[msg[1]].append((msg[2], msg[3]))
+    for name, got in seen.items():
+        # Never the killed trainer's version 4 (nor a mix of its shares): 0 and 2 from it, then the relaunch's.
+        assert [v for v, _ in got] == [0, 2, *relaunched], (name, got)
+        assert all(d == served[v] for v, d in got), (name, got, served)
+    for receiver in receivers:
+        receiver.join(timeout=30)
+        assert receiver.exitcode == 0
+    del server
+
+
+def _digests(out: Path) -> dict[int, str]:
+    """The full weights' digest at every version a trainer run pushed (rank 0's probe)."""
+    rows = [json.loads(line) for line in (out / "digests.jsonl").read_text().splitlines()]
+    return {int(v): d for v, d in rows}

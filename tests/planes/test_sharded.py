@@ -1,0 +1,144 @@
+"""The sharded plane in one process: two trainer ranks' shares (rank 0's sender, rank 1's
+ShareWriter), a real TCPStore and a receiver. All shares of a version or none of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
+from lightning_wsync._control.manifest import build_manifest, select_tensors
+from lightning_wsync._control.records import RecordShape, ShardsRecord
+from lightning_wsync._control.shards import plan_shards
+from lightning_wsync._push.shares import ShareWriter, prepare_shares
+from lightning_wsync.testing.models import digest, mutate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 8))  # 2 MiB weight: cut across ranks
+    model.register_buffer("steps", torch.arange(5, dtype=torch.int64))
+    return model
+
+
+def _zeroed() -> nn.Module:
+    model = _model()
+    for t in model.state_dict().values():
+        t.zero_()
+    return model
+
+
+def test_plan_covers_every_element_once_and_balances_the_bytes():
+    model = _model()
+    tensors = select_tensors(model)
+    layout = build_manifest(tensors, None, 1 << 20)
+    plan = plan_shards(tensors, layout, 2, 1 << 20)
+    plan.with_segments(["a", "b"]).check(layout)
+    shares = plan.share_layouts(layout)
+    sizes = [sum(e.nbytes for e in share.entries) for share in shares]
+    assert sum(sizes) == sum(e.nbytes for e in layout.entries)
+    assert abs(sizes[0] - sizes[1]) < 0.05 * sum(sizes), sizes
+    again = type(plan).from_json(plan.to_json())
+    assert again == plan
+
+
+@pytest.mark.parametrize(("dtype", "verify"), [(None, False), ("bfloat16", False), (None, True)])
+def test_versions_apply_only_when_every_share_is_complete(server, dtype, verify):
+    model = _model()
+    cfg = SenderConfig(job="sharded", timeout_s=2, dtype=dtype)
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    plan = mine.plan.with_segments(["", writer.name])
+    rollout = _zeroed()
+    wire = cfg.wire_dtype
+    try:
+        shares = dataclasses.replace(mine, plan=plan)
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(rollout, store=server, job="sharded", timeout_s=10, verify=verify) as receiver:
+            for version in (1, 2):
+                mutate(model, version)
+                assert writer.write(version)
+                handle = sender.push(version)
+                assert receiver.wait_for_version(version, timeout_s=10) == version
+                assert digest(rollout, wire) == digest(model, wire)
+                report = handle.wait(timeout_s=10)
+                assert report.delivered == (receiver.name,) and report.failed == {}, report
+            held = digest(rollout)
+
+            mutate(model, 3)  # rank 1 never writes its share of 3: applied nowhere, the report names rank 1
+            report = sender.push(3).wait(timeout_s=10)
+            assert receiver.update() is None and receiver.version == 2 and digest(rollout) == held
+            assert "trainer rank 1 did not complete its share of version 3" in report.failed[receiver.name], report
+
+            mutate(model, 4)  # rank 1 starts its share of 4 and never finishes (as if killed mid-write)
+            draft = writer._ring.draft()
+            assert draft is not None
+            sender.push(4)
+            assert receiver.update() is None and receiver.version == 2 and digest(rollout) == held
+
+            mutate(model, 5)  # the next complete version is applied
+            assert writer.write(5)
+            sender.push(5).wait(timeout_s=10)
+            assert receiver.wait_for_version(5, timeout_s=10) == 5
+            assert digest(rollout, wire) == digest(model, wire)
+    finally:
+        writer.close()
+
+
+def _placement_worker(rank: int, port: int, results: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        tensors = {"ok": distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)]),
+                   "wide": distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])}  # fmt: skip
+        layout = build_manifest(tensors, None, 1 << 20)
+        try:
+            plan_shards(tensors, layout, 2, 1 << 20)
+            results.put((rank, None))
+        except ValueError as exc:
+            results.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_placement_other_than_shard_0_is_refused_naming_the_tensor_and_placement(port):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_placement_worker, args=(r, port, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        assert got[rank] is not None and "tensor 'wide' has placements (Shard(dim=1),)" in got[rank], got
+        assert "exclude=['wide']" in got[rank] and "sharded=False" in got[rank]
+
+
+def test_the_shard_plan_record_round_trips_and_refuses_a_plan_without_segments():
+    model = _model()
+    tensors = select_tensors(model)
+    layout = build_manifest(tensors, None, 1 << 20)
+    plan = plan_shards(tensors, layout, 2, 1 << 20).with_segments(["wsync-1-2-a", "wsync-1-3-a"])
+    assert ShardsRecord.decode(ShardsRecord(plan).encode()).plan == plan
+    with pytest.raises(RecordShape, match="0 segment names for 2 shares"):
+        ShardsRecord.decode(dataclasses.replace(plan, segments=()).to_json())
