@@ -38,6 +38,7 @@ from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import (
     ClosedRecord,
     FleetSwitch,
+    FleetSwitches,
     ManifestRecord,
     SenderPointer,
     ShardsRecord,
@@ -261,8 +262,17 @@ class WeightSender:
         return sum(plane.superseded for plane in self._side.planes)
 
     def fleet_switches(self, group: str) -> list[FleetSwitch]:
-        """The newest few switches of fleet ``group`` (receivers with ``fleet=group``), oldest first."""
-        return self._fleet.switches(group)
+        """The newest few switches of fleet ``group`` (receivers with ``fleet=group``), oldest first.
+
+        Read from the store, as the group's receivers read them in ``update()``: the
+        coordinator lists a switch only once it is stored, so its own list can trail what
+        receivers already apply (it is the answer here only when the store cannot be read).
+        """
+        try:
+            record = self._ctl.get_record(keys.fleet_switch(group), FleetSwitches)
+        except RuntimeError:  # the store gone (after close), a bad or forged record
+            return self._fleet.switches(group)
+        return [] if record is None else list(record.switches)
 
     def receivers(self) -> list[str]:
         """Names of the receivers currently considered live."""
