@@ -164,8 +164,8 @@ class SharedMemorySource:
                 self._reader.wait(min(poll_s, max(0.0, until - time.monotonic())))
                 if self._reader.change_marker() != seen:
                     break
-        except (AttributeError, ValueError):
-            pass  # closed under us (a new sender epoch): the caller looks again
+        except (AttributeError, ValueError, OSError):
+            pass  # closed under us (a new sender epoch, a relay host's new leader): the caller looks again
         return True
 
     def describe(self) -> str:

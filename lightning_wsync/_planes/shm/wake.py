@@ -49,7 +49,12 @@ class WakeSocket:
         return cls(sock, path)
 
     def wait(self, timeout_s: float) -> None:
-        select.select([self._sock], [], [], timeout_s)
+        """Until a wake-up or ``timeout_s``; at once when the socket was closed meanwhile
+        (another thread closing the ring under a waiter): the caller reads the header again."""
+        try:
+            select.select([self._sock], [], [], timeout_s)
+        except (OSError, ValueError):  # EBADF, or fileno() -1: closed between the two
+            return
         while True:  # several versions may have landed: one look at the header covers them
             try:
                 self._sock.recv(16)
