@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
-from lightning_wsync._control.records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
+from lightning_wsync._control.fleet_records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._push.membership import Member, Membership

@@ -33,11 +33,11 @@ from torch import nn
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.fleet_records import FleetSwitch
 from lightning_wsync._control.host import host_id, local_address
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import (
     ClosedRecord,
-    FleetSwitch,
     ManifestRecord,
     SenderPointer,
     ShardsRecord,
