@@ -33,12 +33,11 @@ from torch import nn
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.fleet_records import FleetSwitch, FleetSwitches
 from lightning_wsync._control.host import host_id, local_address
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import (
     ClosedRecord,
-    FleetSwitch,
-    FleetSwitches,
     ManifestRecord,
     SenderPointer,
     ShardsRecord,
@@ -120,7 +119,8 @@ class WeightSender:
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
-        # Receivers with ReceiverConfig.fleet switch versions together: rounds on a thread of its own.
+        # Receivers with ReceiverConfig.fleet switch versions together: rounds on a thread of its
+        # own, started by _refresh_members once one of them registers.
         self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._ring,
                                        self._newest_published, cfg.timeout_s)  # fmt: skip
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
@@ -226,7 +226,7 @@ class WeightSender:
         ctl = self._ctl
         ctl.put(keys.version_record(version), VersionRecord(version, self.epoch))
         ctl.put(keys.LATEST, VersionRecord(version, self.epoch))
-        self._members.refresh()  # a receiver that registered just before the push is a target
+        self._refresh_members()  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:
             handle.published(live)
@@ -243,9 +243,14 @@ class WeightSender:
         published = self._published_versions
         return published[-1] if published else None
 
+    def _refresh_members(self) -> None:
+        self._members.refresh()
+        if self._members.fleet_seen:
+            self._fleet.start()
+
     def _refresh(self) -> None:
         """Follow the receivers, and hand every plane who is live, gone and retired."""
-        self._members.refresh()
+        self._refresh_members()
         gone, retired = self._members.take_changes()
         live = [m.peer for m in self._members.live()]
         for plane in self._side.planes:

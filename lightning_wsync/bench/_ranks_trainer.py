@@ -22,12 +22,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_wsync import WeightSyncCallback
 from lightning_wsync.testing.models import ModelSpec, build_model
+from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
@@ -73,28 +72,6 @@ class _Policy(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-4)
-
-
-class _Metrics(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "bench"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append(dict(metrics))
 
 
 def _rss_kib() -> tuple[int, int]:
@@ -148,26 +125,25 @@ def main() -> None:
                               timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
     before = _Before()
     after = _After(before)
-    metrics = _Metrics()
+    metrics = RecordingLogger()
     if args.ranks == 1:
         strategy: Any = "auto"
     elif fsdp:
         strategy = ModelParallelStrategy(data_parallel_size=args.ranks, tensor_parallel_size=1)
     else:
         strategy = "ddp"
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=metrics,
-        callbacks=[before, sync, after], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out,
-    )  # fmt: skip
+    trainer = pl.Trainer(**trainer_kwargs(
+        args.out, devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=metrics,
+        callbacks=[before, sync, after],
+    ))  # fmt: skip
     data = torch.utils.data.TensorDataset(torch.zeros(args.steps * args.ranks, 1, dtype=torch.long))
     trainer.fit(_Policy(spec, fsdp), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
     record = {
         "rank": trainer.global_rank,
         "stall_s": after.stall_s,
         "peak_rise_mib": (_rss_kib()[1] - before.rss_kib) / 1024,  # the run's peak over the memory before any push
-        "delivery_s": [m["wsync/delivery_s"] for m in metrics.rows if "wsync/delivery_s" in m],
-        "logged_stall_s": [m["wsync/stall_s"] for m in metrics.rows if "wsync/stall_s" in m],
+        "delivery_s": metrics.values("wsync/delivery_s"),
+        "logged_stall_s": metrics.values("wsync/stall_s"),
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -1,4 +1,4 @@
-"""A small LightningModule, a recording logger, a rollout receiver and a 2-rank trainer script.
+"""A small LightningModule, a rollout receiver and a 2-rank trainer script.
 
 Run as a script, it is the trainer of the multi-process tests (Lightning relaunches it
 once per rank)::
@@ -20,11 +20,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from lightning_wsync.testing.models import digest
+from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
@@ -65,42 +64,6 @@ class PolicyModule(pl.LightningModule):
 def loader(n: int = 256, batch_size: int = 4) -> torch.utils.data.DataLoader[Any]:
     g = torch.Generator().manual_seed(1)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g)), batch_size)
-
-
-class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def values(self, key: str) -> list[float]:
-        return [m[key] for _, m in self.rows if key in m]
-
-
-def trainer_kwargs(tmp: Path | str, **overrides: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp), "enable_checkpointing": False,
-        "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-    }  # fmt: skip
-    kwargs.update(overrides)
-    return kwargs
 
 
 def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any]) -> None:
