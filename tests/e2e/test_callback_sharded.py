@@ -41,8 +41,11 @@ def _finish(trainer: subprocess.Popen[str], timeout_s: float) -> str:
 
 
 # FSDP2 x 2 ran bit-exact in every run seen, but in 1 of 3 CI-fresh runs its rank-0 process
-# aborted after fit() ("terminate called without an active exception", exit -6): a C++
-# call still running at interpreter exit, cause not found yet (issue 23, session-8 note).
+# aborted after fit() ("terminate called without an active exception", exit -6). Not reproduced
+# here in ~45 runs (load 4-18, fixed and random hash seeds, under gdb); at rank 0's exit no wsync
+# thread is alive, Lightning's destroy_process_group leaves FSDP2's two gloo groups (and the
+# c10d store thread) running, never destroyed, and the sender's store clients are freed only by
+# the interpreter's last collection. Cause not found (issue 23).
 _FSDP2_ABORT = "rank 0 at times aborts at exit after a sharded FSDP2 fit (issue 23): under investigation"
 
 
@@ -78,6 +81,16 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(t
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["had_sender"] for r in ranks] == [True, False]
+    assert [r["gathers"] for r in ranks] == [0, 0]  # no rank gathered the full weights for a push
+    shares = [r["share"] for r in ranks]
+    full = shares[0]["full_bytes"]
+    assert all(s["bytes"] < full for s in shares), shares  # laid out in buckets: sizes include their padding
+    if strategy == "fsdp2":
+        # FSDP2 over a mesh of both ranks: each rank snapshots its own half of every parameter's rows.
+        pieces = [{name: (a, b) for name, a, b in s["pieces"]} for s in shares]
+        for name, numel in (("0.weight", 64), ("0.bias", 8), ("2.bias", 8)):
+            assert [p.get(name) for p in pieces] == [(0, numel // 2), (numel // 2, numel)], (name, pieces)
+        assert [p.get("calls") for p in pieces].count((0, 3)) == 1, pieces  # the buffer: whole, on one rank
     assert ranks[0]["versions"] == [0, 2, 4, 5]
     assert ranks[0]["delivered"] == [2, 2, 2, 2]
     expected = {int(v): d for v, d in ranks[0]["digests"].items()}

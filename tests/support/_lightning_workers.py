@@ -155,6 +155,7 @@ class _Probe(pl.Callback):
         self.digests: dict[int, str] = {}
         self._out = out
         self._seen: int | None = None
+        self.share: dict[str, Any] | None = None  # sharded push: what this rank snapshots
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer, pl_module)
@@ -164,6 +165,13 @@ class _Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.had_sender = self.had_sender or self.sync.sender is not None
+        shares = self.sync._shares
+        if shares is not None and self.share is None:
+            names = [e.name for e in shares.layout.entries]
+            self.share = {
+                "bytes": shares.share.total_bytes, "full_bytes": shares.layout.total_bytes,
+                "pieces": [[names[p.entry], p.start, p.end] for p in shares.plan.shares[shares.rank]],
+            }  # fmt: skip
         self._record(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,6 +241,21 @@ def _fsdp(shards: int) -> Any:
     return ModelParallelStrategy(data_parallel_size=shards, tensor_parallel_size=1)
 
 
+def _count_gathers() -> list[int]:
+    """Count the callback's full-weights gathers (``get_model_state_dict``) in this rank."""
+    from lightning_wsync import callback
+
+    calls = [0]
+    original = callback.get_model_state_dict
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    callback.get_model_state_dict = counted  # type: ignore[assignment]
+    return calls
+
+
 def main() -> None:
     from lightning_wsync.callback import WeightSyncCallback
 
@@ -251,6 +274,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.kill_share_at is not None:
         _kill_mid_share(args.kill_share_at)
+    gathers = _count_gathers()
 
     sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
                               max_version_lag=0, timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
@@ -270,6 +294,8 @@ def main() -> None:
         "last_pushed": sync.last_pushed_version,
         "digest": probe.digest,
         "digests": {str(v): d for v, d in probe.digests.items()},
+        "share": probe.share,
+        "gathers": gathers[0],
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
