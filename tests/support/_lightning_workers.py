@@ -300,5 +300,21 @@ def main() -> None:
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def _exit_without_finalizing() -> None:
+    """End this rank without tearing the interpreter down: torch (2.13) gloo's worker threads free
+    a finished collective's work after its waiter returned; when the work holds the last reference
+    to a tensor whose Python object was already dropped (the probe's full gather on train end,
+    right before exit), freeing it takes the GIL, and during interpreter finalization that thread
+    is ended by pthread_exit through a noexcept destructor: std::terminate, exit -6 (seen in a
+    core dump: ``~AsyncAllgatherCoalescedWork`` -> ``decref_pyobject`` -> ``PyThread_exit_thread``).
+    Everything this script reports is written by now; an error above still exits non-zero."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _exit_without_finalizing()
