@@ -8,6 +8,7 @@
     lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
     lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128  # sharded push vs one rank
+    lightning-wsync bench --gpu --size-mb 1024  # a CUDA module: copy bounds, pushes, a Lightning trainer
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed
@@ -88,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(changed share, delta bytes vs full push, encode/decode time); with --hosts: "
                              "full versions against deltas through the relay")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate for --delta (default 1e-6)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="a CUDA module on one GPU: copy bounds, pushes to CPU and GPU receivers, a Lightning run")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="with --gpu: where the module lives (cpu: the same pushes without a GPU, a baseline)")
     parser.add_argument("--delta-mode", choices=DELTA_MODES, default="auto",
                         help="with --delta --transport gloo: the delta sender's delta= (the other sends full versions)")
 
@@ -105,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.hosts is not None:
         return _hostbench.run(args)
+    if args.gpu:
+        from lightning_wsync.bench._gpu import run_gpu
+
+        return run_gpu(args.size_mb, args.pushes, device=args.device, as_json=args.json)
     if args.trainer_ranks is not None:
         from lightning_wsync.bench._ranks import run_ranks
 

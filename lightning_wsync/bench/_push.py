@@ -8,6 +8,7 @@ so every receiver is idle when the next one starts.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -139,6 +140,7 @@ class PushRun:
 
     def __enter__(self) -> PushRun:
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
+        gc.collect()  # memory freed now, not during the run, where it would offset the growth measured
         self._base = reset_peak()
         self._sender = WeightSender(self._model, store=f"{self._store_host}:0", job=job, transport=self._transport,
                                     dtype=self._dtype, bucket_mb=self._bucket_mb, timeout_s=self._timeout_s,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
-from _workers import Inbox, collect, digest, mutate, receiver_main
+from _workers import Inbox, big_model, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightReceiver, WeightSender
 
@@ -52,3 +53,75 @@ def test_nccl_between_two_gpus(port, children):
             mutate(src, version)
             assert sender.push(version).wait(60).delivered == ("r",)
             assert collect(inbox, "version", {"r"}, 60)["r"][2:4] == (version, digest(src))
+
+
+@needs_cuda
+def test_snapshot_slots_are_registered_with_cuda_and_a_refusal_leaves_cuda_usable(caplog):
+    from lightning_wsync._planes.shm import cuda_host
+
+    buffer = torch.empty(8 << 20, dtype=torch.uint8)
+    first = cuda_host.register(buffer, read_only=False, what="test ring")
+    assert first is not None and buffer.is_pinned()
+    # Registering the same range again is refused (cudaErrorHostMemoryAlreadyRegistered):
+    # logged with CUDA's code, and the error must not surface in the next kernel launch.
+    with caplog.at_level("WARNING", logger=cuda_host.__name__):
+        assert cuda_host.register(buffer, read_only=False, what="test ring") is None
+    assert "test ring: cannot register 8.0 MiB of shared memory with CUDA (cudaError" in caplog.text
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    assert float((x * 2).sum()) == 999000.0  # a kernel launch after the refusal
+    src = torch.arange(8 << 20, device="cuda", dtype=torch.int64).to(torch.uint8)
+    buffer.copy_(src, non_blocking=True)
+    cuda_host.wait_for_copies()
+    assert torch.equal(buffer, src.cpu())
+    first.release()
+    assert not buffer.is_pinned()
+
+
+@needs_cuda
+def test_a_readers_read_only_mapping_is_registered_too():
+    from lightning_wsync._planes.shm.segment import ShmSegment
+
+    writer = ShmSegment(f"wsync-gpu-test-{os.getpid()}", 4 << 20, create=True)
+    reader = ShmSegment(writer.name, 4 << 20, create=False)
+    try:
+        writer.register_cuda()
+        reader.register_cuda()  # mapped read-only: registered with cudaHostRegisterReadOnly
+        assert writer.data[0].is_pinned() and reader.data[1].is_pinned()
+        writer.data[1].copy_(torch.full((4 << 20,), 7, dtype=torch.uint8, device="cuda"), non_blocking=True)
+        torch.cuda.synchronize()
+        back = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+        back.copy_(reader.data[1], non_blocking=True)
+        assert int(back.sum()) == 7 * (4 << 20)
+    finally:
+        reader.close()
+        writer.close()
+
+
+@needs_cuda
+def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, children):
+    """A GPU module pushed back to back while a receiver in another process applies each
+    version into its own GPU module from the registered slots: every version it reports
+    holds exactly that version's bytes (an asynchronous copy that outlived its pin would
+    show a torn version here)."""
+    ctx = mp.get_context("spawn")
+    inbox = Inbox(ctx)
+    store = f"127.0.0.1:{port}"
+    src = big_model(64).cuda()
+    expected: dict[int, str] = {}
+    with WeightSender(src, store=store, job="gpu-overlap", timeout_s=30) as sender:
+        p = ctx.Process(target=receiver_main, daemon=True,
+                        args=(store, "gpu-overlap", "r", ("big-cuda0", 64), inbox.queue("r"), {}))  # fmt: skip
+        p.start()
+        children.track(p.pid)
+        collect(inbox, "ready", {"r"}, timeout_s=120)
+        for version in range(1, 41):
+            mutate(src, version)
+            expected[version] = digest(src)
+            # No wait for delivery: the next write overlaps the receiver's apply of this one.
+            assert not sender.push(version, wait_for_slot_s=10).dropped
+        seen = []
+        while not seen or seen[-1] < 40:
+            version, got = collect(inbox, "version", {"r"}, 60)["r"][2:4]
+            assert got == expected[version], f"version {version} torn on the GPU receiver"
+            seen.append(version)
+    assert seen == sorted(set(seen)) and seen[-1] == 40

@@ -37,11 +37,13 @@ def build(spec: tuple[str, int]) -> nn.Module:
         return mixed_model(arg)
     if kind == "big":
         return big_model(arg, seed=1)
-    if kind == "cuda1":  # the GPU test's model, on the second GPU
+    if kind in ("cuda0", "cuda1"):  # the GPU tests' model, on the first or second GPU
         torch.manual_seed(arg)
         m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 64).to(torch.bfloat16))
         m.register_buffer("steps", torch.arange(4))
-        return m.to("cuda:1")
+        return m.to(f"cuda:{kind[-1]}")
+    if kind == "big-cuda0":  # ``arg`` MiB of fp32 on the first GPU
+        return big_model(arg, seed=1).to("cuda:0")
     raise ValueError(spec)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm.cuda_host import wait_for_copies
 from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef
 from lightning_wsync._planes.shm.slots import slot_store
 
@@ -120,13 +121,12 @@ class SnapshotRing:
                 return None
             time.sleep(_WAIT_POLL_S)
         slot, before = claimed
+        gpu = self.buffers[slot].is_cuda or any(t.is_cuda for t in tensors)
+        if gpu and not self.buffers[slot].is_cuda:
+            self._slots.register_cuda()  # once: the device-to-host copies then run at DMA speed
         copy_tensors(self._views[slot], tensors)
-        if self.buffers[slot].is_cuda or any(t.is_cuda for t in tensors):
-            # Wait for these copies only: a device-wide sync would also wait for NCCL
-            # sends in flight, a stalled receiver's included.
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            event.synchronize()
+        if gpu:
+            wait_for_copies()  # the slot is published only once its bytes landed
         return self._end_write(slot, version, wake=wake)
 
     def draft(self) -> Draft | None:

@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm.cuda_host import HostRegistration, register, wait_for_copies
 from lightning_wsync._planes.shm.fence import fence
 from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
 from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
@@ -48,6 +50,7 @@ _MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
 _CLAIM_WAIT_S = 20e-6
 _TOUCH_BYTES = 64 << 20  # a reader renews its pin after copying this much: a slow copy is not a stall
 _CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
+
 
 class SlotRef(NamedTuple):
     """One complete version in one slot: valid while the slot's sequence is still ``seq``."""
@@ -104,6 +107,18 @@ class ShmSegment:
         if not 1 <= self.slots <= _MAX_SLOTS or _PAGE + self.slots * stride > whole.numel() or stride < nbytes:
             raise WeightSyncError(f"shared memory segment {self.path!r} has a header that does not fit its size")
         self.data = [whole[_PAGE + i * stride : _PAGE + i * stride + nbytes] for i in range(self.slots)]
+        self._whole = whole
+        self._writable = create
+        self._cuda_lock = threading.Lock()
+        self._cuda: HostRegistration | None | bool = False  # False: not tried yet
+
+    def register_cuda(self) -> None:
+        """Register the whole mapping with CUDA, once (see :mod:`cuda_host`); a refusal is
+        logged and leaves the copies pageable."""
+        with self._cuda_lock:
+            if self._cuda is False:
+                what = "snapshot ring" if self._writable else "receiver"
+                self._cuda = register(self._whole, read_only=not self._writable, what=what)
 
     # -- slot words -----------------------------------------------------------------
     def seq(self, slot: int) -> int:
@@ -158,7 +173,11 @@ class ShmSegment:
         # Never ``mmap.close()``: it unmaps even while tensor views exist (``torch.frombuffer``
         # holds a reference to the mmap, not a buffer export), and a thread still reading the
         # header then faults. Dropping the references unmaps once the last view is gone.
-        del self.header, self.data, self._mmap
+        with self._cuda_lock:
+            if isinstance(self._cuda, HostRegistration):
+                self._cuda.release()  # before the pages can be unmapped
+            self._cuda = None
+        del self.header, self.data, self._whole, self._mmap
         self._release()
 
     def _release(self) -> None:
@@ -267,9 +286,14 @@ class ShmReader:
     def copy_to(self, ref: SlotRef, tensors: list[torch.Tensor]) -> None:
         """Copy the pinned slot into ``tensors``, renewing the pin every _TOUCH_BYTES: only a
         reader that makes no progress for the writer's lease loses its slot."""
+        gpu = any(t.is_cuda for t in tensors)
+        if gpu:
+            self._segment.register_cuda()
         with torch.no_grad():  # flat views of parameters that require grad
             for dst, src in pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
                 copy_tensors(dst, src)
+                if gpu:
+                    wait_for_copies()  # from registered memory the copy is asynchronous: done before unpin
                 self._pin.touch()
 
     def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:

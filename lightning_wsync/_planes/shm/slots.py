@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from lightning_wsync._planes.shm.cuda_host import HostRegistration, register
 from lightning_wsync._planes.shm.pins import PinBoard
 from lightning_wsync._planes.shm.segment import ShmSegment
 from lightning_wsync._planes.shm.wake import Waker
@@ -44,6 +45,11 @@ class SlotStore(Protocol):
         """Tell readers outside this process that a version landed."""
         ...
 
+    def register_cuda(self) -> None:
+        """Register host-memory slots with CUDA (once; see :mod:`cuda_host`): the
+        ring's writer copies from a GPU."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -54,6 +60,7 @@ class PrivateSlots:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self._seqs = [0] * slots
         self._versions = [-1] * slots
+        self._cuda: list[HostRegistration] | None = None
 
     def seq(self, slot: int) -> int:
         return self._seqs[slot]
@@ -74,8 +81,14 @@ class PrivateSlots:
     def wake(self) -> None:
         pass
 
+    def register_cuda(self) -> None:
+        if self._cuda is None:
+            got = [register(b, read_only=False, what="snapshot ring") for b in self.buffers if not b.is_cuda]
+            self._cuda = [r for r in got if r is not None]
+
     def close(self) -> None:
-        pass
+        for registration in self._cuda or ():
+            registration.release()
 
 
 class SharedSlots:
@@ -105,6 +118,9 @@ class SharedSlots:
 
     def wake(self) -> None:
         self._waker.wake()
+
+    def register_cuda(self) -> None:
+        self._segment.register_cuda()
 
     def close(self) -> None:
         self._board.close()
