@@ -13,6 +13,7 @@ for it (a CUDA event) before the bytes are published, released or overwritten.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -75,3 +76,29 @@ def wait_for_copies() -> None:
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     event.synchronize()
+
+
+class CopyStream:
+    """A stream of its own, per device, for a ring's copies from a GPU.
+
+    The copies start after the work already queued on the caller's stream (the weights
+    as of the push) and run beside whatever is queued after; only the pushing thread
+    waits, on an event of these copies: no device-wide synchronize, which would also
+    wait for NCCL sends in flight (a stalled receiver's included) and the trainer's
+    other streams.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def run(self, device: torch.device, copies: Callable[[], None]) -> None:
+        """Queue ``copies`` on this device's stream and wait until they are done."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            copies()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        event.synchronize()

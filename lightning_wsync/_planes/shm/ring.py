@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
-from lightning_wsync._planes.shm.cuda_host import wait_for_copies
+from lightning_wsync._planes.shm.cuda_host import CopyStream
 from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef
 from lightning_wsync._planes.shm.slots import slot_store
 
@@ -95,6 +95,7 @@ class SnapshotRing:
         self._published: SlotRef | None = None
         self._sums: dict[SlotRef, list[int]] = {}
         self.dropped = 0  # pushes that found every slot held
+        self._copy_stream = CopyStream()
         self.closed = False
 
     # -- slot words -------------------------------------------------------------------
@@ -121,12 +122,15 @@ class SnapshotRing:
                 return None
             time.sleep(_WAIT_POLL_S)
         slot, before = claimed
-        gpu = self.buffers[slot].is_cuda or any(t.is_cuda for t in tensors)
-        if gpu and not self.buffers[slot].is_cuda:
-            self._slots.register_cuda()  # once: the device-to-host copies then run at DMA speed
-        copy_tensors(self._views[slot], tensors)
-        if gpu:
-            wait_for_copies()  # the slot is published only once its bytes landed
+        buffer = self.buffers[slot]
+        device = buffer.device if buffer.is_cuda else next((t.device for t in tensors if t.is_cuda), None)
+        if device is None:
+            copy_tensors(self._views[slot], tensors)
+        else:
+            if not buffer.is_cuda:
+                self._slots.register_cuda()  # once: the device-to-host copies then run at DMA speed
+            # On a stream of the ring's own; published only once the bytes landed.
+            self._copy_stream.run(device, lambda: copy_tensors(self._views[slot], tensors))
         return self._end_write(slot, version, wake=wake)
 
     def draft(self) -> Draft | None:
