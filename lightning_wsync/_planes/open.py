@@ -220,7 +220,7 @@ def open_source(
     link = NetReceiveLink(
         me.ctl, layout, epoch=epoch, rid=me.rid, backend=backend, addr=me.addr, timeout_s=me.timeout_s,
         device=me.device if backend == "nccl" else torch.device("cpu"), on_staged=me.on_staged,
-        on_rejected=me.on_rejected, newest=me.newest,
+        on_rejected=me.on_rejected, newest=me.newest, pinned=backend == "gloo" and me.device.type == "cuda",
     )  # fmt: skip
     return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
 

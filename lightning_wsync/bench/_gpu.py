@@ -106,16 +106,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def push_run(size_mb: float, pushes: int, dtype: str | None, device: str = "cuda") -> dict[str, Any]:
+def push_run(
+    size_mb: float, pushes: int, dtype: str | None, device: str = "cuda", transport: str = "auto"
+) -> dict[str, Any]:
     """Pushes of a ``device`` module to a CPU-module and a ``device``-module receiver, each checked bit-exact."""
     from lightning_wsync import WeightSender
 
     spec = spec_for_size(size_mb)
     model = build_model(spec, seed=0).to(device)
     wire = None if dtype is None else getattr(torch, dtype)
-    job = f"gpu-{os.getpid()}-{dtype}"
+    job = f"gpu-{os.getpid()}-{dtype}-{transport}"
     rows: list[dict[str, Any]] = []
-    with WeightSender(model, store="127.0.0.1:0", job=job, dtype=dtype, timeout_s=120) as sender:
+    with WeightSender(model, store="127.0.0.1:0", job=job, dtype=dtype, transport=transport, timeout_s=120) as sender:
         procs, conns = [], {}
         for name, where in (("cpu", "cpu"), ("dev", device)):
             ours, theirs = _CTX.Pipe()
@@ -149,6 +151,7 @@ def push_run(size_mb: float, pushes: int, dtype: str | None, device: str = "cuda
     timed = [r for r in rows if not r["warmup"]]
     return {
         "size_mb": size_mb, "pushed_bytes": sender.layout.total_bytes, "dtype": dtype or "float32",
+        "transport": transport,
         "stall_s_median": statistics.median(r["stall_s"] for r in timed),
         "latency_s_median": statistics.median(r["latency_s"] for r in timed),
         "all_bit_exact": all(all(r["bit_exact"].values()) for r in rows),
@@ -243,6 +246,7 @@ def run_gpu(size_mb: float, pushes: int, *, device: str = "cuda", as_json: bool 
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "push": lambda: push_run(size_mb, pushes, None, device),
         "push-bf16": lambda: push_run(size_mb, pushes, "bfloat16", device),
+        "push-gloo": lambda: push_run(size_mb, pushes, None, device, transport="gloo"),
         "lightning": lambda: lightning_run(accelerator="gpu" if device == "cuda" else "cpu"),
     }
     if device == "cuda":

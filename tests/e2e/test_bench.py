@@ -228,7 +228,7 @@ def test_gpu_bench_parts_run_bit_exact_on_the_cpu(capsys):
     assert code == 0, out
     result = json.loads(out.splitlines()[-1])
     assert result["device"] == "cpu" and "bounds" not in result  # the copy bounds need a GPU
-    for part, share in (("push", 1.0), ("push-bf16", 0.5)):
+    for part, share in (("push", 1.0), ("push-bf16", 0.5), ("push-gloo", 1.0)):
         run = result[part]
         assert run["all_bit_exact"] and run["all_delivered"], run
         assert [p["version"] for p in run["pushes"]] == [1, 2, 3]

@@ -99,17 +99,19 @@ def test_a_readers_read_only_mapping_is_registered_too(caplog):
 
 
 @needs_cuda
-def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, children):
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, children, transport):
     """A GPU module pushed back to back while a receiver in another process applies each
     version into its own GPU module from the registered slots: every version it reports
     holds exactly that version's bytes (an asynchronous copy that outlived its pin would
-    show a torn version here)."""
+    show a torn version here). Over gloo the receiver stages each version in page-locked
+    memory, and the next receive must not start into it while the copy to the GPU runs."""
     ctx = mp.get_context("spawn")
     inbox = Inbox(ctx)
     store = f"127.0.0.1:{port}"
     src = big_model(64).cuda()
     expected: dict[int, str] = {}
-    with WeightSender(src, store=store, job="gpu-overlap", timeout_s=30) as sender:
+    with WeightSender(src, store=store, job="gpu-overlap", timeout_s=30, transport=transport) as sender:
         p = ctx.Process(target=receiver_main, daemon=True,
                         args=(store, "gpu-overlap", "r", ("big-cuda0", 64), inbox.queue("r"), {}))  # fmt: skip
         p.start()

@@ -227,9 +227,13 @@ class NetReceiveLink:
         on_staged: Callable[[int], None],
         on_rejected: Callable[[int, str], None],
         newest: Callable[[], int | None] = lambda: None,
+        pinned: bool = False,
     ) -> None:
         self.layout = layout
         self.device = device
+        # Staging in page-locked memory (a module on a GPU, receiving over gloo): the apply
+        # is then one DMA copy per tensor (55 GB/s on an H200 against 7-9 from pageable).
+        self._pinned = pinned
         self._pieces = pieces(layout.buckets, PIECE_BYTES)
         # Touched now, not mid-receive; None after take_staged() handed it over unreplaced.
         self.staging: torch.Tensor | None = self._new_staging()
@@ -259,7 +263,7 @@ class NetReceiveLink:
         self._thread.start()
 
     def _new_staging(self) -> torch.Tensor:
-        return torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        return torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=self._pinned)
 
     def take_staged(
         self, held: int | None, spare: torch.Tensor | None, bind: Callable[[torch.Tensor], None]

@@ -12,6 +12,7 @@ import torch
 from lightning_wsync._control.manifest import Manifest, bind_views, copy_out
 from lightning_wsync._planes.base import Reject, SumsLookup
 from lightning_wsync._planes.net.link import NetReceiveLink
+from lightning_wsync._planes.shm.cuda_host import wait_for_copies
 
 
 class NetworkSource:
@@ -26,11 +27,18 @@ class NetworkSource:
         self._ordered = ordered
         self._swap = swap
         self._viewed: torch.Tensor | None = None  # swap: the staged buffer the module points at
+        # (Not staging.is_pinned(): it would start CUDA in a receiver whose module is on the CPU.)
+        self._to_gpu = any(t.is_cuda for t in ordered)
 
     def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
         if self._swap:
             return self.link.take_staged(held, self._viewed, self._bind)
-        return self.link.take(lambda staging: copy_out(self.layout, staging, self._ordered), held)
+        return self.link.take(self._copy_out, held)
+
+    def _copy_out(self, staging: torch.Tensor) -> None:
+        copy_out(self.layout, staging, self._ordered)
+        if self._to_gpu and not staging.is_cuda:
+            wait_for_copies()  # from page-locked staging the copy is asynchronous: done before the next receive
 
     def pending_above(self, held: int | None) -> bool:
         return self.link.pending_above(held)
