@@ -77,7 +77,16 @@ from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaS
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import DELTA, FULL, Header, PeerGroup, make_group, shutdown_group, signed_trailer
+from lightning_wsync._planes.wire import (
+    DELTA,
+    FULL,
+    Header,
+    Interruptible,
+    PeerGroup,
+    close_group,
+    make_group,
+    signed_trailer,
+)
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
@@ -272,10 +281,11 @@ class RelayHead:
                 continue
             first = chain.rids[0]
             prefix = keys.relay_hop_prefix(self._epoch, chain.number, first)
-            pg: PeerGroup | None = None
+            pg: Interruptible | None = None
             self._notes = 0
             try:
-                pg = join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s, self._superseded)
+                pg = Interruptible(join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s,
+                                            self._superseded), self._backend)  # fmt: skip
                 self._feed(pg, ctl, chain)
             except Superseded:
                 continue
@@ -285,13 +295,13 @@ class RelayHead:
                     ctl.set_text(keys.relay_broken(self._epoch, first), "1")
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
-                shutdown_group(pg)
+                close_group(pg, 1, self._backend)  # a leader waiting on this hop is released now
                 forget_hop(ctl, prefix, 0, spent=pg is not None, notes=(self._notes,))
 
     def _superseded(self) -> bool:
         return self._stop.is_set() or self._changed.is_set()
 
-    def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
+    def _feed(self, pg: Interruptible, ctl: Control, chain: Chain) -> None:
         ring = self._ring
         if self._deltas is not None:
             self._deltas.prepare()
@@ -306,15 +316,7 @@ class RelayHead:
                 lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
             if lease is None:
                 return
-            try:
-                delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
-                try:
-                    self._send(pg, ctl, lease, delta)
-                finally:
-                    if delta is not None:
-                        delta[1].release()
-            finally:
-                lease.release()
+            self._send_or_leave(pg, ctl, lease, held, first)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
@@ -335,6 +337,49 @@ class RelayHead:
             return self._superseded()
 
         return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
+
+    def _send_or_leave(self, pg: Interruptible, ctl: Control, lease: Lease, held: Held | None, first: int) -> None:
+        """Send the leased version to the first leader in a thread of its own, left behind
+        (still holding its leases) if the chain changes first; releases ``lease``.
+
+        A gloo send whose bytes are partly written into a leader that stopped reading (it was
+        SIGSTOPped, or left the hop) is woken by nothing, not an interrupt, not the pair's
+        closing, until the group timeout (measured, tree3). Waiting there would hold every
+        host back for timeout_s after the chain dropped that leader; left behind, the send
+        ends on its own within timeout_s and the head feeds the new chain at once.
+
+        Raises:
+            Superseded: the chain changed before the version was sent.
+        """
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            delta = None
+            try:
+                delta = delta_base(self._ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
+                self._send(pg, ctl, lease, delta)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the feed, unless it left already
+                failed.append(exc)
+            finally:
+                if delta is not None:
+                    delta[1].release()
+                lease.release()
+                done.set()
+
+        version = lease.ref.version
+        try:
+            threading.Thread(target=send, name=f"wsync-relay-head-send-v{version}", daemon=True).start()
+        except BaseException:
+            lease.release()
+            raise
+        while not done.wait(CHAIN_POLL_S):
+            if self._superseded():
+                log.debug("relay: the chain changed while version %d went to leader rid=%d; its send is "
+                          "left to end on its own", version, first)  # fmt: skip
+                raise Superseded(f"the chain changed while version {version} went to leader rid={first}")
+        if failed:
+            raise failed[0]
 
     def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
         ring, layout = self._ring, self._ring.layout
