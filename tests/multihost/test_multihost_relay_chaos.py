@@ -39,7 +39,9 @@ def test_relay_chaos_no_torn_version_everyone_current_store_bounded(tmp_path: Pa
     assert result["torn"] == [], result["torn"][:5]  # every applied version bit-exact: 0 torn
     assert figures["kills"] >= 3 and figures["stops"] >= 3, actions
     assert result["applied"] >= PUSHES // 2
-    # Every live receiver held the last version within timeout_s of its push.
+    # Every live receiver held the last version within timeout_s of its push. (Once 19.95 s
+    # under CI: the chain head waited out a send part-written into a leader the chain had
+    # dropped; it now leaves such a send behind, see docs/relay.md "Failure".)
     assert result["catch_up_s"] <= result["timeout_s"], figures
     assert not set(result["last_report"]["failed"]) & set(result["live"]), result["last_report"]
     # Bounded store: every relay key that names a dead leader or a replaced chain is deleted
