@@ -358,7 +358,8 @@ class RelayHead:
 
     def _send_or_leave(self, pg: Interruptible, ctl: Control, lease: Lease, held: Held | None, first: int) -> None:
         """Send the leased version to the first leader in a thread of its own, left behind
-        (still holding its leases) if the chain changes first; releases ``lease``.
+        (still holding its leases) if the chain changes first; releases ``lease``. At close
+        the send is interrupted and waited for instead: the ring it reads is closed next.
 
         A gloo send whose bytes are partly written into a leader that stopped reading (it was
         SIGSTOPped, or left the hop) is woken by nothing, not an interrupt, not the pair's
@@ -392,7 +393,11 @@ class RelayHead:
             lease.release()
             raise
         while not done.wait(CHAIN_POLL_S):
-            if self._superseded():
+            if self._stop.is_set():  # closing: the ring goes next, so the send is ended, not left behind
+                pg.interrupt()
+                done.wait(self._timeout_s)  # bounded again by close()'s join
+                break
+            if self._changed.is_set():
                 log.debug("relay: the chain changed while version %d went to leader rid=%d; its send is "
                           "left to end on its own", version, first)  # fmt: skip
                 raise Superseded(f"the chain changed while version {version} went to leader rid={first}")
