@@ -39,7 +39,10 @@ def test_relay_chaos_no_torn_version_everyone_current_store_bounded(tmp_path: Pa
     assert result["torn"] == [], result["torn"][:5]  # every applied version bit-exact: 0 torn
     assert figures["kills"] >= 3 and figures["stops"] >= 3, actions
     assert result["applied"] >= PUSHES // 2
-    # Every live receiver held the last version within timeout_s of its push.
+    # Every live receiver held the last version within timeout_s of its push. (Once 19.95 s
+    # under CI, two waits of timeout_s: the waits that can add up to that, the chain head
+    # waiting out a send part-written into a leader the chain had dropped and a hop's group
+    # set-up whose peer had left, no longer happen; see docs/relay.md "Failure".)
     assert result["catch_up_s"] <= result["timeout_s"], figures
     assert not set(result["last_report"]["failed"]) & set(result["live"]), result["last_report"]
     # Bounded store: every relay key that names a dead leader or a replaced chain is deleted

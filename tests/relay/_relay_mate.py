@@ -16,11 +16,11 @@ from lightning_wsync import WeightReceiver
 from lightning_wsync._control.host import pid_namespace
 
 
-def main(store: str, job: str, name: str, events: str, last: int) -> None:
+def main(store: str, job: str, name: str, events: str, last: int, spec: tuple[str, int] = ("mixed", 0)) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
     torch.set_num_threads(1)
-    module = build(("mixed", 0))
+    module = build(spec)
     for t in module.state_dict().values():
         t.detach().zero_()
     with WeightReceiver(module, store=store, job=job, name=name, timeout_s=10) as receiver:
@@ -32,4 +32,5 @@ def main(store: str, job: str, name: str, events: str, last: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    kind, arg = (sys.argv[6] if len(sys.argv) > 6 else "mixed,0").split(",")  # the model: _workers.build's spec
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), (kind, int(arg)))

@@ -2,7 +2,8 @@
 
 Each host-mate is a real process told its host by ``WSYNC_HOST_ID``; the trainer (this
 process) is on a host of its own, so it relays. Containers are made with ``unshare``: a
-PID namespace of its own, or a /dev/shm of its own (full, or just separate).
+PID namespace of its own, or a /dev/shm of its own (full, or just separate). The last
+test stalls the host's leader mid-send (SIGSTOP) and times how soon its host-mate is fed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -55,8 +57,11 @@ def own_pid_namespace() -> list[str]:
 class Host:
     """Host-mates of one relay host, their events in one file and each one's output in its own."""
 
-    def __init__(self, children: Children, tmp: Path, sender: WeightSender, job: str, last: int) -> None:
+    def __init__(
+        self, children: Children, tmp: Path, sender: WeightSender, job: str, last: int, spec: str = "mixed,0"
+    ) -> None:
         self.children, self.tmp, self.sender, self.job, self.last = children, tmp, sender, job, last
+        self.spec = spec  # the host-mates' model (tests/support/_workers.py build()'s spec, as "kind,arg")
         self.events = tmp / "events.jsonl"
         self.ctl = Control(sender.store, job)
 
@@ -66,7 +71,7 @@ class Host:
         env = {**os.environ, "WSYNC_HOST_ID": HOST, "PYTHONPATH": path}
         # It applies versions until the test ends (a receiver that closes resigns: the record must stay).
         argv = [sys.executable, str(HERE / "_relay_mate.py"), str(self.sender.store_address), self.job, name,
-                str(self.events), "1000000"]  # fmt: skip
+                str(self.events), "1000000", self.spec]  # fmt: skip
         with open(self.tmp / f"{name}.log", "wb") as out:
             proc = subprocess.Popen([*prefix, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env)  # fmt: skip
@@ -168,3 +173,45 @@ def test_host_mates_that_cannot_share_the_ring_are_served_over_the_network(child
     cut_off = [line for line in host.log("isolated").splitlines() if "cannot open its leader's" in line]
     assert len(cut_off) == 1, host.log("isolated")
     assert record.shm in cut_off[0] and "WSYNC_HOST_ID" in cut_off[0]
+
+
+@pytest.mark.timeout(240)
+def test_head_leaves_a_send_into_a_stopped_leader_behind(children, tmp_path, monkeypatch, port) -> None:
+    """The chain's only leader is SIGSTOPped, then a version too large for the socket buffers
+    (32 MiB) is pushed: the head's send into it blocks part-written, and gloo wakes that send
+    only at its timeout_s. Once the host-mate has taken over (heartbeat_timeout_s) the head
+    must feed the new chain at once. Before: it waited out its send, and the host-mate got
+    the version only after timeout_s (30 s here)."""
+    timeout_s, heartbeat_timeout_s = 30.0, 2.0
+    model, job = build(("big", 32)), "head-leaves-a-send"
+    with monkeypatch.context() as env:
+        env.setenv("WSYNC_HOST_ID", "trainer")
+        sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, timeout_s=timeout_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s, delta="off")  # fmt: skip
+    with sender:
+        host = Host(children, tmp_path, sender, job, 1, spec="big,32")
+        rids = {host.start(name, []): name for name in ("a", "b")}
+        host.push_all(model, ["a", "b"])
+        record = host.wait("a leader", host.leader)
+        stalled, mate = rids[record.rid], rids[next(r for r in rids if r != record.rid)]
+        os.kill(record.pid, signal.SIGSTOP)
+        try:
+            mutate(model, 2)
+            pushed = time.monotonic()
+            sender.push(2)
+            host.wait(f"{mate} to apply version 2", lambda: [e for e in host.applied(2) if e["name"] == mate],
+                      timeout_s=2 * timeout_s)  # fmt: skip
+            took_s = time.monotonic() - pushed
+        finally:
+            os.kill(record.pid, signal.SIGCONT)
+        assert [e["digest"] for e in host.applied(2)] == [digest(model)]
+        print(f"{mate} held version 2 {took_s:.2f} s after the push")
+        # heartbeat_timeout_s for the host-mate to take over, then one 32 MiB send on loopback
+        assert took_s < timeout_s / 2, (took_s, host.log(mate)[-3000:])
+        new = host.leader()
+        assert new is not None and rids[new.rid] == mate, new
+        mutate(model, 3)
+        sender.push(3)  # the resumed leader has stepped down, and reads the host-mate's ring
+        host.wait("both to apply version 3", lambda: {e["name"] for e in host.applied(3)} == {stalled, mate},
+                  timeout_s=timeout_s)  # fmt: skip
+        assert {e["digest"] for e in host.applied(3)} == {digest(model)}

@@ -27,7 +27,7 @@ from lightning_wsync._planes.relay.head import (
     read_chain,
 )
 from lightning_wsync._planes.relay.tidy import forget_hop
-from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, shutdown_group
+from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, close_group
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class Downstream:
         self._epoch = epoch
         self._layout = layout
         self._timeout_s = timeout_s
+        self._backend = backend
         self._rid = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
         self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.number, self._rid)
         self._pg: PeerGroup | None = None
@@ -216,6 +217,6 @@ class Downstream:
             self._notes_cv.notify_all()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
-        shutdown_group(self._pg)
+        close_group(self._pg, 1, self._backend)  # the next leader's waits on this hop end now, not at timeout_s
         if self._prefix is not None:
             forget_hop(self._ctl, self._prefix, 0, spent=self._pg is not None, notes=(self._notes_read,))

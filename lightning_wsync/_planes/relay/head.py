@@ -77,7 +77,16 @@ from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaS
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import DELTA, FULL, Header, PeerGroup, make_group, shutdown_group, signed_trailer
+from lightning_wsync._planes.wire import (
+    DELTA,
+    FULL,
+    Header,
+    Interruptible,
+    PeerGroup,
+    close_group,
+    make_group,
+    signed_trailer,
+)
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
@@ -154,27 +163,45 @@ class Superseded(Exception):
     """The chain changed (or this side stopped) before the hop's peer showed up."""
 
 
+JOINING, TAKEN, GONE = "1", "taken", "gone"  # a side's mark on a hop (keys.joined)
+
+
 def join_hop(
     ctl: Control, prefix: str, rank: int, backend: str, addr: str, timeout_s: float, abandon: Callable[[], bool]
 ) -> PeerGroup:
     """Build a hop's group once its peer is known to be joining it too.
 
-    Both sides first mark themselves under ``prefix``; the group is built only once the
-    other's mark is there, so a side whose peer has moved on to a newer chain leaves at
-    the next check of ``abandon()`` instead of blocking in the group's set-up for timeout_s.
+    Both sides first mark themselves under ``prefix`` (``JOINING``), and a side commits to
+    the group only by taking the peer's mark (compare-and-set to ``TAKEN``), so a side whose
+    peer has moved on to a newer chain leaves at the next check of ``abandon()`` instead of
+    blocking in the group's set-up for timeout_s. A side leaves only by withdrawing its own
+    mark (compare-and-set to ``GONE``); when the peer took it first, the peer is already
+    building the group, which would block it for timeout_s alone, so this side builds it too
+    and returns it (the caller sees ``abandon()`` at its next check and shuts it down).
+
+    Raises:
+        Superseded: ``abandon()`` said to leave before the peer committed.
+        TimeoutError: no peer within ``timeout_s``.
     """
-    ctl.set_text(keys.joined(prefix, rank), "1")
-    peer = keys.joined(prefix, 1 - rank)
+    mine, peer = keys.joined(prefix, rank), keys.joined(prefix, 1 - rank)
+    ctl.set_text(mine, JOINING)
     deadline = time.monotonic() + timeout_s
     next_check = 0.0
-    while not ctl.has(peer):
+    while True:
+        if ctl.get_text(peer) == JOINING and ctl.compare_set(peer, JOINING, TAKEN) == TAKEN.encode():
+            break
         now = time.monotonic()
+        leave: Exception | None = None
         if now >= next_check:
             if abandon():
-                raise Superseded(prefix)
+                leave = Superseded(prefix)
             next_check = now + CHAIN_POLL_S
-        if now > deadline:
-            raise TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
+        if leave is None and now > deadline:
+            leave = TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
+        if leave is not None:
+            if ctl.compare_set(mine, JOINING, GONE) != TAKEN.encode():
+                raise leave
+            break  # the peer took this side's mark first: it is building the group
         time.sleep(POLL_S)
     return make_group(backend, ctl.prefix_store(prefix), rank, addr, timeout_s)
 
@@ -272,10 +299,11 @@ class RelayHead:
                 continue
             first = chain.rids[0]
             prefix = keys.relay_hop_prefix(self._epoch, chain.number, first)
-            pg: PeerGroup | None = None
+            pg: Interruptible | None = None
             self._notes = 0
             try:
-                pg = join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s, self._superseded)
+                pg = Interruptible(join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s,
+                                            self._superseded), self._backend)  # fmt: skip
                 self._feed(pg, ctl, chain)
             except Superseded:
                 continue
@@ -285,13 +313,13 @@ class RelayHead:
                     ctl.set_text(keys.relay_broken(self._epoch, first), "1")
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
-                shutdown_group(pg)
+                close_group(pg, 1, self._backend)  # a leader waiting on this hop is released now
                 forget_hop(ctl, prefix, 0, spent=pg is not None, notes=(self._notes,))
 
     def _superseded(self) -> bool:
         return self._stop.is_set() or self._changed.is_set()
 
-    def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
+    def _feed(self, pg: Interruptible, ctl: Control, chain: Chain) -> None:
         ring = self._ring
         if self._deltas is not None:
             self._deltas.prepare()
@@ -306,15 +334,7 @@ class RelayHead:
                 lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
             if lease is None:
                 return
-            try:
-                delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
-                try:
-                    self._send(pg, ctl, lease, delta)
-                finally:
-                    if delta is not None:
-                        delta[1].release()
-            finally:
-                lease.release()
+            self._send_or_leave(pg, ctl, lease, held, first)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
@@ -335,6 +355,54 @@ class RelayHead:
             return self._superseded()
 
         return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
+
+    def _send_or_leave(self, pg: Interruptible, ctl: Control, lease: Lease, held: Held | None, first: int) -> None:
+        """Send the leased version to the first leader in a thread of its own, left behind
+        (still holding its leases) if the chain changes first; releases ``lease``. At close
+        the send is interrupted and waited for instead: the ring it reads is closed next.
+
+        A gloo send whose bytes are partly written into a leader that stopped reading (it was
+        SIGSTOPped, or left the hop) is woken by nothing, not an interrupt, not the pair's
+        closing, until the group timeout (measured, tree3). Waiting there would hold every
+        host back for timeout_s after the chain dropped that leader; left behind, the send
+        ends on its own within timeout_s and the head feeds the new chain at once.
+
+        Raises:
+            Superseded: the chain changed before the version was sent.
+        """
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            delta = None
+            try:
+                delta = delta_base(self._ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
+                self._send(pg, ctl, lease, delta)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the feed, unless it left already
+                failed.append(exc)
+            finally:
+                if delta is not None:
+                    delta[1].release()
+                lease.release()
+                done.set()
+
+        version = lease.ref.version
+        try:
+            threading.Thread(target=send, name=f"wsync-relay-head-send-v{version}", daemon=True).start()
+        except BaseException:
+            lease.release()
+            raise
+        while not done.wait(CHAIN_POLL_S):
+            if self._stop.is_set():  # closing: the ring goes next, so the send is ended, not left behind
+                pg.interrupt()
+                done.wait(self._timeout_s)  # bounded again by close()'s join
+                break
+            if self._changed.is_set():
+                log.debug("relay: the chain changed while version %d went to leader rid=%d; its send is "
+                          "left to end on its own", version, first)  # fmt: skip
+                raise Superseded(f"the chain changed while version {version} went to leader rid={first}")
+        if failed:
+            raise failed[0]
 
     def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
         ring, layout = self._ring, self._ring.layout
