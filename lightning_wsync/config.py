@@ -23,7 +23,7 @@ import torch
 from omegaconf import MISSING
 
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
-CROSS_HOST = ("relay", "star")
+CROSS_HOST = ("relay", "chain", "tree", "star")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 DELTA_MODES = ("auto", "off", "always")
 
@@ -128,8 +128,12 @@ class SenderConfig(_PeerConfig):
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
         cross_host: with ``transport="auto"``, how receivers on other hosts get a version:
             ``"relay"`` (one copy into each host, to an elected host leader, forwarded
-            host to host down a chain; the host's other receivers copy it from shared
-            memory) or ``"star"`` (the sender sends to every remote receiver itself).
+            host to host; the host's other receivers copy it from shared memory; the
+            leaders form a chain, or two complementary binary trees each carrying half
+            of every version once the push-time model says the trees are faster at the
+            current host count), ``"chain"`` or ``"tree"`` (the relay with that shape
+            whatever the host count), or ``"star"`` (the sender sends to every remote
+            receiver itself).
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.
         delta: network path only. ``"auto"`` sends a receiver that holds the previous
@@ -161,7 +165,8 @@ class SenderConfig(_PeerConfig):
         if self.cross_host not in CROSS_HOST:
             raise ValueError(
                 f"{owner}: cross_host={self.cross_host!r} is unknown; choose one of {CROSS_HOST} "
-                f"('star' sends to every remote receiver from the trainer)"
+                f"('relay' picks a chain or trees of host leaders by host count; 'star' sends to every remote "
+                f"receiver from the trainer)"
             )
 
     @property

@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_wsync._planes.relay.head import CHUNK_BYTES
+from lightning_wsync._planes.relay.hops import CHUNK_BYTES
+from lightning_wsync._planes.relay.plan import prefer_tree, tree_depth
 
-__all__ = ["TBF_EFFICIENCY", "Link", "depth", "fit", "push_time"]
+__all__ = ["TBF_EFFICIENCY", "Link", "depth", "fit", "prefer_tree", "push_time", "tree_depth"]
 
 TBF_EFFICIENCY = 0.96
 

@@ -16,7 +16,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaHeader
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
-from lightning_wsync._planes.relay.head import (
+from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
     Chain,
@@ -43,15 +43,18 @@ class Downstream:
     """This leader's hop to the next one in the chain: connected in the background, never waited on long."""
 
     def __init__(
-        self, ctl: Control, epoch: int, chain: Chain, pos: int, layout: Manifest, backend: str, addr: str,
-        timeout_s: float,
+        self, ctl: Control, epoch: int, chain: Chain, rid: int | None, layout: Manifest, backend: str, addr: str,
+        timeout_s: float, *, tree: int | None = None, pieces: int | None = None,
     ) -> None:  # fmt: skip
+        """The hop to leader ``rid`` (None: there is no next leader) in ``chain``, or in its
+        tree ``tree``, where a full version comes in ``pieces`` pieces (half of them)."""
         self._ctl = ctl
         self._epoch = epoch
         self._layout = layout
         self._timeout_s = timeout_s
-        self._rid = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
-        self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.number, self._rid)
+        self._pieces = pieces
+        self._rid = rid
+        self._prefix = None if rid is None else keys.relay_hop_prefix(epoch, chain.number, rid, tree)
         self._pg: PeerGroup | None = None
         self._works: list[object] = []
         self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
@@ -169,7 +172,7 @@ class Downstream:
             if delta is not None and raw is not None and held == Held(delta.base_version, delta.base_digest):
                 kind = DELTA
             self._n += 1
-            header = hop_header(version, seq, self._layout, kind)
+            header = hop_header(version, seq, self._layout, kind, self._pieces)
             self._works, self._sending = [], []
             self.send(header)
             if kind == DELTA:
