@@ -51,7 +51,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             names = [f"h{h}r0" for h in range(1, n_hosts + 1)]
             for h, name in enumerate(names, start=1):
                 argv_ = [sys.executable, str(HERE / "_relay_receiver.py"), "--store", str(sender.store_address),
-                         "--job", "tree", "--name", name, "--size-mb", str(size_mb), "--events", str(events)]  # fmt: skip
+                         "--job", "tree", "--name", name, "--size-mb", str(size_mb),
+                         "--events", str(events)]  # fmt: skip
                 procs.start(name, h, argv_)
             wait_until("every receiver to register", lambda: set(names) <= set(sender.receivers()), 180, procs)
             ctl = Control(sender.store, "tree")
@@ -84,7 +85,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                     started = time.monotonic()
                     handle = sender.push(version)
                     goal = rx0 + 0.4 * sender.layout.total_bytes
-                    wait_until("40% of the version to reach the victim", lambda: hosts.counters(host)[1] >= goal, 30)
+                    wait_until("40% of the version to reach the victim",
+                               lambda host=host, goal=goal: hosts.counters(host)[1] >= goal, 30)  # fmt: skip
                     os.kill(record.pid, signal.SIGKILL)
                     killed = {"rid": victim, "host": host, "name": f"h{host}r0", "after_s": time.monotonic() - started,
                               "rx_bytes": hosts.counters(host)[1] - rx0, "before": list(before.rids),

@@ -48,14 +48,14 @@
   the sender deletes what dead leaders and replaced chains left once ``timeout_s +
   heartbeat_timeout_s`` have passed (:mod:`~lightning_wsync._planes.relay.tidy`).
 
-Why a chain and not a tree: measured on simulated hosts (see the README), a chain keeps
-every link at one copy per version, so the trainer's egress and each host's egress stay
-at one model whatever the host count; a tree with fan-out f multiplies each relay's
-egress by f, which on equal links costs f wire times, far more than the chain's extra
-chunk time per hop at these host counts.
+Why a chain, and when two trees: a chain keeps every link at one copy per version, so the
+trainer's egress and each host's egress stay at one model whatever the host count, and
+costs one chunk time plus a per-hop latency per host. Two complementary binary trees
+(``cross_host="tree"``, :mod:`~lightning_wsync._planes.relay.plan`) keep every link at
+one model too and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model.
 
-Longer than 300 lines: the chain's head (its thread, hop set-up, resends to late hops)
-with the chain record and hop framing that leaders share; the leader side is in ``host.py``.
+The chain record and hop framing that leaders share are in ``hops.py``; the leader side
+is in ``host.py``, the trees' head in ``treefeed.py``.
 """
 
 from __future__ import annotations

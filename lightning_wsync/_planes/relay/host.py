@@ -169,8 +169,19 @@ class RelayMember:
             # under a new generation. A hop whose peer never came is simply joined again.
             self._stop.wait(CHAIN_POLL_S)
             return
+
+        def superseded() -> bool:
+            current = read_chain(ctl, self._epoch)
+            moved = current is None or current.number != chain.number
+            return self._stop.is_set() or moved or not self._election.leads(ctl)
+
         if chain.tree:
-            self._lead_tree(ctl, chain)
+            hop = self._hop
+            assert hop is not None
+            lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend,
+                            addr=self._addr, timeout_s=self._timeout_s, stop=self._stop)  # fmt: skip
+            if lead.serve(superseded, lambda msg: self._accept(ctl, hop, msg)):
+                self._failed_chain = chain.number
             return
         pos = chain.rids.index(self._rid)
         self._notes = 0
@@ -178,11 +189,6 @@ class RelayMember:
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
         down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s)
         pg: PeerGroup | None = None
-
-        def superseded() -> bool:
-            current = read_chain(ctl, self._epoch)
-            moved = current is None or current.number != chain.number
-            return self._stop.is_set() or moved or not self._election.leads(ctl)
 
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
@@ -199,31 +205,6 @@ class RelayMember:
             down.close()
             shutdown_group(pg)
             forget_hop(ctl, up_prefix, 1, spent=pg is not None, notes=(self._notes,))
-
-    def _lead_tree(self, ctl: Control, chain: Chain) -> None:
-        """As :meth:`_lead`, in a tree topology (:mod:`~lightning_wsync._planes.relay.treelead`)."""
-        hop = self._hop
-        assert hop is not None
-        lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend, addr=self._addr,
-                        timeout_s=self._timeout_s, stop=self._stop)  # fmt: skip
-
-        def still_current() -> bool:
-            current = read_chain(ctl, self._epoch)
-            moved = current is None or current.number != chain.number
-            return not (self._stop.is_set() or moved or not self._election.leads(ctl))
-
-        try:
-            lead.run(still_current, lambda msg: self._accept(ctl, hop, msg))
-        except Superseded:
-            return
-        except Exception as exc:  # noqa: BLE001 - rebuild with the next topology
-            if lead.pgs:  # a group was built: its keys now name a peer that failed
-                self._failed_chain = chain.number
-            if not self._stop.is_set():
-                log.info("relay: rid=%d hops from the trees ended (%s)", self._rid, error_text(exc)[:200])
-                self._stop.wait(CHAIN_POLL_S)
-        finally:
-            lead.close()
 
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: Downstream) -> None:
         hop = self._hop

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 HEAD = -1  # a tree's parent that is the sender itself
 TREES = 2
 
-# The push-time model (docs/benchmarks.md, "Model of push time"): a chain pays, on top of
-# one wire time, (H - 1) (c/B + h); the trees pay (depth - 1) (2 c/B + h) plus a fixed
-# cost per push for the second stream (k). Figures fitted on simulated hosts (700 Mbit/s
-# links, 512 KiB chunks: c/B ~ 6 ms) are the defaults.
+# The push-time model (docs/benchmarks.md, "Model of push time"): on top of one wire time a
+# chain pays (H - 1) (c/B + h) and the trees (depth - 1) (2 c/B + h_t). The defaults are
+# fitted on simulated hosts (700 Mbit/s links, 512 KiB chunks: c/B ~ 6 ms; 1-16 hosts on
+# a shared 2-core machine, where a tree level cost far more than a chain hop: h = 13 ms,
+# h_t = 87 ms), so the trees take over from ~22 hosts.
 CHUNK_WIRE_S = 0.006
-HOP_S = 0.02
-TREE_EXTRA_S = 0.03
+HOP_S = 0.013
+TREE_LEVEL_S = 0.087
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def tree_depth(hosts: int) -> int:
 
 
 def prefer_tree(hosts: int, *, chunk_s: float = CHUNK_WIRE_S, hop_s: float = HOP_S,
-                tree_extra_s: float = TREE_EXTRA_S) -> bool:  # fmt: skip
+                level_s: float = TREE_LEVEL_S) -> bool:  # fmt: skip
     """Whether the model puts the trees ahead of the chain at ``hosts`` leaders."""
     chain = (hosts - 1) * (chunk_s + hop_s)
-    tree = (tree_depth(hosts) - 1) * (2 * chunk_s + hop_s) + tree_extra_s
+    tree = (tree_depth(hosts) - 1) * (2 * chunk_s + level_s)
     return tree < chain

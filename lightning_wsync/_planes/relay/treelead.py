@@ -29,7 +29,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.wire import DeltaStats
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
-from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Superseded, join_hop
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Superseded, error_text, join_hop
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.shm.ring import SnapshotRing
@@ -207,7 +207,23 @@ class TreeLead:
         self.pgs: list[PeerGroup] = []
         self._notes = 0
 
-    def run(self, still_current: Callable[[], bool], accept: Callable[[Message], None]) -> None:
+    def serve(self, superseded: Callable[[], bool], accept: Callable[[Message], None]) -> bool:
+        """Serve this topology until it changes (or this leader stops leading); True when
+        it failed after its hops were built (they cannot be joined again: wait for the next one)."""
+        try:
+            self._run(lambda: not superseded(), accept)
+            return False
+        except Superseded:
+            return False
+        except Exception as exc:  # noqa: BLE001 - rebuilt with the next topology
+            if not self._stop.is_set():
+                log.info("relay: hops from the trees ended (%s)", error_text(exc)[:200])
+                self._stop.wait(CHAIN_POLL_S)
+            return bool(self.pgs)
+        finally:
+            self.close()
+
+    def _run(self, still_current: Callable[[], bool], accept: Callable[[Message], None]) -> None:
         """Join the hops from both parents, then receive and forward until the topology changes."""
         for prefix in self._prefixes:
             self.pgs.append(join_hop(self._ctl, prefix, 1, self._backend, self._addr, self._timeout_s,
