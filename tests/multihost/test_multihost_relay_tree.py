@@ -1,4 +1,4 @@
-"""The relay's two binary trees on simulated hosts: an inner leader killed mid-version."""
+"""The relay's two binary trees on simulated hosts: an inner leader killed or stalled mid-version."""
 
 from __future__ import annotations
 
@@ -32,3 +32,23 @@ def test_inner_tree_leader_killed_mid_version_its_subtree_is_reattached_bit_exac
     last = max(r["version"] for r in result["reports"])
     holders = {a["name"] for a in applied if a["version"] == last}
     assert holders == set(names) - {killed["name"]} and set(killed["subtree"]) <= holders
+
+
+@pytest.mark.timeout(400)
+def test_tree_leader_stalled_mid_version_is_replaced_and_follows_after_resume(tmp_path: Path) -> None:
+    """4 hosts x 2 receivers, ``cross_host="tree"``: host 1's leader (tree 0's root) SIGSTOPped mid-version."""
+    result = run_scenario("relay_failover.py", str(tmp_path), "4", "2", "16", "300mbit", "stop", "tree",
+                          timeout_s=380)  # fmt: skip
+    stalled, names, rids = result["killed"], result["names"], result["rids"]
+    print(json.dumps({k: result[k] for k in ("killed", "leader_after", "reports", "resumed")}, indent=1))
+    assert stalled["name"] is not None and stalled["name"].startswith("h1") and 0 < stalled["rx_bytes"] < 16 * 2**20
+    for report in result["reports"]:  # every later version reaches every other receiver within timeout_s
+        if report["version"] > result["kill_at"]:
+            assert set(report["delivered"]) >= set(names) - {stalled["name"]}, report
+            assert report["latency_s"] is not None and report["latency_s"] <= result["timeout_s"], report
+    (mate,) = [n for n in names if n.startswith("h1") and n != stalled["name"]]
+    assert result["leader_after"]["rid"] == rids[mate]
+    assert set(result["resumed"]["delivered"]) >= set(names) - {stalled["name"]}, result["resumed"]
+    applied = result["applied"]
+    assert applied and all(a["exact"] for a in applied), [a for a in applied if not a["exact"]]
+    assert {a["name"] for a in applied if a["version"] == result["resumed"]["version"]} == set(names)
