@@ -42,20 +42,18 @@
 - **Failure.** A hop that dies fails at once; one that stalls fails at the group
   timeout (``timeout_s``). The upstream side marks the downstream leader broken
   (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
-  heartbeat stops) and publishes a new generation; every leader rebuilds its hops and
-  the head sends the newest version again. A dropped leader is re-admitted after
-  ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it leaves it;
-  the sender deletes what dead leaders and replaced chains left once ``timeout_s +
-  heartbeat_timeout_s`` have passed (:mod:`~lightning_wsync._planes.relay.tidy`).
+  heartbeat stops) and publishes a new generation; the sending side of every hop ends a send
+  under way (its peer may have left; a send into a group nobody serves blocks for ``timeout_s``),
+  every leader rebuilds its hops and the head sends the newest version again. A dropped leader is
+  re-admitted after ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it
+  leaves it; the sender deletes what dead leaders and replaced chains left after ``timeout_s + heartbeat_timeout_s``.
 
-Why a chain, and when two trees: a chain keeps every link at one copy per version, so the
-trainer's egress and each host's egress stay at one model whatever the host count, and
-costs one chunk time plus a per-hop latency per host. Two complementary binary trees
-(``cross_host="tree"``, :mod:`~lightning_wsync._planes.relay.plan`) keep every link at
-one model too and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model.
+Why a chain, and when two trees: a chain keeps every link at one copy per version (the trainer's
+and each host's egress stay one model at any host count) and costs a chunk time plus a hop latency
+per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.plan`) keep every link
+at one model and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model.
 
-The chain record and hop framing that leaders share are in ``hops.py``; the leader side
-is in ``host.py``, the trees' head in ``treefeed.py``.
+Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ from lightning_wsync._planes.relay.plan import prefer_tree
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.relay.treefeed import TreeFeed
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, shutdown_group, signed_trailer
+from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, shutdown_group, signed_trailer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
@@ -131,6 +129,7 @@ class RelayHead:
         self._pieces = chunks(ring.layout)
         self._sweeper = RelaySweeper(epoch, linger_s=timeout_s + heartbeat_timeout_s)
         self._notes = 0  # ready notes taken on the current hop to the first leader
+        self._hop: tuple[int, Interruptible] | None = None  # (chain number, hop to its first leader) being fed
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)
         self._thread.start()
 
@@ -157,6 +156,9 @@ class RelayHead:
         ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.number, tuple(rids), tree))
         log.info("relay %s %d: %s", "trees" if tree else "chain", self.chain.number, list(rids))
         self._changed.set()
+        # A send into the old chain's first leader ends: a group nobody serves blocks it for timeout_s.
+        if (hop := self._hop) is not None and hop[0] != self.chain.number:
+            hop[1].interrupt()
 
     def receipts(self, ctl: Control, version: int) -> dict[str, HopReceipt]:
         """host -> how its leader got ``version`` (hosts whose leader has not reported it are left out)."""
@@ -191,7 +193,9 @@ class RelayHead:
             pg: PeerGroup | None = None
             self._notes = 0
             try:
-                pg = join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s, self._superseded)
+                pg = Interruptible(join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s,
+                                            self._superseded), self._backend)  # fmt: skip
+                self._hop = (chain.number, pg)
                 self._feed(pg, ctl, chain)
             except Superseded:
                 continue
@@ -201,6 +205,7 @@ class RelayHead:
                     ctl.set_text(keys.relay_broken(self._epoch, first), "1")
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
+                self._hop = None
                 shutdown_group(pg)
                 forget_hop(ctl, prefix, 0, spent=pg is not None, notes=(self._notes,))
 
@@ -223,6 +228,8 @@ class RelayHead:
             if lease is None:
                 return
             try:
+                if self._superseded():  # the first leader may have left this chain already
+                    return
                 delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
                 try:
                     self._send(pg, ctl, lease, delta)
@@ -275,6 +282,8 @@ class RelayHead:
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._changed.set()
+        if (hop := self._hop) is not None:
+            hop[1].interrupt()
         self._thread.join(timeout=timeout_s)
         try:
             self._sweeper.close(self._control, self.chain.number, self.chain.rids, self.chain.tree)
@@ -289,5 +298,3 @@ def leader_record(ctl: Control, epoch: int, host: str) -> LeaderRecord | None:
     except (WeightSyncRecordError, WeightSyncAuthError) as exc:
         log.debug("relay: %s", exc)
         return None
-
-
