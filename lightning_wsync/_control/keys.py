@@ -48,9 +48,10 @@ relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, pidns, term, shm, ready}`` 
 relay/<epoch>/chain             JSON    ``{number, rids, tree}``: the relay's number, leader rids, and
                                         whether they form two trees rather than a chain
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
-relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>``, ``ready/<n>`` (downstream
-                                        leader: what it holds), gloo's keys; ``.../pg/<chain>/t<k>/<rid>/``
-                                        in tree k of a tree topology
+relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>`` (``1``: joining; ``taken``: the
+                                        peer committed to the group; ``gone``: withdrawn), ``ready/<n>``
+                                        (downstream leader: what it holds), gloo's keys;
+                                        ``.../pg/<chain>/t<k>/<rid>/`` in tree k of a tree topology
 relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions (delta or full,
                                         bytes, decode seconds), for push reports
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
@@ -198,7 +199,7 @@ def announcement(prefix: str, n: int) -> str:
 
 
 def joined(prefix: str, rank: int) -> str:
-    """A relay hop's side ``rank`` is there."""
+    """A relay hop's side ``rank`` is there (see :func:`~lightning_wsync._planes.relay.hops.join_hop`)."""
     return f"{prefix}joined/{rank}"
 
 

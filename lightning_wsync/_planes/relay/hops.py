@@ -95,27 +95,45 @@ class Superseded(Exception):
     """The chain changed (or this side stopped) before the hop's peer showed up."""
 
 
+JOINING, TAKEN, GONE = "1", "taken", "gone"  # a side's mark on a hop (keys.joined)
+
+
 def join_hop(
     ctl: Control, prefix: str, rank: int, backend: str, addr: str, timeout_s: float, abandon: Callable[[], bool]
 ) -> PeerGroup:
     """Build a hop's group once its peer is known to be joining it too.
 
-    Both sides first mark themselves under ``prefix``; the group is built only once the
-    other's mark is there, so a side whose peer has moved on to a newer chain leaves at
-    the next check of ``abandon()`` instead of blocking in the group's set-up for timeout_s.
+    Both sides first mark themselves under ``prefix`` (``JOINING``), and a side commits to
+    the group only by taking the peer's mark (compare-and-set to ``TAKEN``), so a side whose
+    peer has moved on to a newer chain leaves at the next check of ``abandon()`` instead of
+    blocking in the group's set-up for timeout_s. A side leaves only by withdrawing its own
+    mark (compare-and-set to ``GONE``); when the peer took it first, the peer is already
+    building the group, which would block it for timeout_s alone, so this side builds it too
+    and returns it (the caller sees ``abandon()`` at its next check and shuts it down).
+
+    Raises:
+        Superseded: ``abandon()`` said to leave before the peer committed.
+        TimeoutError: no peer within ``timeout_s``.
     """
-    ctl.set_text(keys.joined(prefix, rank), "1")
-    peer = keys.joined(prefix, 1 - rank)
+    mine, peer = keys.joined(prefix, rank), keys.joined(prefix, 1 - rank)
+    ctl.set_text(mine, JOINING)
     deadline = time.monotonic() + timeout_s
     next_check = 0.0
-    while not ctl.has(peer):
+    while True:
+        if ctl.get_text(peer) == JOINING and ctl.compare_set(peer, JOINING, TAKEN) == TAKEN.encode():
+            break
         now = time.monotonic()
+        leave: Exception | None = None
         if now >= next_check:
             if abandon():
-                raise Superseded(prefix)
+                leave = Superseded(prefix)
             next_check = now + CHAIN_POLL_S
-        if now > deadline:
-            raise TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
+        if leave is None and now > deadline:
+            leave = TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
+        if leave is not None:
+            if ctl.compare_set(mine, JOINING, GONE) != TAKEN.encode():
+                raise leave
+            break  # the peer took this side's mark first: it is building the group
         time.sleep(POLL_S)
     return make_group(backend, ctl.prefix_store(prefix), rank, addr, timeout_s)
 
