@@ -1,4 +1,5 @@
-"""Joining a relay hop: a side that leaves never strands a peer that already committed.
+"""Joining and leaving a relay hop: a side that leaves never strands its peer (in the group's
+set-up, or in a receive from it).
 
 Both sides of each test are threads of this process on a real TCPStore with real gloo
 groups (``make_group`` releases the GIL while it waits for its peer). The race under test
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.hops import GONE, JOINING, TAKEN, Superseded, join_hop
-from lightning_wsync._planes.wire import PeerGroup, shutdown_group
+from lightning_wsync._planes.wire import Interruptible, PeerGroup, close_group, shutdown_group
 
 PREFIX = keys.relay_hop_prefix(1, 7, 3)
 TIMEOUT_S = 6.0
@@ -125,3 +126,41 @@ def test_both_sides_joining_commit_to_one_group(ctls) -> None:
     finally:
         shutdown_group(pg)
         shutdown_group(peer.pg)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interruptible", [False, True])
+def test_leaving_a_hop_ends_the_peers_wait_at_once_even_with_a_send_still_referenced(ctls, interruptible) -> None:
+    """An aborted gloo group keeps its connection open while one of its works is referenced
+    (here a send the peer never matches, as a leader's unfinished forward), so a peer blocked
+    in a receive from it waited for the group timeout (measured: the whole timeout_s);
+    ``close_group`` closes the connection."""
+    mine, theirs = ctls
+    peer = Peer(theirs, TIMEOUT_S)
+    peer.start()
+    raw = join_hop(mine, PREFIX, 0, "gloo", "127.0.0.1", TIMEOUT_S, lambda: False)
+    peer.join()
+    assert peer.pg is not None, peer.error
+    pg: PeerGroup = Interruptible(raw, "gloo") if interruptible else raw
+    waited: dict[str, object] = {}
+
+    posted = peer.pg.recv([torch.zeros(1 << 16, dtype=torch.uint8)], 0, 0)  # never matched by a send
+
+    def receive() -> None:
+        started = time.monotonic()
+        try:
+            posted.wait()
+            waited["error"] = None
+        except RuntimeError as exc:
+            waited["error"] = str(exc)
+        waited["s"] = time.monotonic() - started
+
+    receiver = threading.Thread(target=receive, name="test-hop-receive", daemon=True)
+    receiver.start()
+    pending = pg.send([torch.ones(1 << 16, dtype=torch.uint8)], 1, 5)  # noqa: F841 - kept alive on purpose
+    close_group(pg, 1, "gloo")
+    receiver.join(timeout=2 * TIMEOUT_S)
+    shutdown_group(peer.pg)
+    assert waited["error"] is not None and "closed" in str(waited["error"]).lower(), waited
+    assert float(waited["s"]) < TIMEOUT_S / 2, waited  # type: ignore[arg-type]
+

@@ -27,7 +27,7 @@ from lightning_wsync._planes.relay.hops import (
     read_chain,
 )
 from lightning_wsync._planes.relay.tidy import forget_hop
-from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, shutdown_group
+from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, close_group
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,6 @@ class Downstream:
             self._notes_cv.notify_all()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
-        shutdown_group(self._pg)
+        close_group(self._pg, 1, "")  # the next leader's waits on this hop end now, not at timeout_s
         if self._prefix is not None:
             forget_hop(self._ctl, self._prefix, 0, spent=self._pg is not None, notes=(self._notes_read,))

@@ -83,7 +83,7 @@ from lightning_wsync._planes.relay.plan import prefer_tree
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.relay.treefeed import TreeFeed
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, shutdown_group, signed_trailer
+from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, close_group, signed_trailer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class RelayHead:
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
                 self._hop = None
-                shutdown_group(pg)
+                close_group(pg, 1, self._backend)
                 forget_hop(ctl, prefix, 0, spent=pg is not None, notes=(self._notes,))
 
     def _superseded(self) -> bool:

@@ -39,7 +39,7 @@ from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
-from lightning_wsync._planes.wire import PeerGroup, shutdown_group
+from lightning_wsync._planes.wire import PeerGroup, close_group
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class RelayMember:
                 self._stop.wait(CHAIN_POLL_S)
         finally:
             down.close()
-            shutdown_group(pg)
+            close_group(pg, 0, self._backend)
             forget_hop(ctl, up_prefix, 1, spent=pg is not None, notes=(self._notes,))
 
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: Downstream) -> None:

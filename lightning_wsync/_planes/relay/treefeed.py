@@ -28,7 +28,7 @@ from lightning_wsync._planes.relay.hops import (
 from lightning_wsync._planes.relay.plan import TREES, half, roots
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import FULL, PeerGroup, Work, shutdown_group, signed_trailer
+from lightning_wsync._planes.wire import FULL, PeerGroup, Work, close_group, signed_trailer
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class TreeFeed:
             return True
         finally:
             for t in range(TREES):
-                shutdown_group(self._pgs[t])
+                close_group(self._pgs[t], 1, self._backend)  # a root waiting on this hop is released now
                 forget_hop(ctl, self._prefixes[t], 0, spent=self._pgs[t] is not None, notes=(self._notes,))
             self._pgs = [None] * TREES  # freed: an aborted group keeps its sockets open until then
 

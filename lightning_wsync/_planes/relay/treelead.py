@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import xxhash
@@ -33,8 +33,17 @@ from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Supe
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.shm.ring import SnapshotRing
-from lightning_wsync._planes.wire import FULL, HEADER_WORDS, Header, PeerGroup, Work, to_int64, trailer_words
-from lightning_wsync._planes.wire import shutdown_group as _shutdown
+from lightning_wsync._planes.wire import (
+    FULL,
+    HEADER_WORDS,
+    Header,
+    Interruptible,
+    PeerGroup,
+    Work,
+    close_group,
+    to_int64,
+    trailer_words,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +60,7 @@ class TreeHop(HopReceiver):
         self._headers: list[torch.Tensor] = []
         self._header_works: list[Work] = []
 
-    def expect_both(self, pgs: list[PeerGroup]) -> None:
+    def expect_both(self, pgs: Sequence[PeerGroup]) -> None:
         """Post both halves' header receives (watched, never waited on: see :meth:`HopReceiver.expect`)."""
         self._headers = [torch.full((HEADER_WORDS,), _UNSENT, dtype=torch.int64) for _ in pgs]
         self._header_works = [pg.recv([h], 0, 0) for pg, h in zip(pgs, self._headers)]
@@ -66,7 +75,7 @@ class TreeHop(HopReceiver):
         return any(int(h[2]) != _UNSENT for h in self._headers)
 
     def receive_both(
-        self, pgs: list[PeerGroup], downs: list[list[Downstream]], still_current: Callable[[], bool]
+        self, pgs: list[Interruptible], downs: list[list[Downstream]], still_current: Callable[[], bool]
     ) -> Message:
         """Receive both halves of the next version, forwarding each as it comes.
 
@@ -102,9 +111,31 @@ class TreeHop(HopReceiver):
                    for t in range(TREES)]  # fmt: skip
         for thread in threads:
             thread.start()
-        sums = self._hash_in_order(landed, errors)
+        interrupted = False
+
+        def watch() -> bool:
+            """While a piece or a half is awaited: once the topology has changed, end both halves
+            (True from then on). A parent in the old topology may never finish this version (it
+            left, or waits on one that did), and a wait on it would end only at timeout_s,
+            keeping this leader and its subtrees out of the new topology as long; the sender
+            resends the newest version there. Interrupting closes both pairs, but gloo does not
+            wake every wait on a closed pair (seen: a receive whose data was landing waited out
+            the group timeout), so the halves' threads are not waited for: what is left of them
+            ends on its own, touching nothing but this call's locals and the closed groups."""
+            nonlocal interrupted
+            if not interrupted and not still_current():
+                interrupted = True
+                for pg in pgs:
+                    pg.interrupt()
+            return interrupted
+
+        sums = self._hash_in_order(landed, errors, watch)
         for thread in threads:
-            thread.join()
+            while thread.is_alive() and not interrupted:
+                thread.join(CHAIN_POLL_S)
+                watch()
+        if interrupted and not errors:
+            raise Superseded("the topology changed mid-version")
         if errors:
             raise errors[0]
         h0, h1 = heads
@@ -153,12 +184,16 @@ class TreeHop(HopReceiver):
                 down.send(trailer)
         return [int(x) for x in trailer.tolist()]
 
-    def _hash_in_order(self, landed: list[threading.Event], errors: list[BaseException]) -> list[int]:
+    def _hash_in_order(
+        self, landed: list[threading.Event], errors: list[BaseException], watch: Callable[[], bool]
+    ) -> list[int]:
         sums: list[int] = []
         hasher = xxhash.xxh3_64()
         last = {bucket: i for i, (_, _, bucket) in enumerate(self._pieces)}
         for i, (a, b, bucket) in enumerate(self._pieces):
-            landed[i].wait()
+            while not landed[i].wait(CHAIN_POLL_S):
+                if watch():
+                    return sums
             if errors:
                 return sums
             hasher.update(self._target[a:b].numpy().data)
@@ -204,7 +239,7 @@ class TreeLead:
                         pieces=len(hop.halves[t])) for child in links.children[t]]
             for t in range(TREES)
         ]  # fmt: skip
-        self.pgs: list[PeerGroup] = []
+        self.pgs: list[Interruptible] = []
         self._notes = 0
 
     def serve(self, superseded: Callable[[], bool], accept: Callable[[Message], None]) -> bool:
@@ -226,8 +261,8 @@ class TreeLead:
     def _run(self, still_current: Callable[[], bool], accept: Callable[[Message], None]) -> None:
         """Join the hops from both parents, then receive and forward until the topology changes."""
         for prefix in self._prefixes:
-            self.pgs.append(join_hop(self._ctl, prefix, 1, self._backend, self._addr, self._timeout_s,
-                                     lambda: not still_current()))  # fmt: skip
+            pg = join_hop(self._ctl, prefix, 1, self._backend, self._addr, self._timeout_s, lambda: not still_current())
+            self.pgs.append(Interruptible(pg, self._backend))
             log.debug("relay: joined the hop %s", prefix)
         hop, n, next_check = self._hop, 0, 0.0
         every = [(t, d) for t in range(TREES) for d in self.downs[t]]
@@ -257,7 +292,7 @@ class TreeLead:
             for down in downs:
                 down.close()
         for pg in self.pgs:
-            _shutdown(pg)
+            close_group(pg, 0, self._backend)  # the parents' sends into this side end now, not at timeout_s
         for t, prefix in enumerate(self._prefixes):
             forget_hop(self._ctl, prefix, 1, spent=t < len(self.pgs), notes=(self._notes,))
         # Dropped, not only aborted: an aborted group keeps its sockets open until it is
