@@ -96,6 +96,11 @@ class Interruptible:
             except (RuntimeError, TypeError):  # the expected timeout; TypeError: a wrapper without timeout=
                 pass
 
+    def close(self, peer: int) -> None:
+        """:meth:`interrupt`, then :func:`close_group`: the peer's waits end too."""
+        self.interrupt()
+        close_group(self._pg, peer, "gloo" if self._gloo else "nccl")
+
     def _wait(self, work: Work) -> bool:
         with self._lock:
             if self._interrupted:
@@ -124,6 +129,31 @@ def shutdown_group(pg: PeerGroup | None) -> None:
         pg.abort()
     except RuntimeError:
         pass
+
+
+_CLOSE_TAG = 0x7C105E  # a tag no message uses: a receive on it can only time out
+
+
+def close_group(pg: PeerGroup | None, peer: int, backend: str) -> None:
+    """Abort a two-rank group and, with gloo, close its connection to ``peer`` now.
+
+    An aborted gloo group keeps its connection open while any of its works is still
+    referenced (a send posted and never waited), so a peer blocked in a receive from this
+    side would wait for its group timeout. A receive that times out closes the pair, and
+    the peer's waits end at once ("Connection closed by peer").
+    """
+    if pg is None:
+        return
+    if isinstance(pg, Interruptible):
+        pg.close(peer)
+        return
+    if backend == "gloo":
+        probe = torch.zeros(1, dtype=torch.uint8)
+        try:
+            cast(TimedWork, pg.recv([probe], peer, _CLOSE_TAG)).wait(timedelta(milliseconds=1))
+        except RuntimeError:  # the expected timeout (or a pair closed already)
+            pass
+    shutdown_group(pg)
 
 
 def to_int64(u: int) -> int:

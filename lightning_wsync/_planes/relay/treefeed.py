@@ -1,0 +1,143 @@
+"""The sender's side of a tree topology: half of every version to each tree's root.
+
+See :mod:`~lightning_wsync._planes.relay.plan` for the shape. Each root's hop is a
+two-rank group of its own under ``relay/<epoch>/pg/<number>/t<tree>/<rid>/``; both get
+the same header (the version, its snapshot sequence, how many chunks follow), their
+half of the chunks, and the same signed trailer. A root whose hop fails is marked broken
+and the sender re-forms the trees without it (as for the chain's first leader).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.hops import (
+    RELAY_RID,
+    Chain,
+    Superseded,
+    chunks,
+    error_text,
+    hop_header,
+    join_hop,
+    wait_ready,
+)
+from lightning_wsync._planes.relay.plan import TREES, half, roots
+from lightning_wsync._planes.relay.tidy import forget_hop
+from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.wire import FULL, PeerGroup, Work, close_group, signed_trailer
+
+log = logging.getLogger(__name__)
+
+
+class TreeFeed:
+    """One tree topology (one chain number) as the sender feeds it."""
+
+    def __init__(
+        self, ctl: Control, ring: SnapshotRing, chain: Chain, *, epoch: int, backend: str, addr: str,
+        timeout_s: float, superseded: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        self._ctl = ctl
+        self._ring = ring
+        self._epoch = epoch
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._superseded = superseded
+        self._pieces = chunks(ring.layout)
+        self._halves = [half(len(self._pieces), t) for t in range(TREES)]
+        self.roots = roots(chain.rids)
+        self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, self.roots[t], t) for t in range(TREES)]
+        self._pgs: list[PeerGroup | None] = [None] * TREES
+        self._blame = 0  # the tree whose root the step under way depends on
+        self._notes = 0
+
+    def run(self) -> bool:
+        """Feed both roots until the topology changes; True when a root's hop failed (it was marked broken)."""
+        ctl = self._ctl
+        try:
+            for t in range(TREES):
+                self._blame = t
+                self._pgs[t] = join_hop(ctl, self._prefixes[t], 0, self._backend, self._addr, self._timeout_s,
+                                        self._superseded)  # fmt: skip
+                log.debug("relay: tree %d's root rid=%d joined", t, self.roots[t])
+            self._feed()
+            return False
+        except Superseded:
+            return False
+        except Exception as exc:  # noqa: BLE001 - this root only; the trees are re-formed
+            if self._superseded():
+                return False
+            rid = self.roots[self._blame]
+            log.warning("relay: hop to tree %d's root rid=%d failed: %s", self._blame, rid, error_text(exc))
+            ctl.set_text(keys.relay_broken(self._epoch, rid), "1")
+            return True
+        finally:
+            for t in range(TREES):
+                close_group(self._pgs[t], 1, self._backend)  # a root waiting on this hop is released now
+                forget_hop(ctl, self._prefixes[t], 0, spent=self._pgs[t] is not None, notes=(self._notes,))
+            self._pgs = [None] * TREES  # freed: an aborted group keeps its sockets open until then
+
+    def _feed(self) -> None:
+        sent: int | None = None
+        n = 0
+        while not self._superseded():
+            for t in range(TREES):
+                self._blame = t
+                self._wait_ready(keys.ready(self._prefixes[t], n), sent, self.roots[t])
+            lease = None
+            while lease is None and not self._superseded():
+                lease = self._ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
+            if lease is None or self._superseded():  # the roots may have left this topology already
+                if lease is not None:
+                    lease.release()
+                return
+            try:
+                self._send(lease)
+            finally:
+                lease.release()
+            sent, n = lease.ref.version, n + 1
+            self._notes = n
+
+    def _wait_ready(self, key: str, sent: int | None, rid: int) -> None:
+        """A root's ``ready`` note: waited for without a bound while there is nothing new to
+        send, for ``timeout_s`` once there is (a root stalled that long fails its hop)."""
+        pending_since: float | None = None
+
+        def abandon() -> bool:
+            nonlocal pending_since
+            newest = self._ring.newest()
+            if newest is not None and (sent is None or newest.version > sent):
+                now = time.monotonic()
+                pending_since = now if pending_since is None else pending_since
+                if now - pending_since > self._timeout_s:
+                    raise TimeoutError(f"tree root rid={rid} not ready for version {newest.version} "
+                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
+            return self._superseded()
+
+        wait_ready(self._ctl, key, float("inf"), abandon, f"tree root rid={rid}")
+
+    def _send(self, lease: Lease) -> None:
+        layout, buffer, (_, seq, version) = self._ring.layout, lease.buffer, lease.ref
+        pgs = [pg for pg in self._pgs if pg is not None]
+        works: list[list[Work]] = []
+        for t, pg in enumerate(pgs):
+            self._blame = t
+            pg.send([hop_header(version, seq, layout, FULL, len(self._halves[t]))], 1, 0).wait()
+            works.append([pg.send([buffer[a:b]], 1, 0) for a, b, _ in (self._pieces[i] for i in self._halves[t])])
+        sums = self._ring.checksums(lease)  # while gloo streams the chunks
+        for k in range(max(len(w) for w in works)):  # in the order they go out, alternating trees
+            for t in range(TREES):
+                if k < len(works[t]):
+                    self._blame = t
+                    works[t][k].wait()
+            lease.touch()
+        trailer = signed_trailer(self._ctl, self._epoch, RELAY_RID, version, seq, sums, intact=lease.intact(),
+                                 buckets=len(layout.buckets))  # fmt: skip
+        for t, pg in enumerate(pgs):
+            self._blame = t
+            pg.send([trailer], 1, 0).wait()
+        log.debug("relay: version %d sent to the tree roots %s", version, self.roots)
