@@ -10,6 +10,17 @@ version is accepted only when both halves carry the same version, snapshot seque
 trailer, and the trailer's MAC and every checksum verify, exactly as on a chain.
 
 A tree carries full versions only: a delta goes down a chain (``cross_host="chain"``).
+
+A topology change mid-version ends both halves at once: a parent in the old topology may
+never finish this version (it left, or waits on one that did), and a wait on it would end
+only at timeout_s, keeping this leader and its subtrees out of the new topology as long;
+the sender resends the newest version there. Interrupting closes both pairs, but gloo does
+not wake every wait on a closed pair (seen: a receive whose data was landing waited out the
+group timeout), so the halves' threads are not waited for: what is left of them ends on its
+own, touching nothing but that call's locals and the closed groups.
+
+Longer than 300 lines: one leader's receive, forward and verify of both halves, which share
+the draft, the landed events and the topology watch; split, each part would reach into the other.
 """
 
 from __future__ import annotations
@@ -94,14 +105,7 @@ class TreeHop(HopReceiver):
 
         def stream(t: int) -> None:
             try:
-                self._await_header(t, still_current)
-                heads[t] = head = Header.unpack(self._headers[t])
-                head.check(self.layout.total_bytes, len(self.halves[t]), len(self.layout.buckets))
-                if head.kind != FULL:
-                    raise RuntimeError(f"tree {t}: version {head.version} came as a delta; trees carry full versions")
-                window = deque(self._post_piece(pgs[t], i) for i in self.halves[t][:_WINDOW])
-                modes = [d.begin(head.version, head.seq, None, None) for d in downs[t]]
-                trailers[t] = self._stream(pgs[t], t, window, list(zip(downs[t], modes)), landed)
+                heads[t], trailers[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the receiving thread
                 errors.append(exc)
                 for event in landed:
@@ -114,14 +118,7 @@ class TreeHop(HopReceiver):
         interrupted = False
 
         def watch() -> bool:
-            """While a piece or a half is awaited: once the topology has changed, end both halves
-            (True from then on). A parent in the old topology may never finish this version (it
-            left, or waits on one that did), and a wait on it would end only at timeout_s,
-            keeping this leader and its subtrees out of the new topology as long; the sender
-            resends the newest version there. Interrupting closes both pairs, but gloo does not
-            wake every wait on a closed pair (seen: a receive whose data was landing waited out
-            the group timeout), so the halves' threads are not waited for: what is left of them
-            ends on its own, touching nothing but this call's locals and the closed groups."""
+            """Once the topology has changed, end both halves (True from then on): see the module."""
             nonlocal interrupted
             if not interrupted and not still_current():
                 interrupted = True
@@ -146,6 +143,21 @@ class TreeHop(HopReceiver):
         total = self.layout.total_bytes
         stats = DeltaStats(changed_share=1.0, wire_bytes=total, full_bytes=total)
         return Message(h0.version, h0.seq, False, trailers[0], sums, None, stats)
+
+    def _receive_half(
+        self, t: int, pg: Interruptible, downs: list[Downstream], landed: list[threading.Event],
+        still_current: Callable[[], bool],
+    ) -> tuple[Header, list[int]]:  # fmt: skip
+        """Tree ``t``'s half of the version: its header, then its pieces (each forwarded to
+        ``downs`` as it lands); the trailer."""
+        self._await_header(t, still_current)
+        head = Header.unpack(self._headers[t])
+        head.check(self.layout.total_bytes, len(self.halves[t]), len(self.layout.buckets))
+        if head.kind != FULL:
+            raise RuntimeError(f"tree {t}: version {head.version} came as a delta; trees carry full versions")
+        window = deque(self._post_piece(pg, i) for i in self.halves[t][:_WINDOW])
+        modes = [d.begin(head.version, head.seq, None, None) for d in downs]
+        return head, self._stream(pg, t, window, list(zip(downs, modes)), landed)
 
     def _await_header(self, t: int, still_current: Callable[[], bool]) -> None:
         next_check = time.monotonic() + CHAIN_POLL_S
