@@ -5,17 +5,28 @@ two-rank group of its own under ``relay/<epoch>/pg/<number>/t<tree>/<rid>/``; bo
 the same header (the version, its snapshot sequence, how many chunks follow), their
 half of the chunks, and the same signed trailer. A root whose hop fails is marked broken
 and the sender re-forms the trees without it (as for the chain's first leader).
+
+A topology change mid-version ends the feed at once, and the head resends the newest
+version to the new roots. The feed does not wait for a send under way to end: a gloo send
+whose bytes are partly written to a root that stopped reading (it left the old topology)
+is woken by nothing, not an interrupt, not the pair's closing, until the group timeout
+(measured), and the new trees would get the newest version only timeout_s later, or
+never when a newer one was pushed meanwhile. So each version is sent by a thread of its
+own, which the feed leaves behind when the topology changes (its hops are interrupted and
+closed: what is left of it ends on its own within timeout_s, and releases its slot).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.hops import (
+    CHAIN_POLL_S,
     RELAY_RID,
     Chain,
     Superseded,
@@ -28,7 +39,7 @@ from lightning_wsync._planes.relay.hops import (
 from lightning_wsync._planes.relay.plan import TREES, half, roots
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import FULL, PeerGroup, Work, close_group, signed_trailer
+from lightning_wsync._planes.wire import FULL, Interruptible, Work, close_group, signed_trailer
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +62,7 @@ class TreeFeed:
         self._halves = [half(len(self._pieces), t) for t in range(TREES)]
         self.roots = roots(chain.rids)
         self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, self.roots[t], t) for t in range(TREES)]
-        self._pgs: list[PeerGroup | None] = [None] * TREES
+        self._pgs: list[Interruptible | None] = [None] * TREES
         self._blame = 0  # the tree whose root the step under way depends on
         self._notes = 0
 
@@ -61,8 +72,8 @@ class TreeFeed:
         try:
             for t in range(TREES):
                 self._blame = t
-                self._pgs[t] = join_hop(ctl, self._prefixes[t], 0, self._backend, self._addr, self._timeout_s,
-                                        self._superseded)  # fmt: skip
+                pg = join_hop(ctl, self._prefixes[t], 0, self._backend, self._addr, self._timeout_s, self._superseded)
+                self._pgs[t] = Interruptible(pg, self._backend)
                 log.debug("relay: tree %d's root rid=%d joined", t, self.roots[t])
             self._feed()
             return False
@@ -95,10 +106,7 @@ class TreeFeed:
                 if lease is not None:
                     lease.release()
                 return
-            try:
-                self._send(lease)
-            finally:
-                lease.release()
+            self._send(lease)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
@@ -121,8 +129,40 @@ class TreeFeed:
         wait_ready(self._ctl, key, float("inf"), abandon, f"tree root rid={rid}")
 
     def _send(self, lease: Lease) -> None:
-        layout, buffer, (_, seq, version) = self._ring.layout, lease.buffer, lease.ref
+        """Send the leased version to both roots in a thread of its own, left behind (still
+        holding the lease) if the topology changes first: see the module; releases ``lease``.
+
+        Raises:
+            Superseded: the topology changed before the version was sent.
+        """
         pgs = [pg for pg in self._pgs if pg is not None]
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self._send_now(lease, pgs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the feed, unless it left already
+                failed.append(exc)
+            finally:
+                lease.release()
+                done.set()
+
+        try:
+            threading.Thread(target=send, name=f"wsync-relay-tree-send-v{lease.ref.version}", daemon=True).start()
+        except BaseException:
+            lease.release()
+            raise
+        while not done.wait(CHAIN_POLL_S):
+            if self._superseded():
+                log.debug("relay: the topology changed while version %d went to the tree roots; its send is "
+                          "left to end on its own", lease.ref.version)  # fmt: skip
+                raise Superseded(f"the topology changed while version {lease.ref.version} went to the roots")
+        if failed:
+            raise failed[0]
+
+    def _send_now(self, lease: Lease, pgs: list[Interruptible]) -> None:
+        layout, buffer, (_, seq, version) = self._ring.layout, lease.buffer, lease.ref
         works: list[list[Work]] = []
         for t, pg in enumerate(pgs):
             self._blame = t
