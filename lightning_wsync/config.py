@@ -128,8 +128,9 @@ class SenderConfig(_PeerConfig):
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
         cross_host: with ``transport="auto"``, how receivers on other hosts get a version:
             ``"relay"`` (one copy per host, to an elected leader, relayed down a chain of
-            leaders, or two binary trees each carrying half when the model prefers them),
-            ``"chain"``/``"tree"`` (that shape always) or ``"star"`` (one copy per receiver).
+            leaders, or two binary trees each carrying half when the model prefers them and
+            ``delta="off"``: the trees carry full versions only), ``"chain"``/``"tree"``
+            (that shape always) or ``"star"`` (one copy per receiver).
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.
         delta: network path only. ``"auto"`` sends a receiver that holds the previous

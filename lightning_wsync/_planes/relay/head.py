@@ -147,7 +147,9 @@ class RelayHead:
         kept = [r for r in self.chain.rids if r in wanted]
         rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
         self._sweeper.sweep(ctl, leaders)
-        tree = self._topology == "tree" or (self._topology == "relay" and prefer_tree(len(rids)))
+        # The trees carry full versions only: "relay" keeps the chain's deltas unless they are off.
+        deltas_off = self._deltas is None or self._policy.mode == "off"
+        tree = self._topology == "tree" or (self._topology == "relay" and deltas_off and prefer_tree(len(rids)))
         if rids == self.chain.rids and tree == self.chain.tree:
             return
         if self.chain.number:
