@@ -51,7 +51,10 @@
 Why a chain, and when two trees: a chain keeps every link at one copy per version (the trainer's
 and each host's egress stay one model at any host count) and costs a chunk time plus a hop latency
 per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.plan`) keep every link
-at one model and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model.
+at one model and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model
+(with ``delta="off"`` only: the trees carry full versions).
+
+Longer than 300 lines: the sender's relay head (chain upkeep, the chain feed, receipts, close).
 
 Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
 """
@@ -147,9 +150,8 @@ class RelayHead:
         kept = [r for r in self.chain.rids if r in wanted]
         rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
         self._sweeper.sweep(ctl, leaders)
-        # The trees carry full versions only: "relay" keeps the chain's deltas unless they are off.
-        deltas_off = self._deltas is None or self._policy.mode == "off"
-        tree = self._topology == "tree" or (self._topology == "relay" and deltas_off and prefer_tree(len(rids)))
+        full_only = self._deltas is None or self._policy.mode == "off"  # "relay": trees carry no deltas
+        tree = self._topology == "tree" or (self._topology == "relay" and full_only and prefer_tree(len(rids)))
         if rids == self.chain.rids and tree == self.chain.tree:
             return
         if self.chain.number:
