@@ -43,8 +43,10 @@
   timeout (``timeout_s``). The upstream side marks the downstream leader broken
   (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
   heartbeat stops) and publishes a new generation; the sending side of every hop ends a send
-  under way (its peer may have left; a send into a group nobody serves blocks for ``timeout_s``),
-  every leader rebuilds its hops and the head sends the newest version again. A dropped leader is
+  under way (its peer may have left; a send into a group nobody serves blocks for ``timeout_s``;
+  the head leaves one part-written into a leader that left behind, in its own thread, as gloo
+  wakes it for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`), every leader
+  rebuilds its hops and the head sends the newest version again. A dropped leader is
   re-admitted after ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it
   leaves it; the sender deletes what dead leaders and replaced chains left after ``timeout_s + heartbeat_timeout_s``.
 
@@ -53,8 +55,6 @@ and each host's egress stay one model at any host count) and costs a chunk time 
 per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.plan`) keep every link
 at one model and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model
 (with ``delta="off"`` only: the trees carry full versions).
-
-Longer than 300 lines: the sender's relay head (chain upkeep, the chain feed, receipts, close).
 
 Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
 """
@@ -70,7 +70,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.records import ChainRecord, LeaderRecord, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
-from lightning_wsync._planes.delta.wire import Held, send_delta
+from lightning_wsync._planes.delta.wire import send_delta
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     RELAY_RID,
@@ -80,6 +80,8 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     hop_header,
     join_hop,
+    next_lease,
+    send_apart,
     wait_ready,
 )
 from lightning_wsync._planes.relay.plan import prefer_tree
@@ -225,43 +227,34 @@ class RelayHead:
         sent: int | None = None
         n = 0
         while not self._superseded():
-            held = self._wait_ready(ctl, keys.ready(prefix, n), sent, first)
-            lease = None
-            while lease is None and not self._superseded():
-                lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
-            if lease is None:
+            held = wait_ready(ctl, keys.ready(prefix, n), ring, sent, self._timeout_s, self._superseded,
+                              f"leader rid={first}")  # fmt: skip
+            if (lease := next_lease(ring, sent, self._superseded)) is None:
                 return
             try:
-                if self._superseded():  # the first leader may have left this chain already
-                    return
                 delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
-                try:
-                    self._send(pg, ctl, lease, delta)
-                finally:
-                    if delta is not None:
-                        delta[1].release()
-            finally:
+            except BaseException:
                 lease.release()
+                raise
+            self._send_apart(pg, ctl, lease, delta)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
-    def _wait_ready(self, ctl: Control, key: str, sent: int | None, first: int) -> Held | None:
-        """The first leader's ``ready`` note: waited for without a bound while there is nothing
-        new to send, for ``timeout_s`` once there is (a leader stalled that long fails its hop)."""
-        pending_since: float | None = None
+    def _send_apart(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
+        """:meth:`_send` from a thread left behind (holding its slots) if the chain changes first,
+        as the trees' feed does (:func:`~lightning_wsync._planes.relay.hops.send_apart`); releases the leases.
 
-        def abandon() -> bool:
-            nonlocal pending_since
-            newest = self._ring.newest()
-            if newest is not None and (sent is None or newest.version > sent):
-                now = time.monotonic()
-                pending_since = now if pending_since is None else pending_since
-                if now - pending_since > self._timeout_s:
-                    raise TimeoutError(f"leader rid={first} not ready for version {newest.version} "
-                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
-            return self._superseded()
+        Raises:
+            Superseded: the chain changed before the version was sent.
+        """
 
-        return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
+        def release() -> None:
+            if delta is not None:
+                delta[1].release()
+            lease.release()
+
+        send_apart(lambda: self._send(pg, ctl, lease, delta), release, self._superseded,
+                   f"wsync-relay-head-send-v{lease.ref.version}")  # fmt: skip
 
     def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
         ring, layout = self._ring, self._ring.layout

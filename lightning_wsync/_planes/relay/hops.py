@@ -1,4 +1,5 @@
-"""What both ends of a relay hop share: the chain record, chunking, hop headers, joining a hop.
+"""What both ends of a relay hop share: the chain record, chunking, hop headers, joining a hop,
+waiting on the store (:func:`poll`) and the head's sends left behind on a topology change.
 
 A hop message is the wire's message (see :mod:`~lightning_wsync._planes.wire`): the full
 version in :func:`chunks` (kind FULL; in a tree topology, one tree's half of them) or a
@@ -7,6 +8,8 @@ delta (kind DELTA), then the trainer's trailer.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import ChainRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
+from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import FULL, Header, PeerGroup, make_group
 
 CHUNK_BYTES = 1 << 19  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
@@ -25,6 +29,8 @@ TAIL_BYTES = 1 << 16  # the size the version's last chunk is halved down to
 POLL_S = 0.002
 CHAIN_POLL_S = 0.05
 RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded down the chain
+
+log = logging.getLogger(__name__)
 
 
 def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
@@ -69,26 +75,60 @@ def hop_header(version: int, seq: int, layout: Manifest, kind: int, pieces: int 
     return Header(version, seq, layout.total_bytes, pieces, kind).tensor()
 
 
-def wait_ready(ctl: Control, key: str, timeout_s: float, abandon: Callable[[], bool], peer: str) -> Held | None:
-    """What the downstream side of a hop holds, from its ``ready`` note; raises TimeoutError past ``timeout_s``.
+def wait_ready(
+    ctl: Control,
+    key: str,
+    ring: SnapshotRing,
+    sent: int | None,
+    timeout_s: float,
+    superseded: Callable[[], bool],
+    peer: str,
+) -> Held | None:
+    """What the downstream side of a hop holds, from its ``ready`` note: waited for without a
+    bound while ``ring`` has nothing newer than ``sent``, for ``timeout_s`` once it has (a peer
+    stalled that long fails its hop).
 
     Raises:
-        Superseded: ``abandon()`` said to stop waiting.
-    """
-    deadline = time.monotonic() + timeout_s
-    next_check = 0.0
-    while not ctl.has(key):
-        now = time.monotonic()
-        if now >= next_check:
-            if abandon():
-                raise Superseded(key)
-            next_check = now + CHAIN_POLL_S
-        if now > deadline:
-            raise TimeoutError(f"{peer} not ready for the next version within timeout_s={timeout_s}")
-        time.sleep(POLL_S)
+        Superseded: ``superseded()`` said to stop waiting.
+        TimeoutError: ``peer`` not ready for a newer version within ``timeout_s``.
+    """  # fmt: skip
+    pending_since: float | None = None
+
+    def abandon() -> bool:
+        nonlocal pending_since
+        newest = ring.newest()
+        if newest is not None and (sent is None or newest.version > sent):
+            now = time.monotonic()
+            pending_since = now if pending_since is None else pending_since
+            if now - pending_since > timeout_s:
+                raise TimeoutError(f"{peer} not ready for version {newest.version} within timeout_s={timeout_s}")
+        return superseded()
+
+    leave = poll(lambda: ctl.has(key), abandon, key)
+    if leave is not None:
+        raise leave
     held, _ = parse_ready_note(ctl.get_text(key))
     ctl.delete(key)
     return held
+
+
+def poll(
+    done: Callable[[], bool], abandon: Callable[[], bool], what: str, timeout_s: float = float("inf")
+) -> Exception | None:
+    """Check ``done()`` every POLL_S until it is true (None), else why to stop waiting for ``what``:
+    :class:`Superseded` when ``abandon()`` (asked every CHAIN_POLL_S) says so, TimeoutError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    next_check = 0.0
+    while not done():
+        now = time.monotonic()
+        if now >= next_check:
+            if abandon():
+                return Superseded(what)
+            next_check = now + CHAIN_POLL_S
+        if now > deadline:
+            return TimeoutError(f"{what} within timeout_s={timeout_s}")
+        time.sleep(POLL_S)
+    return None
 
 
 class Superseded(Exception):
@@ -117,25 +157,66 @@ def join_hop(
     """
     mine, peer = keys.joined(prefix, rank), keys.joined(prefix, 1 - rank)
     ctl.set_text(mine, JOINING)
-    deadline = time.monotonic() + timeout_s
-    next_check = 0.0
-    while True:
-        if ctl.get_text(peer) == JOINING and ctl.compare_set(peer, JOINING, TAKEN) == TAKEN.encode():
-            break
-        now = time.monotonic()
-        leave: Exception | None = None
-        if now >= next_check:
-            if abandon():
-                leave = Superseded(prefix)
-            next_check = now + CHAIN_POLL_S
-        if leave is None and now > deadline:
-            leave = TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
-        if leave is not None:
-            if ctl.compare_set(mine, JOINING, GONE) != TAKEN.encode():
-                raise leave
-            break  # the peer took this side's mark first: it is building the group
-        time.sleep(POLL_S)
+
+    def committed() -> bool:
+        return ctl.get_text(peer) == JOINING and ctl.compare_set(peer, JOINING, TAKEN) == TAKEN.encode()
+
+    leave = poll(committed, abandon, f"hop {prefix!r}: no peer", timeout_s)
+    # A side leaves only by withdrawing its mark; when the peer took it first, it is building the group.
+    if leave is not None and ctl.compare_set(mine, JOINING, GONE) != TAKEN.encode():
+        raise leave
     return make_group(backend, ctl.prefix_store(prefix), rank, addr, timeout_s)
+
+
+def next_lease(ring: SnapshotRing, sent: int | None, superseded: Callable[[], bool]) -> Lease | None:
+    """A lease on the newest version above ``sent`` (its slot is not rewritten while the send
+    holds it), or None once ``superseded()``: the peer may have left the topology already."""
+    lease = None
+    while lease is None and not superseded():
+        lease = ring.acquire_newer(sent, 0.05)
+    if lease is not None and superseded():
+        lease.release()
+        return None
+    return lease
+
+
+def send_apart(
+    send: Callable[[], None], release: Callable[[], None], superseded: Callable[[], bool], name: str
+) -> None:
+    """Run ``send`` in a thread of its own (named ``name``) and wait for it; leave it behind when
+    ``superseded()`` first. ``release`` (the send's slots) runs when the send ends, wherever.
+
+    The head's side of a hop: a gloo send partly written to a peer that stopped reading (it
+    left for a newer chain or trees mid-version) is woken by nothing, not an interrupt, not
+    the pair's closing, until the group timeout; the head feeds the new topology meanwhile,
+    and the send left behind ends on its own within ``timeout_s`` (its group is closed).
+
+    Raises:
+        Superseded: the topology changed before the send ended.
+    """  # fmt: skip
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            send()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, unless the caller left already
+            failed.append(exc)
+        finally:
+            release()
+            done.set()
+
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except BaseException:
+        release()
+        raise
+    while not done.wait(CHAIN_POLL_S):
+        if superseded():
+            log.debug("relay: the topology changed during %s; its send is left to end on its own", name)
+            raise Superseded(name)
+    if failed:
+        raise failed[0]
 
 
 def error_text(exc: BaseException) -> str:

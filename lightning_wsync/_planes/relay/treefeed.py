@@ -19,14 +19,11 @@ closed: what is left of it ends on its own within timeout_s, and releases its sl
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.hops import (
-    CHAIN_POLL_S,
     RELAY_RID,
     Chain,
     Superseded,
@@ -34,6 +31,8 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     hop_header,
     join_hop,
+    next_lease,
+    send_apart,
     wait_ready,
 )
 from lightning_wsync._planes.relay.plan import TREES, half, roots
@@ -98,68 +97,24 @@ class TreeFeed:
         while not self._superseded():
             for t in range(TREES):
                 self._blame = t
-                self._wait_ready(keys.ready(self._prefixes[t], n), sent, self.roots[t])
-            lease = None
-            while lease is None and not self._superseded():
-                lease = self._ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
-            if lease is None or self._superseded():  # the roots may have left this topology already
-                if lease is not None:
-                    lease.release()
+                wait_ready(self._ctl, keys.ready(self._prefixes[t], n), self._ring, sent, self._timeout_s,
+                           self._superseded, f"tree root rid={self.roots[t]}")  # fmt: skip
+            if (lease := next_lease(self._ring, sent, self._superseded)) is None:
                 return
             self._send(lease)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
-    def _wait_ready(self, key: str, sent: int | None, rid: int) -> None:
-        """A root's ``ready`` note: waited for without a bound while there is nothing new to
-        send, for ``timeout_s`` once there is (a root stalled that long fails its hop)."""
-        pending_since: float | None = None
-
-        def abandon() -> bool:
-            nonlocal pending_since
-            newest = self._ring.newest()
-            if newest is not None and (sent is None or newest.version > sent):
-                now = time.monotonic()
-                pending_since = now if pending_since is None else pending_since
-                if now - pending_since > self._timeout_s:
-                    raise TimeoutError(f"tree root rid={rid} not ready for version {newest.version} "
-                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
-            return self._superseded()
-
-        wait_ready(self._ctl, key, float("inf"), abandon, f"tree root rid={rid}")
-
     def _send(self, lease: Lease) -> None:
-        """Send the leased version to both roots in a thread of its own, left behind (still
-        holding the lease) if the topology changes first: see the module; releases ``lease``.
+        """Send the leased version to both roots from a thread left behind (still holding the
+        lease) if the topology changes first: see the module; releases ``lease``.
 
         Raises:
             Superseded: the topology changed before the version was sent.
         """
         pgs = [pg for pg in self._pgs if pg is not None]
-        done = threading.Event()
-        failed: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                self._send_now(lease, pgs)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the feed, unless it left already
-                failed.append(exc)
-            finally:
-                lease.release()
-                done.set()
-
-        try:
-            threading.Thread(target=send, name=f"wsync-relay-tree-send-v{lease.ref.version}", daemon=True).start()
-        except BaseException:
-            lease.release()
-            raise
-        while not done.wait(CHAIN_POLL_S):
-            if self._superseded():
-                log.debug("relay: the topology changed while version %d went to the tree roots; its send is "
-                          "left to end on its own", lease.ref.version)  # fmt: skip
-                raise Superseded(f"the topology changed while version {lease.ref.version} went to the roots")
-        if failed:
-            raise failed[0]
+        send_apart(lambda: self._send_now(lease, pgs), lease.release, self._superseded,
+                   f"wsync-relay-tree-send-v{lease.ref.version}")  # fmt: skip
 
     def _send_now(self, lease: Lease, pgs: list[Interruptible]) -> None:
         layout, buffer, (_, seq, version) = self._ring.layout, lease.buffer, lease.ref
