@@ -44,9 +44,9 @@
   (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
   heartbeat stops) and publishes a new generation; the sending side of every hop ends a send
   under way (its peer may have left; a send into a group nobody serves blocks for ``timeout_s``;
-  the head leaves one part-written into a leader that left behind, in its own thread, as gloo
-  wakes it for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`), every leader
-  rebuilds its hops and the head sends the newest version again. A dropped leader is
+  the head's sends run in a thread of their own, which it leaves behind, as gloo wakes a send
+  part-written into a leader that left for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`),
+  every leader rebuilds its hops and the head sends the newest version again. A dropped leader is
   re-admitted after ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it
   leaves it; the sender deletes what dead leaders and replaced chains left after ``timeout_s + heartbeat_timeout_s``.
 
