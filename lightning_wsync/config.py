@@ -23,7 +23,7 @@ import torch
 from omegaconf import MISSING
 
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
-CROSS_HOST = ("relay", "star")
+CROSS_HOST = ("relay", "chain", "tree", "star")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 DELTA_MODES = ("auto", "off", "always")
 
@@ -127,9 +127,10 @@ class SenderConfig(_PeerConfig):
             ``"nccl"`` (snapshot stays on the GPU; receivers on other GPUs get it over NCCL).
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
         cross_host: with ``transport="auto"``, how receivers on other hosts get a version:
-            ``"relay"`` (one copy into each host, to an elected host leader, forwarded
-            host to host down a chain; the host's other receivers copy it from shared
-            memory) or ``"star"`` (the sender sends to every remote receiver itself).
+            ``"relay"`` (one copy per host, to an elected leader, relayed down a chain of
+            leaders, or two binary trees each carrying half when the model prefers them and
+            ``delta="off"``: the trees carry full versions only), ``"chain"``/``"tree"``
+            (that shape always) or ``"star"`` (one copy per receiver).
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.
         delta: network path only. ``"auto"`` sends a receiver that holds the previous
@@ -161,7 +162,7 @@ class SenderConfig(_PeerConfig):
         if self.cross_host not in CROSS_HOST:
             raise ValueError(
                 f"{owner}: cross_host={self.cross_host!r} is unknown; choose one of {CROSS_HOST} "
-                f"('star' sends to every remote receiver from the trainer)"
+                f"('relay' picks a chain or trees of host leaders; 'star' sends from the trainer to each)"
             )
 
     @property

@@ -45,11 +45,13 @@ relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, pidns, term, shm, ready}`` 
                                         (pidns: its PID namespace; ready: its segment exists;
                                         hostkey: sha256 of the host id, 16 hex digits); replaced by
                                         compare-and-set, and like a dead leader's when unreadable
-relay/<epoch>/chain             JSON    ``{number, rids}``: the relay chain's number and leader rids
+relay/<epoch>/chain             JSON    ``{number, rids, tree}``: the relay's number, leader rids, and
+                                        whether they form two trees rather than a chain
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
 relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>`` (``1``: joining; ``taken``: the
                                         peer committed to the group; ``gone``: withdrawn), ``ready/<n>``
-                                        (downstream leader: what it holds), gloo's keys
+                                        (downstream leader: what it holds), gloo's keys;
+                                        ``.../pg/<chain>/t<k>/<rid>/`` in tree k of a tree topology
 relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions (delta or full,
                                         bytes, decode seconds), for push reports
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
@@ -197,7 +199,7 @@ def announcement(prefix: str, n: int) -> str:
 
 
 def joined(prefix: str, rank: int) -> str:
-    """A relay hop's side ``rank`` is there (see :func:`~lightning_wsync._planes.relay.head.join_hop`)."""
+    """A relay hop's side ``rank`` is there (see :func:`~lightning_wsync._planes.relay.hops.join_hop`)."""
     return f"{prefix}joined/{rank}"
 
 
@@ -218,9 +220,10 @@ def relay_broken(epoch: int, rid: int) -> str:
     return f"relay/{epoch}/broken/{rid}"
 
 
-def relay_hop_prefix(epoch: int, chain: int, rid: int) -> str:
-    """Prefix of the relay hop into leader ``rid`` (``chain``: the chain number)."""
-    return f"relay/{epoch}/pg/{chain}/{rid}/"
+def relay_hop_prefix(epoch: int, chain: int, rid: int, tree: int | None = None) -> str:
+    """Prefix of the relay hop into leader ``rid`` (``chain``: the chain number; ``tree``: which
+    of a tree topology's two trees, None for a chain)."""
+    return f"relay/{epoch}/pg/{chain}/{rid}/" if tree is None else f"relay/{epoch}/pg/{chain}/t{tree}/{rid}/"
 
 
 def relay_received(epoch: int, rid: int) -> str:

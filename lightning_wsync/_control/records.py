@@ -304,19 +304,21 @@ class LeaderRecord:
 
 @dataclass(frozen=True)
 class ChainRecord:
-    """``relay/<epoch>/chain``: the generation and order of the relay leaders."""
+    """``relay/<epoch>/chain``: the generation and order of the relay leaders, and their shape."""
 
-    EXPECTED: ClassVar[str] = '{"number": <int>, "rids": [<int>, ...]}'
+    EXPECTED: ClassVar[str] = '{"number": <int>, "rids": [<int>, ...], "tree": <bool, default false>}'
     number: int  # the chain number: a new one whenever its leaders change
     rids: tuple[int, ...]
+    tree: bool = False  # two complementary binary trees over rids (see _planes.relay.plan), not a chain
 
     def encode(self) -> object:
-        return {"number": self.number, "rids": list(self.rids)}
+        return {"number": self.number, "rids": list(self.rids), "tree": self.tree}
 
     @classmethod
     def decode(cls, value: object) -> Self:
         v = fields(value, "number", "rids")
-        return cls(as_int(v["number"], "number"), tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids")))
+        rids = tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids"))
+        return cls(as_int(v["number"], "number"), rids, as_bool(v.get("tree", False), "tree"))
 
 
 @dataclass(frozen=True)

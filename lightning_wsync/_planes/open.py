@@ -53,7 +53,7 @@ class SenderSpec:
     host: str
     addr: str
     transport: str  # auto | shm | gloo | nccl
-    cross_host: str  # relay | star
+    cross_host: str  # relay | chain | tree | star
     delta: str  # off | on | auto
     device: torch.device  # where the module's tensors are
     timeout_s: float
@@ -82,7 +82,7 @@ class SendSide:
         # Deltas between ring slots, for network receivers and the relay (one encoding per base for all).
         self.deltas = DeltaStreams(layout) if spec.delta != "off" and not from_device else None
         policy = AutoPolicy(spec.delta)
-        relay = spec.transport == "auto" and spec.cross_host == "relay" and not from_device
+        relay = spec.transport == "auto" and spec.cross_host != "star" and not from_device
         net = NetSendPlane(ctl, self.ring, epoch=spec.epoch, backend=self.backend, addr=spec.addr,
                            timeout_s=spec.timeout_s, deltas=self.deltas, policy=policy)  # fmt: skip
         planes: list[SendPlane] = [net]
@@ -92,7 +92,7 @@ class SendSide:
             planes.append(RelaySendPlane(
                 ctl, self.ring, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
                 timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
-                policy=policy,
+                policy=policy, topology=spec.cross_host,
             ))  # fmt: skip
         self.net = net
         self.planes: tuple[SendPlane, ...] = tuple(planes)

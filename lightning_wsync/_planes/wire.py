@@ -138,10 +138,9 @@ def close_group(pg: PeerGroup | None, peer: int, backend: str) -> None:
     """Abort a two-rank group and, with gloo, close its connection to ``peer`` now.
 
     An aborted gloo group keeps its connection open while any of its works is still
-    referenced (a receive posted and never waited, as a leader's next header), so a peer
-    part-way through a send into this side would wait for its group timeout. A receive
-    that times out closes the pair, and the peer's waits end at once ("Connection closed
-    by peer").
+    referenced (a send posted and never waited), so a peer blocked in a receive from this
+    side would wait for its group timeout. A receive that times out closes the pair, and
+    the peer's waits end at once ("Connection closed by peer").
     """
     if pg is None:
         return

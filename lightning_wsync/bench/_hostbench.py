@@ -47,9 +47,11 @@ from lightning_wsync.testing.hosts import (
 )
 from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
 from lightning_wsync.testing.procs import BenchError
+from lightning_wsync.testing.pushmodel import prefer_tree, tree_depth
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
-_TOPOLOGIES = ("relay", "star")
+_TOPOLOGIES = ("relay", "star")  # measured when --topology is not given
+_CHOICES = ("relay", "chain", "tree", "star")  # relay: a chain or the trees, as the push-time model picks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "enables the multi-host bench")  # fmt: skip
     parser.add_argument("--receivers-per-host", type=int, default=2, help="receivers on each rollout host (default 2)")
     parser.add_argument("--link", default="700mbit", help="link rate of every host, tc syntax (default 700mbit)")
-    parser.add_argument("--topology", choices=_TOPOLOGIES, action="append", default=None,
-                        help="data plane(s) to measure across hosts (default: all)")  # fmt: skip
+    parser.add_argument("--topology", choices=_CHOICES, action="append", default=None,
+                        help="data plane(s) to measure across hosts, in turn: relay (chain or trees as the "
+                             "model picks), chain, tree, star (default: relay and star)")  # fmt: skip
     parser.add_argument("--no-reference", action="store_true", help="skip the one-host reference run")
 
 
@@ -155,7 +158,8 @@ def _measure_phases(
     topologies = args.topology or list(_TOPOLOGIES)
     phases: dict[str, dict[str, object]] = {}
     if not args.no_reference and args.hosts > 1:
-        phases["one_host"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=topologies[0])
+        reference = "chain" if topologies[0] == "tree" else topologies[0]  # one host: trees would only add a hop
+        phases["one_host"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=reference)
     for topology in topologies:
         phases[topology] = _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology=topology)
     reference = phases.get("one_host")
@@ -199,14 +203,15 @@ def _phase(
                             "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate
-    hops = n_hosts if topology == "relay" else 1
+    tree = topology == "tree" or (topology == "relay" and prefer_tree(n_hosts))
+    hops = tree_depth(n_hosts) if tree else n_hosts if topology in ("relay", "chain") else 1
     latency = statistics.median(float(s["latency_s"]) for s in timed)  # type: ignore[arg-type]
     egress = statistics.median(float(s["egress_models"]) for s in timed)  # type: ignore[arg-type]
     nic_s = egress * wire_bound_s
     return {
         "topology": topology, "hosts": n_hosts, "receivers": len(placement), "pushed_bytes": pushed,
         "latency_s": latency, "wire_bound_s": wire_bound_s, "latency_vs_wire_bound": latency / wire_bound_s,
-        "egress_models_per_push": egress, "hops": hops,
+        "egress_models_per_push": egress, "hops": hops, "shape": "tree" if tree else topology,
         "per_hop_overhead_s": (latency - max(nic_s, wire_bound_s)) / hops,
         "samples": samples, "ok": all(bool(s["digest_ok"]) and not s["failed"] for s in samples),
     }  # fmt: skip

@@ -20,6 +20,14 @@ leader dies or stalls during a push) the expected time adds the cost of repairin
 chain: ``(1 - (1 - p)^H) * r``, with r the repair time (``timeout_s`` for a stall, the
 re-attach time for a crash). ``h`` and ``t0`` are fitted by least squares to the measured
 relay latencies (``latency_s`` of each result's relay phase).
+
+The relay's two complementary binary trees (``cross_host="tree"``, see
+:mod:`lightning_wsync._planes.relay.plan`) carry half of every version each, so every
+link carries one model, and a chunk waits at each level for its send to two children::
+
+    T_trees(H) = t0 + S / B + (floor(log2 H)) (2 c / B + h_t)
+
+``h_t`` and ``t0`` are fitted on the tree phases (:func:`fit_trees`).
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_wsync._planes.relay.head import CHUNK_BYTES
+from lightning_wsync._planes.relay.hops import CHUNK_BYTES
+from lightning_wsync._planes.relay.plan import prefer_tree, tree_depth
 
-__all__ = ["TBF_EFFICIENCY", "Link", "depth", "fit", "push_time"]
+__all__ = [
+    "TBF_EFFICIENCY", "Link", "depth", "fit", "fit_trees", "prefer_tree", "push_time", "tree_depth", "trees_time",
+]  # fmt: skip
 
 TBF_EFFICIENCY = 0.96
 
@@ -65,6 +76,24 @@ def fit(points: list[tuple[int, Link, float]]) -> tuple[float, float]:
     """Least-squares (hop_s, fixed_s) for a chain from (hosts, link, measured latency)."""
     xs = [h - 1 for h, _, _ in points]
     ys = [t - lk.model_bytes / lk.rate - (h - 1) * lk.chunk_bytes / lk.rate for h, lk, t in points]
+    n = len(points)
+    if n == 1 or len(set(xs)) == 1:
+        return 0.0, sum(ys) / n
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, slope), my - max(0.0, slope) * mx
+
+
+def trees_time(hosts: int, link: Link, *, hop_s: float, fixed_s: float) -> float:
+    """Push time through the two complementary binary trees."""
+    levels = tree_depth(hosts) - 1
+    return fixed_s + link.model_bytes / link.rate + levels * (2 * link.chunk_bytes / link.rate + hop_s)
+
+
+def fit_trees(points: list[tuple[int, Link, float]]) -> tuple[float, float]:
+    """Least-squares (hop_s, fixed_s) for the trees from (hosts, link, measured latency)."""
+    xs = [tree_depth(h) - 1 for h, _, _ in points]
+    ys = [t - lk.model_bytes / lk.rate - (tree_depth(h) - 1) * 2 * lk.chunk_bytes / lk.rate for h, lk, t in points]
     n = len(points)
     if n == 1 or len(set(xs)) == 1:
         return 0.0, sum(ys) / n

@@ -7,7 +7,8 @@ with mode ``stop`` SIGSTOPped (a stall longer than every timeout). Every later v
 must reach every other receiver within ``timeout_s`` (push reports), a host-mate must
 take over host 1, and every version any receiver applied must be bit-exact (digests
 against the trainer's). With ``stop`` the stalled leader is then resumed and one more
-version is pushed: it must reach every receiver, the resumed one included.
+version is pushed: it must reach every receiver, the resumed one included. An optional
+seventh argument is the sender's ``cross_host`` (default ``relay``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         argv[4],
     )
     mode = argv[5] if len(argv) > 5 else "kill"
+    cross_host = argv[6] if len(argv) > 6 else "relay"
     sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[mode]
     kill_at, pushes, timeout_s = 3, 7, 10.0
     events = out / "events.jsonl"
@@ -58,7 +60,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         hosts.enter(0)
         model = build_model(spec_for_size(size_mb), seed=0)
         with WeightSender(model, store=f"{hosts.address(0)}:0", job="failover", timeout_s=timeout_s,
-                          heartbeat_timeout_s=2.0) as sender:  # fmt: skip
+                          heartbeat_timeout_s=2.0, cross_host=cross_host) as sender:  # fmt: skip
             procs = Procs(hosts, out)
             names = [
                 f"h{h}r{j}" for h in range(1, n_hosts + 1) for j in range(per_host)

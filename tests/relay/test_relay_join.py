@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.head import GONE, JOINING, TAKEN, Superseded, join_hop
+from lightning_wsync._planes.relay.hops import GONE, JOINING, TAKEN, Superseded, join_hop
 from lightning_wsync._planes.wire import Interruptible, PeerGroup, close_group, shutdown_group
 
 PREFIX = keys.relay_hop_prefix(1, 7, 3)
@@ -161,7 +161,6 @@ def test_leaving_a_hop_ends_the_peers_wait_at_once_even_with_a_send_still_refere
     close_group(pg, 1, "gloo")
     receiver.join(timeout=2 * TIMEOUT_S)
     shutdown_group(peer.pg)
-    # "Connection closed by peer", or "reset" when the close's RST lands first
-    assert waited["error"] is not None and any(w in str(waited["error"]).lower() for w in ("closed", "reset")), waited
+    assert waited["error"] is not None and "closed" in str(waited["error"]).lower(), waited
     assert float(waited["s"]) < TIMEOUT_S / 2, waited  # type: ignore[arg-type]
 

@@ -9,7 +9,9 @@ import torch
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control.manifest import build_manifest
-from lightning_wsync._planes.relay.head import CHUNK_BYTES, TAIL_BYTES, chunks
+from lightning_wsync._control.records import ChainRecord
+from lightning_wsync._planes.relay.hops import CHUNK_BYTES, TAIL_BYTES, chunks
+from lightning_wsync._planes.relay.plan import HEAD, half, prefer_tree, roots, tree_depth, tree_links
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.testing.pushmodel import Link, depth, fit, push_time
 
@@ -43,5 +45,41 @@ def test_push_time_model() -> None:
 
 def test_cross_host_setting_is_validated() -> None:
     assert SenderConfig().cross_host == "relay"
-    with pytest.raises(ValueError, match=r"cross_host='ring' is unknown; choose one of \('relay', 'star'\)"):
+    choices = r"\('relay', 'chain', 'tree', 'star'\)"
+    with pytest.raises(ValueError, match=rf"cross_host='ring' is unknown; choose one of {choices}"):
         WeightSender(torch.nn.Linear(2, 2), store="127.0.0.1:0", job="j", cross_host="ring")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 16, 24])
+def test_two_trees_reach_every_leader_once_each_and_no_leader_is_inner_in_both(n: int) -> None:
+    rids = tuple(range(100, 100 + n))
+    links = {r: tree_links(rids, r) for r in rids}
+    for t in (0, 1):
+        root = roots(rids)[t]
+        assert links[root].parents[t] == HEAD
+        assert sorted(c for r in rids for c in links[r].children[t]) == sorted(set(rids) - {root})  # each once
+        for r in rids:
+            assert all(links[c].parents[t] == r for c in links[r].children[t])
+            steps, at = 0, r
+            while at != HEAD:  # every leader is reached from the root within the heap's depth
+                at, steps = links[at].parents[t], steps + 1
+            assert steps <= tree_depth(n)
+    for r in rids:  # one tree's children at most: each leader sends at most one half twice (one model)
+        assert sum(1 for t in (0, 1) if links[r].children[t]) <= 1
+        assert all(len(links[r].children[t]) <= 2 for t in (0, 1))
+    assert tree_depth(16) == 5 and tree_depth(1) == 1
+
+
+def test_the_two_halves_split_the_pieces_alternately() -> None:
+    assert half(5, 0) == [0, 2, 4] and half(5, 1) == [1, 3] and half(1, 1) == []
+
+
+def test_the_model_prefers_a_chain_for_few_hosts_and_trees_for_many() -> None:
+    assert not any(prefer_tree(h) for h in (1, 2, 4, 8, 16, 21))  # as fitted on simulated hosts
+    assert all(prefer_tree(h) for h in (24, 64, 4096))
+    assert prefer_tree(8, hop_s=0.013, level_s=0.013)  # a tree level that costs a chain hop: trees from ~5 hosts
+
+
+def test_the_chain_record_says_whether_it_is_two_trees() -> None:
+    assert ChainRecord.decode({"number": 3, "rids": [1, 2]}) == ChainRecord(3, (1, 2), False)  # older senders
+    assert ChainRecord.decode(ChainRecord(4, (2, 9), True).encode()) == ChainRecord(4, (2, 9), True)

@@ -16,7 +16,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaHeader
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
-from lightning_wsync._planes.relay.head import (
+from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
     Chain,
@@ -27,7 +27,8 @@ from lightning_wsync._planes.relay.head import (
     read_chain,
 )
 from lightning_wsync._planes.relay.tidy import forget_hop
-from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, close_group
+from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, close_group
+from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +44,19 @@ class Downstream:
     """This leader's hop to the next one in the chain: connected in the background, never waited on long."""
 
     def __init__(
-        self, ctl: Control, epoch: int, chain: Chain, pos: int, layout: Manifest, backend: str, addr: str,
-        timeout_s: float,
+        self, ctl: Control, epoch: int, chain: Chain, rid: int | None, layout: Manifest, backend: str, addr: str,
+        timeout_s: float, *, tree: int | None = None, pieces: int | None = None,
     ) -> None:  # fmt: skip
+        """The hop to leader ``rid`` (None: there is no next leader) in ``chain``, or in its
+        tree ``tree``, where a full version comes in ``pieces`` pieces (half of them)."""
         self._ctl = ctl
         self._epoch = epoch
         self._layout = layout
         self._timeout_s = timeout_s
-        self._backend = backend
-        self._rid = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
-        self._prefix = None if self._rid is None else keys.relay_hop_prefix(epoch, chain.number, self._rid)
-        self._pg: PeerGroup | None = None
+        self._pieces = pieces
+        self._rid = rid
+        self._prefix = None if rid is None else keys.relay_hop_prefix(epoch, chain.number, rid, tree)
+        self._pg: Interruptible | None = None
         self._works: list[object] = []
         self._sending: list[torch.Tensor] = []  # kept alive until their sends complete
         self._n = 0  # messages started on this hop
@@ -84,7 +87,8 @@ class Downstream:
             return self._closed.is_set() or current is None or current.number != self._chain_number
 
         try:
-            self._pg = join_hop(ctl, self._prefix, 0, backend, addr, self._timeout_s, superseded)
+            pg = join_hop(ctl, self._prefix, 0, backend, addr, self._timeout_s, superseded)
+            self._pg = Interruptible(pg, backend)
         except Superseded:
             pass
         except Exception as exc:  # noqa: BLE001 - the next leader never came: drop it from the chain
@@ -93,6 +97,11 @@ class Downstream:
             self._ready.set()
         if self._pg is not None:
             self._read_notes(ctl, superseded)
+            if isinstance(self._notes_end, Superseded):
+                # The chain moved on (or this hop closed): a send under way ends now. The next
+                # leader may have left this hop already, and a send into a group nobody serves
+                # would block this leader for timeout_s, keeping it out of the new chain as long.
+                self._pg.interrupt()
 
     def _read_notes(self, ctl: Control, superseded: Callable[[], bool]) -> None:
         """Read the next leader's ``ready`` notes as it writes them, so that forwarding a
@@ -146,11 +155,20 @@ class Downstream:
     def _fail(self, exc: BaseException) -> None:
         if not self._broken and self._rid is not None:
             self._broken = True
-            log.warning("relay: hop to leader rid=%d failed: %s", self._rid, error_text(exc))
             try:
+                if self._moved_on():  # the next leader left for a newer chain: it is not broken
+                    log.debug("relay: hop to leader rid=%d ended with its chain: %s", self._rid, error_text(exc))
+                    return
+                log.warning("relay: hop to leader rid=%d failed: %s", self._rid, error_text(exc))
                 self._ctl.set_text(keys.relay_broken(self._epoch, self._rid), "1")
-            except RuntimeError:
+            except (RuntimeError, WeightSyncError):
                 pass
+
+    def _moved_on(self) -> bool:
+        if self._closed.is_set() or isinstance(self._notes_end, Superseded):  # the reader saw a newer chain
+            return True
+        current = read_chain(self._ctl, self._epoch)
+        return current is None or current.number != self._chain_number
 
     def begin(self, version: int, seq: int, delta: DeltaHeader | None, raw: torch.Tensor | None) -> int | None:
         """Start ``version`` downstream; how it goes (FULL, DELTA), or None when there is no usable next hop.
@@ -170,7 +188,7 @@ class Downstream:
             if delta is not None and raw is not None and held == Held(delta.base_version, delta.base_digest):
                 kind = DELTA
             self._n += 1
-            header = hop_header(version, seq, self._layout, kind)
+            header = hop_header(version, seq, self._layout, kind, self._pieces)
             self._works, self._sending = [], []
             self.send(header)
             if kind == DELTA:
@@ -217,6 +235,6 @@ class Downstream:
             self._notes_cv.notify_all()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
-        close_group(self._pg, 1, self._backend)  # the next leader's waits on this hop end now, not at timeout_s
+        close_group(self._pg, 1, "")  # the next leader's waits on this hop end now, not at timeout_s
         if self._prefix is not None:
             forget_hop(self._ctl, self._prefix, 0, spent=self._pg is not None, notes=(self._notes_read,))

@@ -19,7 +19,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.head import CHAIN_POLL_S
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S
 from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
 

@@ -42,20 +42,21 @@
 - **Failure.** A hop that dies fails at once; one that stalls fails at the group
   timeout (``timeout_s``). The upstream side marks the downstream leader broken
   (``relay/<epoch>/broken/<rid>``); the sender drops it from the chain (also when its
-  heartbeat stops) and publishes a new generation; every leader rebuilds its hops and
-  the head sends the newest version again. A dropped leader is re-admitted after
-  ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it leaves it;
-  the sender deletes what dead leaders and replaced chains left once ``timeout_s +
-  heartbeat_timeout_s`` have passed (:mod:`~lightning_wsync._planes.relay.tidy`).
+  heartbeat stops) and publishes a new generation; the sending side of every hop ends a send
+  under way (its peer may have left; a send into a group nobody serves blocks for ``timeout_s``;
+  the head's sends run in a thread of their own, which it leaves behind, as gloo wakes a send
+  part-written into a leader that left for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`),
+  every leader rebuilds its hops and the head sends the newest version again. A dropped leader is
+  re-admitted after ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it
+  leaves it; the sender deletes what dead leaders and replaced chains left after ``timeout_s + heartbeat_timeout_s``.
 
-Why a chain and not a tree: measured on simulated hosts (see the README), a chain keeps
-every link at one copy per version, so the trainer's egress and each host's egress stay
-at one model whatever the host count; a tree with fan-out f multiplies each relay's
-egress by f, which on equal links costs f wire times, far more than the chain's extra
-chunk time per hop at these host counts.
+Why a chain, and when two trees: a chain keeps every link at one copy per version (the trainer's
+and each host's egress stay one model at any host count) and costs a chunk time plus a hop latency
+per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.plan`) keep every link
+at one model and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model
+(with ``delta="off"`` only: the trees carry full versions).
 
-Longer than 300 lines: the chain's head (its thread, hop set-up, resends to late hops)
-with the chain record and hop framing that leaders share; the leader side is in ``host.py``.
+Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
 """
 
 from __future__ import annotations
@@ -63,152 +64,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
-
 from lightning_wsync._control import keys
-from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import ChainRecord, LeaderRecord, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
-from lightning_wsync._planes.delta.wire import Held, parse_ready_note, send_delta
-from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
-from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import (
-    DELTA,
-    FULL,
-    Header,
-    Interruptible,
-    PeerGroup,
-    close_group,
-    make_group,
-    signed_trailer,
+from lightning_wsync._planes.delta.wire import send_delta
+from lightning_wsync._planes.relay.hops import (
+    CHAIN_POLL_S,
+    RELAY_RID,
+    Chain,
+    Superseded,
+    chunks,
+    error_text,
+    hop_header,
+    join_hop,
+    next_lease,
+    send_apart,
+    wait_ready,
 )
+from lightning_wsync._planes.relay.plan import prefer_tree
+from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
+from lightning_wsync._planes.relay.treefeed import TreeFeed
+from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, close_group, signed_trailer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
-
-CHUNK_BYTES = 1 << 19  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
-TAIL_BYTES = 1 << 16  # the size the version's last chunk is halved down to
-POLL_S = 0.002
-CHAIN_POLL_S = 0.05
-RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded down the chain
-# A hop message is the wire's message (see _planes.wire): the full version in chunks()
-# (kind FULL) or a delta (kind DELTA), then the trainer's trailer.
-
-
-def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
-    """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket.
-
-    The version's last chunk is split into pieces that halve down to TAIL_BYTES: the last
-    byte reaches the H-th host one wire time after the first left the trainer plus H - 1
-    times the last piece's wire time, so small last pieces save ~5 ms per hop at 700 Mbit/s.
-    """
-    out = []
-    for i, (a, b) in enumerate(layout.buckets):
-        for start in range(a, b, CHUNK_BYTES):
-            out.append((start, min(b, start + CHUNK_BYTES), i))
-    if out:
-        start, end, bucket = out.pop()
-        while end - start > TAIL_BYTES:
-            half = start + (end - start) // 2
-            out.append((start, half, bucket))
-            start = half
-        out.append((start, end, bucket))
-    return out
-
-
-@dataclass(frozen=True)
-class Chain:
-    number: int
-    rids: tuple[int, ...]
-
-
-def read_chain(ctl: Control, epoch: int) -> Chain | None:
-    value = ctl.get_record(keys.relay_chain(epoch), ChainRecord)
-    return None if value is None else Chain(value.number, value.rids)
-
-
-def hop_header(version: int, seq: int, layout: Manifest, kind: int) -> torch.Tensor:
-    pieces = len(chunks(layout)) if kind == FULL else len(layout.buckets)
-    return Header(version, seq, layout.total_bytes, pieces, kind).tensor()
-
-
-def wait_ready(ctl: Control, key: str, timeout_s: float, abandon: Callable[[], bool], peer: str) -> Held | None:
-    """What the downstream side of a hop holds, from its ``ready`` note; raises TimeoutError past ``timeout_s``.
-
-    Raises:
-        Superseded: ``abandon()`` said to stop waiting.
-    """
-    deadline = time.monotonic() + timeout_s
-    next_check = 0.0
-    while not ctl.has(key):
-        now = time.monotonic()
-        if now >= next_check:
-            if abandon():
-                raise Superseded(key)
-            next_check = now + CHAIN_POLL_S
-        if now > deadline:
-            raise TimeoutError(f"{peer} not ready for the next version within timeout_s={timeout_s}")
-        time.sleep(POLL_S)
-    held, _ = parse_ready_note(ctl.get_text(key))
-    ctl.delete(key)
-    return held
-
-
-class Superseded(Exception):
-    """The chain changed (or this side stopped) before the hop's peer showed up."""
-
-
-JOINING, TAKEN, GONE = "1", "taken", "gone"  # a side's mark on a hop (keys.joined)
-
-
-def join_hop(
-    ctl: Control, prefix: str, rank: int, backend: str, addr: str, timeout_s: float, abandon: Callable[[], bool]
-) -> PeerGroup:
-    """Build a hop's group once its peer is known to be joining it too.
-
-    Both sides first mark themselves under ``prefix`` (``JOINING``), and a side commits to
-    the group only by taking the peer's mark (compare-and-set to ``TAKEN``), so a side whose
-    peer has moved on to a newer chain leaves at the next check of ``abandon()`` instead of
-    blocking in the group's set-up for timeout_s. A side leaves only by withdrawing its own
-    mark (compare-and-set to ``GONE``); when the peer took it first, the peer is already
-    building the group, which would block it for timeout_s alone, so this side builds it too
-    and returns it (the caller sees ``abandon()`` at its next check and shuts it down).
-
-    Raises:
-        Superseded: ``abandon()`` said to leave before the peer committed.
-        TimeoutError: no peer within ``timeout_s``.
-    """
-    mine, peer = keys.joined(prefix, rank), keys.joined(prefix, 1 - rank)
-    ctl.set_text(mine, JOINING)
-    deadline = time.monotonic() + timeout_s
-    next_check = 0.0
-    while True:
-        if ctl.get_text(peer) == JOINING and ctl.compare_set(peer, JOINING, TAKEN) == TAKEN.encode():
-            break
-        now = time.monotonic()
-        leave: Exception | None = None
-        if now >= next_check:
-            if abandon():
-                leave = Superseded(prefix)
-            next_check = now + CHAIN_POLL_S
-        if leave is None and now > deadline:
-            leave = TimeoutError(f"hop {prefix!r}: no peer within timeout_s={timeout_s}")
-        if leave is not None:
-            if ctl.compare_set(mine, JOINING, GONE) != TAKEN.encode():
-                raise leave
-            break  # the peer took this side's mark first: it is building the group
-        time.sleep(POLL_S)
-    return make_group(backend, ctl.prefix_store(prefix), rank, addr, timeout_s)
-
-
-def error_text(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # -- the sender's side -----------------------------------------------------------------
@@ -231,8 +114,10 @@ class RelayHead:
     def __init__(
         self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timeout_s: float,
         heartbeat_timeout_s: float, deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
+        topology: str = "chain",
     ) -> None:  # fmt: skip
         self.chain = Chain(0, ())
+        self._topology = topology  # chain | tree | relay (the push-time model picks by host count)
         self.leaders: dict[int, str] = {}  # rid -> host, as last given to update_chain
         self._control = control
         self._ring = ring
@@ -249,6 +134,7 @@ class RelayHead:
         self._pieces = chunks(ring.layout)
         self._sweeper = RelaySweeper(epoch, linger_s=timeout_s + heartbeat_timeout_s)
         self._notes = 0  # ready notes taken on the current hop to the first leader
+        self._hop: tuple[int, Interruptible] | None = None  # (chain number, hop to its first leader) being fed
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)
         self._thread.start()
 
@@ -266,14 +152,19 @@ class RelayHead:
         kept = [r for r in self.chain.rids if r in wanted]
         rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
         self._sweeper.sweep(ctl, leaders)
-        if rids == self.chain.rids:
+        full_only = self._deltas is None or self._policy.mode == "off"  # "relay": trees carry no deltas
+        tree = self._topology == "tree" or (self._topology == "relay" and full_only and prefer_tree(len(rids)))
+        if rids == self.chain.rids and tree == self.chain.tree:
             return
         if self.chain.number:
-            self._sweeper.replaced(self.chain.number, self.chain.rids)
-        self.chain = Chain(self.chain.number + 1, rids)
-        ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.number, tuple(rids)))
-        log.info("relay chain %d: %s", self.chain.number, list(rids))
+            self._sweeper.replaced(self.chain.number, self.chain.rids, self.chain.tree)
+        self.chain = Chain(self.chain.number + 1, rids, tree)
+        ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.number, tuple(rids), tree))
+        log.info("relay %s %d: %s", "trees" if tree else "chain", self.chain.number, list(rids))
         self._changed.set()
+        # A send into the old chain's first leader ends: a group nobody serves blocks it for timeout_s.
+        if (hop := self._hop) is not None and hop[0] != self.chain.number:
+            hop[1].interrupt()
 
     def receipts(self, ctl: Control, version: int) -> dict[str, HopReceipt]:
         """host -> how its leader got ``version`` (hosts whose leader has not reported it are left out)."""
@@ -297,13 +188,20 @@ class RelayHead:
             if not chain.rids:
                 self._changed.wait(CHAIN_POLL_S)
                 continue
+            if chain.tree:
+                feed = TreeFeed(ctl, self._ring, chain, epoch=self._epoch, backend=self._backend, addr=self._addr,
+                                timeout_s=self._timeout_s, superseded=self._superseded)  # fmt: skip
+                if feed.run():
+                    self._changed.wait()  # the failed generation's hops cannot be joined again
+                continue
             first = chain.rids[0]
             prefix = keys.relay_hop_prefix(self._epoch, chain.number, first)
-            pg: Interruptible | None = None
+            pg: PeerGroup | None = None
             self._notes = 0
             try:
                 pg = Interruptible(join_hop(ctl, prefix, 0, self._backend, self._addr, self._timeout_s,
                                             self._superseded), self._backend)  # fmt: skip
+                self._hop = (chain.number, pg)
                 self._feed(pg, ctl, chain)
             except Superseded:
                 continue
@@ -313,13 +211,14 @@ class RelayHead:
                     ctl.set_text(keys.relay_broken(self._epoch, first), "1")
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
-                close_group(pg, 1, self._backend)  # a leader waiting on this hop is released now
+                self._hop = None
+                close_group(pg, 1, self._backend)
                 forget_hop(ctl, prefix, 0, spent=pg is not None, notes=(self._notes,))
 
     def _superseded(self) -> bool:
         return self._stop.is_set() or self._changed.is_set()
 
-    def _feed(self, pg: Interruptible, ctl: Control, chain: Chain) -> None:
+    def _feed(self, pg: PeerGroup, ctl: Control, chain: Chain) -> None:
         ring = self._ring
         if self._deltas is not None:
             self._deltas.prepare()
@@ -328,81 +227,34 @@ class RelayHead:
         sent: int | None = None
         n = 0
         while not self._superseded():
-            held = self._wait_ready(ctl, keys.ready(prefix, n), sent, first)
-            lease = None
-            while lease is None and not self._superseded():
-                lease = ring.acquire_newer(sent, 0.05)  # the slot is not rewritten while this send holds it
-            if lease is None:
+            held = wait_ready(ctl, keys.ready(prefix, n), ring, sent, self._timeout_s, self._superseded,
+                              f"leader rid={first}")  # fmt: skip
+            if (lease := next_lease(ring, sent, self._superseded)) is None:
                 return
-            self._send_or_leave(pg, ctl, lease, held, first)
+            try:
+                delta = delta_base(ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
+            except BaseException:
+                lease.release()
+                raise
+            self._send_apart(pg, ctl, lease, delta)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
-    def _wait_ready(self, ctl: Control, key: str, sent: int | None, first: int) -> Held | None:
-        """The first leader's ``ready`` note: waited for without a bound while there is nothing
-        new to send, for ``timeout_s`` once there is (a leader stalled that long fails its hop)."""
-        pending_since: float | None = None
-
-        def abandon() -> bool:
-            nonlocal pending_since
-            newest = self._ring.newest()
-            if newest is not None and (sent is None or newest.version > sent):
-                now = time.monotonic()
-                pending_since = now if pending_since is None else pending_since
-                if now - pending_since > self._timeout_s:
-                    raise TimeoutError(f"leader rid={first} not ready for version {newest.version} "
-                                       f"within timeout_s={self._timeout_s}")  # fmt: skip
-            return self._superseded()
-
-        return wait_ready(ctl, key, float("inf"), abandon, f"leader rid={first}")
-
-    def _send_or_leave(self, pg: Interruptible, ctl: Control, lease: Lease, held: Held | None, first: int) -> None:
-        """Send the leased version to the first leader in a thread of its own, left behind
-        (still holding its leases) if the chain changes first; releases ``lease``. At close
-        the send is interrupted and waited for instead: the ring it reads is closed next.
-
-        A gloo send whose bytes are partly written into a leader that stopped reading (it was
-        SIGSTOPped, or left the hop) is woken by nothing, not an interrupt, not the pair's
-        closing, until the group timeout (measured, tree3). Waiting there would hold every
-        host back for timeout_s after the chain dropped that leader; left behind, the send
-        ends on its own within timeout_s and the head feeds the new chain at once.
+    def _send_apart(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
+        """:meth:`_send` from a thread left behind (holding its slots) if the chain changes first,
+        as the trees' feed does (:func:`~lightning_wsync._planes.relay.hops.send_apart`); releases the leases.
 
         Raises:
             Superseded: the chain changed before the version was sent.
         """
-        done = threading.Event()
-        failed: list[BaseException] = []
 
-        def send() -> None:
-            delta = None
-            try:
-                delta = delta_base(self._ring, self._deltas, self._policy, held, lease, f"relay leader rid={first}")
-                self._send(pg, ctl, lease, delta)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the feed, unless it left already
-                failed.append(exc)
-            finally:
-                if delta is not None:
-                    delta[1].release()
-                lease.release()
-                done.set()
-
-        version = lease.ref.version
-        try:
-            threading.Thread(target=send, name=f"wsync-relay-head-send-v{version}", daemon=True).start()
-        except BaseException:
+        def release() -> None:
+            if delta is not None:
+                delta[1].release()
             lease.release()
-            raise
-        while not done.wait(CHAIN_POLL_S):
-            if self._stop.is_set():  # closing: the ring goes next, so the send is ended, not left behind
-                pg.interrupt()
-                done.wait(self._timeout_s)  # bounded again by close()'s join
-                break
-            if self._changed.is_set():
-                log.debug("relay: the chain changed while version %d went to leader rid=%d; its send is "
-                          "left to end on its own", version, first)  # fmt: skip
-                raise Superseded(f"the chain changed while version {version} went to leader rid={first}")
-        if failed:
-            raise failed[0]
+
+        send_apart(lambda: self._send(pg, ctl, lease, delta), release, self._superseded,
+                   f"wsync-relay-head-send-v{lease.ref.version}")  # fmt: skip
 
     def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
         ring, layout = self._ring, self._ring.layout
@@ -427,9 +279,11 @@ class RelayHead:
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._changed.set()
+        if (hop := self._hop) is not None:
+            hop[1].interrupt()
         self._thread.join(timeout=timeout_s)
         try:
-            self._sweeper.close(self._control, self.chain.number, self.chain.rids)
+            self._sweeper.close(self._control, self.chain.number, self.chain.rids, self.chain.tree)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)
 
@@ -441,5 +295,3 @@ def leader_record(ctl: Control, epoch: int, host: str) -> LeaderRecord | None:
     except (WeightSyncRecordError, WeightSyncAuthError) as exc:
         log.debug("relay: %s", exc)
         return None
-
-

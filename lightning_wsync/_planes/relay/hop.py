@@ -32,7 +32,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaDecoder, DeltaError, DeltaHeader
 from lightning_wsync._planes.delta.wire import DeltaStats, Held, held_of, ready_note, record_pieces
 from lightning_wsync._planes.relay.down import Downstream
-from lightning_wsync._planes.relay.head import RELAY_RID, chunks
+from lightning_wsync._planes.relay.hops import RELAY_RID, chunks
 from lightning_wsync._planes.shm.ring import Draft, SnapshotRing
 from lightning_wsync._planes.wire import (
     DELTA,

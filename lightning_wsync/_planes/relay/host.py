@@ -24,7 +24,8 @@ from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.elect import Election
-from lightning_wsync._planes.relay.head import (
+from lightning_wsync._planes.relay.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
     Chain,
@@ -33,9 +34,9 @@ from lightning_wsync._planes.relay.head import (
     join_hop,
     read_chain,
 )
-from lightning_wsync._planes.relay.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
 from lightning_wsync._planes.relay.tidy import forget_hop
+from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.wire import PeerGroup, close_group
@@ -82,7 +83,7 @@ class RelayMember:
         shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
-        self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
+        self._hop: TreeHop | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, Receipt] = {}
         self._notes = 0  # ready notes written on the current hop from upstream
         self._failed_chain: int | None = None  # the chain number whose hop from upstream failed
@@ -136,7 +137,7 @@ class RelayMember:
             return False
         self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
                                  lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
-        self._hop = HopReceiver(self.layout, self._own)
+        self._hop = TreeHop(self.layout, self._own)  # a HopReceiver that also takes a tree's two halves
         return True
 
     def _give_up(self, ctl: Control, why: str, *, how: str) -> None:
@@ -168,16 +169,26 @@ class RelayMember:
             # under a new generation. A hop whose peer never came is simply joined again.
             self._stop.wait(CHAIN_POLL_S)
             return
-        pos = chain.rids.index(self._rid)
-        self._notes = 0
-        up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
-        down = Downstream(ctl, self._epoch, chain, pos, self.layout, self._backend, self._addr, self._timeout_s)
-        pg: PeerGroup | None = None
 
         def superseded() -> bool:
             current = read_chain(ctl, self._epoch)
             moved = current is None or current.number != chain.number
             return self._stop.is_set() or moved or not self._election.leads(ctl)
+
+        if chain.tree:
+            hop = self._hop
+            assert hop is not None
+            lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend,
+                            addr=self._addr, timeout_s=self._timeout_s, stop=self._stop)  # fmt: skip
+            if lead.serve(superseded, lambda msg: self._accept(ctl, hop, msg)):
+                self._failed_chain = chain.number
+            return
+        pos = chain.rids.index(self._rid)
+        self._notes = 0
+        up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
+        nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
+        down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s)
+        pg: PeerGroup | None = None
 
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
@@ -192,7 +203,7 @@ class RelayMember:
                 self._stop.wait(CHAIN_POLL_S)
         finally:
             down.close()
-            close_group(pg, 0, self._backend)  # the upstream side's sends into this side end now, not at timeout_s
+            close_group(pg, 0, self._backend)
             forget_hop(ctl, up_prefix, 1, spent=pg is not None, notes=(self._notes,))
 
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: Downstream) -> None:

@@ -24,6 +24,7 @@ class RelaySendPlane:
     def __init__(
         self, control: Control, ring: SnapshotRing, *, epoch: int, host: str, backend: str, addr: str,
         timeout_s: float, heartbeat_timeout_s: float, deltas: DeltaStreams | None, policy: AutoPolicy,
+        topology: str = "relay",
     ) -> None:  # fmt: skip
         self._ctl = control
         self._report_ctl = control.clone()  # push reports read receipts from the callers' threads
@@ -33,7 +34,7 @@ class RelaySendPlane:
         self._delta = deltas is not None
         self._head = RelayHead(
             control, ring, epoch=epoch, backend=backend, addr=addr, timeout_s=timeout_s,
-            heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas, policy=policy,
+            heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas, policy=policy, topology=topology,
         )  # fmt: skip
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:

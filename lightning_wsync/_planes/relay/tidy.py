@@ -55,13 +55,13 @@ class RelaySweeper:
     def __init__(self, epoch: int, linger_s: float) -> None:
         self._epoch = epoch
         self._linger_s = linger_s
-        self._replaced: list[tuple[int, tuple[int, ...], float]] = []  # (gen, rids, when replaced)
+        self._replaced: list[tuple[int, tuple[int, ...], bool, float]] = []  # (gen, rids, tree, when replaced)
         self._leaders: dict[int, str] = {}  # rid -> host, as last seen
         self._departed: list[_Departed] = []
 
-    def replaced(self, gen: int, rids: tuple[int, ...]) -> None:
-        """Chain ``gen`` was just replaced by a newer one."""
-        self._replaced.append((gen, rids, time.monotonic()))
+    def replaced(self, gen: int, rids: tuple[int, ...], tree: bool = False) -> None:
+        """Chain ``gen`` (two trees if ``tree``) was just replaced by a newer one."""
+        self._replaced.append((gen, rids, tree, time.monotonic()))
 
     def sweep(self, ctl: Control, leaders: dict[int, str]) -> None:
         """Called with the live leaders (rid -> host) at every chain update."""
@@ -72,29 +72,30 @@ class RelaySweeper:
                 self._forget_leader(ctl, rid)
         self._leaders = dict(leaders)
         due = now - self._linger_s
-        while self._replaced and self._replaced[0][2] <= due:
-            gen, rids, _ = self._replaced.pop(0)
-            self._forget_chain(ctl, gen, rids)
+        while self._replaced and self._replaced[0][3] <= due:
+            gen, rids, tree, _ = self._replaced.pop(0)
+            self._forget_chain(ctl, gen, rids, tree)
         hosts = set(leaders.values())
         while self._departed and self._departed[0].at <= due:
             gone = self._departed.pop(0)
             if gone.rid not in leaders:
                 self._forget_leader(ctl, gone.rid, host=None if gone.host in hosts else gone.host)
 
-    def close(self, ctl: Control, gen: int, rids: tuple[int, ...]) -> None:
+    def close(self, ctl: Control, gen: int, rids: tuple[int, ...], tree: bool = False) -> None:
         """The sender leaves: everything it remembers, the current chain ``gen`` included."""
-        for old_gen, old_rids, _ in self._replaced:
-            self._forget_chain(ctl, old_gen, old_rids)
-        self._forget_chain(ctl, gen, rids)
+        for old_gen, old_rids, old_tree, _ in self._replaced:
+            self._forget_chain(ctl, old_gen, old_rids, old_tree)
+        self._forget_chain(ctl, gen, rids, tree)
         for rid in self._leaders:
             self._forget_leader(ctl, rid)
         for gone in self._departed:
             self._forget_leader(ctl, gone.rid)
         ctl.delete(keys.relay_chain(self._epoch))
 
-    def _forget_chain(self, ctl: Control, gen: int, rids: tuple[int, ...]) -> None:
+    def _forget_chain(self, ctl: Control, gen: int, rids: tuple[int, ...], tree: bool = False) -> None:
         for rid in rids:
-            forget_hop(ctl, keys.relay_hop_prefix(self._epoch, gen, rid), 0, spent=True, notes=(0,))
+            for t in (0, 1) if tree else (None,):
+                forget_hop(ctl, keys.relay_hop_prefix(self._epoch, gen, rid, t), 0, spent=True, notes=(0,))
 
     def _forget_leader(self, ctl: Control, rid: int, host: str | None = None) -> None:
         ctl.delete(keys.relay_received(self._epoch, rid))

@@ -1,0 +1,313 @@
+"""A host leader's part in a tree topology: two halves in, one tree's half on to its children.
+
+See :mod:`~lightning_wsync._planes.relay.plan` for the shape. The leader joins one hop
+from its parent in each tree (under ``relay/<epoch>/pg/<number>/t<tree>/<rid>/``; the
+parent may be the sender) and one :class:`~lightning_wsync._planes.relay.down.Downstream`
+per child. Per version both halves are received at once, each in its own thread that
+forwards every chunk to that tree's children as soon as it lands, so neither tree waits
+for the other; this thread hashes the buckets in order as their chunks come in. The
+version is accepted only when both halves carry the same version, snapshot sequence and
+trailer, and the trailer's MAC and every checksum verify, exactly as on a chain.
+
+A tree carries full versions only: a delta goes down a chain (``cross_host="chain"``).
+
+A topology change mid-version ends both halves at once: a parent in the old topology may
+never finish this version (it left, or waits on one that did), and a wait on it would end
+only at timeout_s, keeping this leader and its subtrees out of the new topology as long;
+the sender resends the newest version there. Interrupting closes both pairs, but gloo does
+not wake every wait on a closed pair (seen: a receive whose data was landing waited out the
+group timeout), so the halves' threads are not waited for: what is left of them ends on its
+own, touching nothing but that call's locals and the closed groups.
+
+Longer than 300 lines: one leader's receive, forward and verify of both halves, which share
+the draft, the landed events and the topology watch; split, each part would reach into the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+import xxhash
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.delta.wire import DeltaStats
+from lightning_wsync._planes.relay.down import Downstream
+from lightning_wsync._planes.relay.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Superseded, error_text, join_hop
+from lightning_wsync._planes.relay.plan import TREES, half, tree_links
+from lightning_wsync._planes.relay.tidy import forget_hop
+from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync._planes.wire import (
+    FULL,
+    HEADER_WORDS,
+    Header,
+    Interruptible,
+    PeerGroup,
+    Work,
+    close_group,
+    to_int64,
+    trailer_words,
+)
+
+log = logging.getLogger(__name__)
+
+_WINDOW = 8  # chunk receives posted ahead in each tree
+_UNSENT = -7  # a header word no sent header has (its byte count): the header has not landed
+
+
+class TreeHop(HopReceiver):
+    """A leader's receiving side for both trees (the chain's :class:`HopReceiver` otherwise)."""
+
+    def __init__(self, layout: Manifest, ring: SnapshotRing | None = None) -> None:
+        super().__init__(layout, ring)
+        self.halves = [half(len(self._pieces), t) for t in range(TREES)]
+        self._headers: list[torch.Tensor] = []
+        self._header_works: list[Work] = []
+
+    def expect_both(self, pgs: Sequence[PeerGroup]) -> None:
+        """Post both halves' header receives (watched, never waited on: see :meth:`HopReceiver.expect`)."""
+        self._headers = [torch.full((HEADER_WORDS,), _UNSENT, dtype=torch.int64) for _ in pgs]
+        self._header_works = [pg.recv([h], 0, 0) for pg, h in zip(pgs, self._headers)]
+
+    def forget_headers(self) -> None:
+        self._headers, self._header_works = [], []
+
+    def any_arrived(self) -> bool:
+        """Whether a header has started to land: each tree's header is waited for in its own
+        thread (a leader waiting for both before forwarding either would wait on a leader that
+        waits on it: the trees cross)."""
+        return any(int(h[2]) != _UNSENT for h in self._headers)
+
+    def receive_both(
+        self, pgs: list[Interruptible], downs: list[list[Downstream]], still_current: Callable[[], bool]
+    ) -> Message:
+        """Receive both halves of the next version, forwarding each as it comes.
+
+        Raises:
+            Superseded: the topology changed before one tree's header came (its parent has
+                moved on and will never send it).
+        """
+        self.draft = None if self._ring is None else self._ring.draft()
+        self._target = self.staging if self.draft is None else self.draft.buffer
+        if self._target.data_ptr() == self._base.data_ptr():
+            self.held = self._accepted = None  # rewritten in place from here on
+        landed = [threading.Event() for _ in self._pieces]
+        heads: list[Header | None] = [None] * TREES
+        trailers: list[list[int] | None] = [None] * TREES
+        errors: list[BaseException] = []
+
+        def stream(t: int) -> None:
+            try:
+                heads[t], trailers[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the receiving thread
+                errors.append(exc)
+                for event in landed:
+                    event.set()
+
+        threads = [threading.Thread(target=stream, args=(t,), name=f"wsync-relay-tree{t}", daemon=True)
+                   for t in range(TREES)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        interrupted = False
+
+        def watch() -> bool:
+            """Once the topology has changed, end both halves (True from then on): see the module."""
+            nonlocal interrupted
+            if not interrupted and not still_current():
+                interrupted = True
+                for pg in pgs:
+                    pg.interrupt()
+            return interrupted
+
+        sums = self._hash_in_order(landed, errors, watch)
+        for thread in threads:
+            while thread.is_alive() and not interrupted:
+                thread.join(CHAIN_POLL_S)
+                watch()
+        if interrupted and not errors:
+            raise Superseded("the topology changed mid-version")
+        if errors:
+            raise errors[0]
+        h0, h1 = heads
+        assert h0 is not None and h1 is not None and trailers[0] is not None
+        if (h0.version, h0.seq) != (h1.version, h1.seq) or trailers[0] != trailers[1]:
+            raise RuntimeError(f"the trees are out of step: version {h0.version} (seq {h0.seq}) in tree 0, "
+                               f"{h1.version} (seq {h1.seq}) in tree 1, or their trailers differ")  # fmt: skip
+        total = self.layout.total_bytes
+        stats = DeltaStats(changed_share=1.0, wire_bytes=total, full_bytes=total)
+        return Message(h0.version, h0.seq, False, trailers[0], sums, None, stats)
+
+    def _receive_half(
+        self, t: int, pg: Interruptible, downs: list[Downstream], landed: list[threading.Event],
+        still_current: Callable[[], bool],
+    ) -> tuple[Header, list[int]]:  # fmt: skip
+        """Tree ``t``'s half of the version: its header, then its pieces (each forwarded to
+        ``downs`` as it lands); the trailer."""
+        self._await_header(t, still_current)
+        head = Header.unpack(self._headers[t])
+        head.check(self.layout.total_bytes, len(self.halves[t]), len(self.layout.buckets))
+        if head.kind != FULL:
+            raise RuntimeError(f"tree {t}: version {head.version} came as a delta; trees carry full versions")
+        window = deque(self._post_piece(pg, i) for i in self.halves[t][:_WINDOW])
+        modes = [d.begin(head.version, head.seq, None, None) for d in downs]
+        return head, self._stream(pg, t, window, list(zip(downs, modes)), landed)
+
+    def _await_header(self, t: int, still_current: Callable[[], bool]) -> None:
+        next_check = time.monotonic() + CHAIN_POLL_S
+        while int(self._headers[t][2]) == _UNSENT:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHAIN_POLL_S
+                if not still_current():
+                    raise Superseded(f"tree {t}")
+            time.sleep(POLL_S)
+        self._header_works[t].wait()
+
+    def _post_piece(self, pg: PeerGroup, i: int) -> Work:
+        a, b, _ = self._pieces[i]
+        return pg.recv([self._target[a:b]], 0, 0)
+
+    def _stream(
+        self, pg: PeerGroup, t: int, window: deque[Work], downs: list[tuple[Downstream, int | None]],
+        landed: list[threading.Event],
+    ) -> list[int]:  # fmt: skip
+        """One tree's half: each chunk forwarded to this tree's children as it lands; its trailer."""
+        mine = self.halves[t]
+        for k, i in enumerate(mine):
+            window.popleft().wait()
+            if k + len(window) + 1 < len(mine):
+                window.append(self._post_piece(pg, mine[k + len(window) + 1]))
+            a, b, _ = self._pieces[i]
+            for down, mode in downs:
+                if mode is not None:
+                    down.send(self._target[a:b])
+            landed[i].set()
+        trailer = torch.empty(trailer_words(len(self.layout.buckets)), dtype=torch.int64)
+        pg.recv([trailer], 0, 0).wait()
+        for down, mode in downs:
+            if mode is not None:
+                down.send(trailer)
+        return [int(x) for x in trailer.tolist()]
+
+    def _hash_in_order(
+        self, landed: list[threading.Event], errors: list[BaseException], watch: Callable[[], bool]
+    ) -> list[int]:
+        sums: list[int] = []
+        hasher = xxhash.xxh3_64()
+        last = {bucket: i for i, (_, _, bucket) in enumerate(self._pieces)}
+        for i, (a, b, bucket) in enumerate(self._pieces):
+            while not landed[i].wait(CHAIN_POLL_S):
+                if watch():
+                    return sums
+            if errors:
+                return sums
+            hasher.update(self._target[a:b].numpy().data)
+            if last[bucket] == i:
+                sums.append(to_int64(hasher.intdigest()))
+                hasher = xxhash.xxh3_64()
+        return sums
+
+    def resend_half(self, down: Downstream, t: int) -> bool:
+        """Send tree ``t``'s half of the version this leader holds to a child that connected
+        after it went by; False when there is none to send."""
+        if self._accepted is None:
+            return False
+        version, seq, trailer = self._accepted
+        if down.begin(version, seq, None, None) != FULL:
+            return False
+        for i in self.halves[t]:
+            a, b, _ = self._pieces[i]
+            down.send(self._base[a:b])
+        down.send(torch.tensor(trailer, dtype=torch.int64))
+        log.info("relay: tree %d's half of version %d resent to a child that connected after it went by", t, version)
+        return True
+
+
+class TreeLead:
+    """One leader's hops in one tree topology (one chain number): joined, served, left."""
+
+    def __init__(
+        self, ctl: Control, hop: TreeHop, chain: Chain, *, epoch: int, rid: int, backend: str, addr: str,
+        timeout_s: float, stop: threading.Event,
+    ) -> None:  # fmt: skip
+        links = tree_links(chain.rids, rid)
+        self._ctl = ctl
+        self._hop = hop
+        self._chain = chain
+        self._backend = backend
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._stop = stop
+        self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, rid, t) for t in range(TREES)]
+        self.downs = [
+            [Downstream(ctl, epoch, chain, child, hop.layout, backend, addr, timeout_s, tree=t,
+                        pieces=len(hop.halves[t])) for child in links.children[t]]
+            for t in range(TREES)
+        ]  # fmt: skip
+        self.pgs: list[Interruptible] = []
+        self._notes = 0
+
+    def serve(self, superseded: Callable[[], bool], accept: Callable[[Message], None]) -> bool:
+        """Serve this topology until it changes (or this leader stops leading); True when
+        it failed after its hops were built (they cannot be joined again: wait for the next one)."""
+        try:
+            self._run(lambda: not superseded(), accept)
+            return False
+        except Superseded:
+            return False
+        except Exception as exc:  # noqa: BLE001 - rebuilt with the next topology
+            if not self._stop.is_set():
+                log.info("relay: hops from the trees ended (%s)", error_text(exc)[:200])
+                self._stop.wait(CHAIN_POLL_S)
+            return bool(self.pgs)
+        finally:
+            self.close()
+
+    def _run(self, still_current: Callable[[], bool], accept: Callable[[Message], None]) -> None:
+        """Join the hops from both parents, then receive and forward until the topology changes."""
+        for prefix in self._prefixes:
+            pg = join_hop(self._ctl, prefix, 1, self._backend, self._addr, self._timeout_s, lambda: not still_current())
+            self.pgs.append(Interruptible(pg, self._backend))
+            log.debug("relay: joined the hop %s", prefix)
+        hop, n, next_check = self._hop, 0, 0.0
+        every = [(t, d) for t in range(TREES) for d in self.downs[t]]
+        while not self._stop.is_set():
+            for prefix in self._prefixes:
+                self._ctl.set_text(keys.ready(prefix, n), hop.ready_note())
+            hop.expect_both(self.pgs)
+            while not hop.any_arrived():
+                for t, down in every:
+                    if down.missed and down.connected() and hop.resend_half(down, t):
+                        down.finish()
+                if self._stop.wait(POLL_S):
+                    return
+                now = time.monotonic()
+                if now >= next_check:  # a new topology or a lost election ends these hops
+                    next_check = now + CHAIN_POLL_S
+                    if not still_current():
+                        return
+            msg = hop.receive_both(self.pgs, self.downs, still_current)
+            n = self._notes = n + 1
+            accept(msg)
+            for _, down in every:
+                down.finish()
+
+    def close(self) -> None:
+        for downs in self.downs:
+            for down in downs:
+                down.close()
+        for pg in self.pgs:
+            close_group(pg, 0, self._backend)  # the parents' sends into this side end now, not at timeout_s
+        for t, prefix in enumerate(self._prefixes):
+            forget_hop(self._ctl, prefix, 1, spent=t < len(self.pgs), notes=(self._notes,))
+        # Dropped, not only aborted: an aborted group keeps its sockets open until it is
+        # freed, and a parent still sending into them would block until its group timeout.
+        self.pgs.clear()
+        self._hop.forget_headers()
