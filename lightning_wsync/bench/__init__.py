@@ -8,6 +8,7 @@
     lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
     lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128  # sharded push vs one rank
+    lightning-wsync bench --store-load --store-hosts 4 --receivers-per-host 2  # control-plane requests
 
 The trainer (this process) pushes a transformer-shaped float32 model to receiver
 processes on this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed
@@ -37,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_wsync.bench import _hostbench
+from lightning_wsync.bench import _hostbench, _storeload
 from lightning_wsync.bench._bounds import BoundBench, BoundSamples
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
 from lightning_wsync.bench._memory import fits
@@ -78,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=10.0, help="length of an --interval-ms run (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _hostbench.add_arguments(parser)
+    _storeload.add_arguments(parser)
     parser.add_argument("--trainer-ranks", type=int, default=None,
                         help="a Lightning trainer of this many CPU ranks pushing every step, unsharded and sharded, "
                              "against one rank (see --strategy)")
@@ -95,14 +97,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the report; return the exit status."""
     if args.size_mb is None and not args.delta:
-        args.size_mb = _DEFAULT_SIZE_MB
+        args.size_mb = 1.0 if args.store_load else _DEFAULT_SIZE_MB
     try:
         _validate(args)
         if args.hosts is not None:
             _hostbench.validate(args)
+        if args.store_load:
+            _storeload.validate(args)
     except ValueError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.store_load:
+        return _run_store_load(args)
     if args.hosts is not None:
         return _hostbench.run(args)
     if args.trainer_ranks is not None:
@@ -132,6 +138,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     table = format_interval(result) if args.interval_ms is not None else format_table(result)
     print(json.dumps(result, indent=2) if args.json else table)
+    return 0 if result["ok"] else 1
+
+
+def _run_store_load(args: argparse.Namespace) -> int:
+    restore_signals = exit_on_sigterm()
+    try:
+        result = _storeload.run_store_load(args)
+    except (BenchError, WeightSyncError, OSError) as exc:
+        print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        restore_signals()
+    print(json.dumps(result, indent=2) if args.json else _storeload.format_store_load(result))
     return 0 if result["ok"] else 1
 
 
