@@ -210,6 +210,21 @@ class Control:
     def has(self, key: str) -> bool:
         return self._call("check", key, lambda: bool(self.store.check([key])))
 
+    def wait_for(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` exists (True) or ``timeout_s`` passes (False), in one request.
+
+        The store answers when the key is set, so a waiter costs no polls; keep ``timeout_s``
+        short enough for the caller's own deadlines, and call it on a :meth:`clone` only: the
+        connection is busy for the whole wait.
+        """
+        try:
+            self._call("wait for", key, lambda: self.store.wait([key], timedelta(seconds=max(0.001, timeout_s))))
+        except WeightSyncStoreError as exc:
+            if isinstance(exc.__cause__, dist.DistStoreError):  # the wait's own timeout; a lost store is another error
+                return False
+            raise
+        return True
+
     def get_text(self, key: str) -> str | None:
         """The value at ``key``, or None, in one request that never waits (``has`` then ``get``
         waits the store's timeout if the key goes in between; this compare-and-set never writes)."""

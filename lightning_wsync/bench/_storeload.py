@@ -31,13 +31,13 @@ from collections import Counter
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from lightning_wsync import WeightSender, WeightReceiver, WeightSyncClosedError
+from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
 from lightning_wsync._control.store import tcp_store
 from lightning_wsync.bench._push import wait_registered
 from lightning_wsync.bench._storeproxy import CountingProxy
 from lightning_wsync.testing.hosts import assume_host
 from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate, spec_for_size
-from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
+from lightning_wsync.testing.procs import Children, init_child, receive, report_failure
 
 _STORE_HOST = "127.0.0.1"
 
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --store-load: the sender's cross_host= (default relay)")
     parser.add_argument("--idle-s", type=float, default=5.0, help="with --store-load: idle window (default 5)")
     parser.add_argument("--capacity-clients", type=int, default=0,
-                        help="with --store-load: also measure one TCPStore's capacity with this many clients")  # fmt: skip
+                        help="with --store-load: also measure one TCPStore's capacity with this many clients")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -177,8 +177,9 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             for version in range(2, args.pushes + 2):
                 counts, took = push(version)
                 total = sum(counts.values())
+                less_idle = round(total - idle_rate * took, 1)
                 pushes.append({"version": version, "requests": total, "duration_s": round(took, 4),
-                               "requests_less_idle": round(total - idle_rate * took, 1), "by_command": dict(counts)})  # fmt: skip
+                               "requests_less_idle": less_idle, "by_command": dict(counts)})  # fmt: skip
             for conn in conns.values():
                 conn.send(("close",))
         finally:

@@ -51,10 +51,56 @@ from lightning_wsync.errors import WeightSyncStoreError
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.002
+_WAIT_BACKSTOP_S = 60.0  # longest wait on the store for a note; stop and silence end one sooner
+_SILENCE_CHECK_S = 0.25  # how often a waiting receiver looks (locally) for silence past timeout_s
 _REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing at once would spin)
 _STORE_RETRY_S = 1.0
 PIECE_BYTES = 1 << 20  # a full version's unit on the wire: the sender's lease is renewed after each
+
+
+class NoteWaiter:
+    """A link thread's waits for its peer's notes: one blocking store wait per note, not a
+    poll every few milliseconds, and :meth:`wake` to end a wait early.
+
+    The thread waits on its own connection (a clone); :meth:`wake` writes the awaited key
+    through the owner's, so ``stop()`` ends the wait at once, and so does a receiver's
+    silence watch (:meth:`NetReceiveLink._watch_silence`). The key is the link's own (its
+    prefix and number) and is deleted with its other notes. ``_WAIT_BACKSTOP_S`` bounds a
+    wait whose wake-up was lost (the store logs a line when a wait times out: rare, on purpose).
+    """
+
+    def __init__(self, control: Control, stop: threading.Event) -> None:
+        self._control = control
+        self._stop = stop
+        self._key: str | None = None
+        self._woken = False
+        self.waiting_since: float | None = None  # set while the thread is in a wait
+
+    def wait(self, ctl: Control, key: str) -> bool:
+        """True once the peer wrote ``key``; False after the backstop, on stop, or on a wake."""
+        self._key, self._woken = key, False  # before the stop check: a wake() after it finds the key
+        if self._stop.is_set():
+            return False
+        self.waiting_since = time.monotonic()
+        try:
+            return ctl.wait_for(key, _WAIT_BACKSTOP_S) and not (self._stop.is_set() or self._woken)
+        finally:
+            self.waiting_since = None
+
+    @property
+    def woken(self) -> bool:
+        """The last wait was ended by :meth:`wake` (its key now holds the wake, not a note)."""
+        return self._woken
+
+    def wake(self) -> None:
+        key = self._key
+        if key is None:
+            return
+        self._woken = True
+        try:
+            self._control.set_text(key, "wake")
+        except WeightSyncStoreError:
+            pass  # the store is gone: the wait fails by itself
 
 
 class LinkSilent(Exception):
@@ -94,6 +140,7 @@ class NetSendLink:
         self._addr = addr
         self._timeout_s = timeout_s
         self._stop = threading.Event()
+        self._notes = NoteWaiter(control, self._stop)
         self._pg: Interruptible | None = None
         self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}l{number}", daemon=True)
         self._thread.start()
@@ -112,8 +159,8 @@ class NetSendLink:
                 # The receiver says when its staging buffer is free: a send it cannot keep
                 # until update() takes it would only be overwritten by the next.
                 ready = keys.ready(prefix, n)
-                while not ctl.has(ready):
-                    if self._stop.wait(_POLL_S):
+                while not self._notes.wait(ctl, ready):  # False: the backstop passed, or stop
+                    if self._stop.is_set():
                         return
                 self._held, decode_s = parse_ready_note(ctl.get_text(ready))
                 if self.sent_version in self.delta_versions:
@@ -187,6 +234,7 @@ class NetSendLink:
     def stop(self) -> None:
         """Ask the thread to end, and end a send it is blocked in (see :meth:`join`)."""
         self._stop.set()
+        self._notes.wake()
         pg = self._pg
         if pg is not None:
             pg.interrupt()
@@ -255,8 +303,11 @@ class NetReceiveLink:
         self._n = 0  # the announcement the current generation waits for
         self._pg: Interruptible | None = None
         self._stop = threading.Event()
+        self._notes = NoteWaiter(control, self._stop)
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
+        self._quiet = threading.Thread(target=self._watch_silence, name=f"wsync-recv-net-quiet-r{rid}", daemon=True)
+        self._quiet.start()
 
     def _new_staging(self) -> torch.Tensor:
         return torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
@@ -317,6 +368,14 @@ class NetReceiveLink:
                 for key in keys.group_keys(prefix):  # spent, or never to be joined
                     ctl.delete(key)
 
+    def _watch_silence(self) -> None:
+        """End a wait for an announcement once it is silent (see :meth:`_silent`): looked at
+        here, in memory, so a link waiting at idle sends the store nothing."""
+        while not self._stop.wait(_SILENCE_CHECK_S):
+            since = self._notes.waiting_since
+            if since is not None and self._silent(time.monotonic() - since):
+                self._notes.wake()
+
     def _silent(self, waited_s: float) -> bool:
         """No announcement for ``timeout_s`` although a version newer than any seen here is
         published: the sender's end of this link is gone (it failed, or dropped the link
@@ -340,10 +399,10 @@ class NetReceiveLink:
             ctl.set_text(keys.ready(prefix, n), ready_note(held, self._decode_s))
             ann = keys.announcement(prefix, n)
             waiting_since = time.monotonic()
-            while not ctl.has(ann):
-                if self._stop.wait(_POLL_S):
+            while not self._notes.wait(ctl, ann):  # False: the backstop passed, stop, or silence (a wake)
+                if self._stop.is_set():
                     return
-                if self._silent(time.monotonic() - waiting_since):
+                if self._notes.woken or self._silent(time.monotonic() - waiting_since):
                     raise LinkSilent(f"no version announced within timeout_s={self._timeout_s} while version "
                                      f"{self._newest()} is published (newest seen here: {self._seen})")  # fmt: skip
             ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
@@ -399,8 +458,10 @@ class NetReceiveLink:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        self._notes.wake()
         pg = self._pg
         if pg is not None:
             pg.interrupt()  # a receive blocked on a stalled sender ends now, not at timeout_s
         self._thread.join(timeout=timeout_s)
+        self._quiet.join(timeout=timeout_s)
 
