@@ -95,7 +95,10 @@ class Membership:
         self._retired: list[Member] = []
         self._retire_lock = threading.Lock()  # a report never reads state keys being deleted
 
-    def refresh(self) -> None:
+    def refresh(self, *, members: bool = True) -> None:
+        """Take in new registrations; with ``members``, also read every member's heartbeat
+        and goodbye (two requests each: the sender calls it at most every
+        :func:`member_check_s`, and with ``members=False`` at a push)."""
         ctl = self._ctl
         try:
             registered = ctl.add(keys.MEMBERS_NEXT, 0)
@@ -130,6 +133,8 @@ class Membership:
             member.hb, member.hb_seen_at = self._heartbeat(member), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
+        if not members:
+            return
         now = time.monotonic()
         for member in self.members():
             if member.gone_reason is not None:

@@ -66,6 +66,7 @@ from lightning_wsync.errors import (
 log = logging.getLogger(__name__)
 
 _MEMBERSHIP_REFRESH_S = 0.05
+_MEMBER_CHECK_S = 1.0
 _KEEP_VERSION_RECORDS = 4
 
 
@@ -117,6 +118,7 @@ class WeightSender:
         self._side = SendSide(self._ctl, self.layout, spec)
         self._ring = self._side.ring
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+        self._members_checked_at = 0.0  # the last full read of every member (see _refresh)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
         # Receivers with ReceiverConfig.fleet switch versions together: rounds on a thread of its own.
@@ -162,6 +164,7 @@ class WeightSender:
             self._ctl.put(keys.shards(self.epoch), ShardsRecord(self._side.shards))
         self._ctl.put(keys.sender_record(self.epoch), self._side.record)
         self._ctl.put(keys.SENDER_CURRENT, SenderPointer(self.epoch))  # signed: receivers follow it
+        tell_news(self._ctl)
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
     @property
@@ -225,7 +228,8 @@ class WeightSender:
         ctl = self._ctl
         ctl.put(keys.version_record(version), VersionRecord(version, self.epoch))
         ctl.put(keys.LATEST, VersionRecord(version, self.epoch))
-        self._members.refresh()  # a receiver that registered just before the push is a target
+        tell_news(ctl)  # after every record of the version: a watcher that sees it finds them
+        self._members.refresh(members=False)  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:
             handle.published(live)
@@ -243,8 +247,18 @@ class WeightSender:
         return published[-1] if published else None
 
     def _refresh(self) -> None:
-        """Follow the receivers, and hand every plane who is live, gone and retired."""
-        self._members.refresh()
+        """Follow the receivers, and hand every plane who is live, gone and retired.
+
+        New registrations are taken in at every call; every member's heartbeat and goodbye
+        are read every ``_MEMBER_CHECK_S`` (at most a quarter of heartbeat_timeout_s), so the
+        store's load from the sender grows with receivers at that pace, not at every call.
+        """
+        now = time.monotonic()
+        check_s = min(_MEMBER_CHECK_S, self.config.heartbeat_timeout_s / 4)
+        full = now - self._members_checked_at >= check_s
+        self._members.refresh(members=full)
+        if full:
+            self._members_checked_at = now
         gone, retired = self._members.take_changes()
         live = [m.peer for m in self._members.live()]
         for plane in self._side.planes:
@@ -296,6 +310,7 @@ class WeightSender:
         deadline = time.monotonic() + self.config.timeout_s
         try:
             self._ctl.put(keys.closed(self.epoch), ClosedRecord(final))
+            tell_news(self._ctl)
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
                 for key in keys.version_keys(old):
                     self._ctl.delete(key)
@@ -341,6 +356,14 @@ def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
     if cfg.transport == "nccl" and not any(t.is_cuda for t in tensors.values()):
         raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
     return tensors
+
+
+def tell_news(ctl: Control) -> None:
+    """Bump ``news``, which idle watchers read instead of every record they follow."""
+    try:
+        ctl.add(keys.NEWS, 1)
+    except WeightSyncRecordError:  # garbled by someone else: any new value is news too
+        ctl.set_text(keys.NEWS, str(time.time_ns()))
 
 
 def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:

@@ -72,20 +72,23 @@ class NoteWaiter:
     def __init__(self, control: Control, stop: threading.Event) -> None:
         self._control = control
         self._stop = stop
+        self._lock = threading.Lock()  # a wake is written only into a wait in progress
         self._key: str | None = None
         self._woken = False
         self.waiting_since: float | None = None  # set while the thread is in a wait
 
     def wait(self, ctl: Control, key: str) -> bool:
         """True once the peer wrote ``key``; False after the backstop, on stop, or on a wake."""
-        self._key, self._woken = key, False  # before the stop check: a wake() after it finds the key
-        if self._stop.is_set():
-            return False
-        self.waiting_since = time.monotonic()
+        with self._lock:
+            self._key, self._woken = key, False
+            self.waiting_since = time.monotonic()
         try:
+            if self._stop.is_set():  # after waiting_since is set: a stop() later than this wakes the wait
+                return False
             return ctl.wait_for(key, _WAIT_BACKSTOP_S) and not (self._stop.is_set() or self._woken)
         finally:
-            self.waiting_since = None
+            with self._lock:
+                self.waiting_since = None
 
     @property
     def woken(self) -> bool:
@@ -93,14 +96,16 @@ class NoteWaiter:
         return self._woken
 
     def wake(self) -> None:
-        key = self._key
-        if key is None:
-            return
-        self._woken = True
-        try:
-            self._control.set_text(key, "wake")
-        except WeightSyncStoreError:
-            pass  # the store is gone: the wait fails by itself
+        """End the wait in progress, if any, by writing its key (deleted with the link's notes:
+        the wait cannot return, nor the thread delete its notes, before this write is done)."""
+        with self._lock:
+            if self.waiting_since is None or self._key is None:
+                return
+            self._woken = True
+            try:
+                self._control.set_text(self._key, "wake")
+            except WeightSyncStoreError:
+                pass  # the store is gone: the wait fails by itself
 
 
 class LinkSilent(Exception):
