@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -279,6 +280,14 @@ class Control:
         elif amount == 0:
             return 0
         return self._call("add", key, lambda: int(self.store.add(key, amount)))
+
+    def bump(self, key: str) -> None:
+        """Change the "look again" counter at ``key``: add 1, or when someone garbled it, write
+        a fresh value (any change is the signal; nobody reads such a counter as a number)."""
+        try:
+            self.add(key, 1)
+        except WeightSyncRecordError:
+            self.set_text(key, str(time.time_ns()))
 
     def queue_len(self, key: str) -> int:
         return self._call("queue_len", key, lambda: int(self.store.queue_len(key)))

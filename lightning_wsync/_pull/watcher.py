@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.002  # a fleet member's own thread (see _pull.fleet)
 SLOW_POLL_S = 0.05  # update()'s waits look again at least this often (in memory, not the store)
 # How often the watcher reads ``news`` (one request; the records only when it moved):
-IDLE_POLL_S = 1.0  # following a sender: versions come through the plane itself, news only feeds
+IDLE_POLL_S = 0.1  # following a sender: versions come through the plane itself, news only feeds
 #                    latest_published, a sender switch and the close signal
 VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of each version
 SEEK_POLL_S = 0.05  # no sender followed yet
@@ -176,7 +176,7 @@ class Watcher:
     def _watch(self) -> None:
         ctl = self._watch_ctl
         next_beat = next_all = 0.0
-        news: int | None = None
+        news: str | None = None
         while not self._stop.is_set():
             self._kick.clear()  # before the work: a kick during it makes the wait below return at once
             try:
@@ -221,12 +221,9 @@ class Watcher:
             pace = SEEK_POLL_S if self.source is None else VERIFY_POLL_S if self.config.verify else IDLE_POLL_S
             self._kick.wait(min(pace, max(0.0, next_beat - time.monotonic())))  # an apply kicks it to acknowledge
 
-    def _read_news(self, ctl: Control) -> int | None:
-        """The ``news`` counter (None when unreadable: then every record is read)."""
-        try:
-            return ctl.add(keys.NEWS, 0)
-        except WeightSyncRecordError:
-            return None
+    def _read_news(self, ctl: Control) -> str | None:
+        """The ``news`` counter as written (None when absent: then every record is read)."""
+        return ctl.get_text(keys.NEWS)
 
     def _sums_missing(self) -> bool:
         latest, held = self.latest, self._sums

@@ -164,7 +164,7 @@ class WeightSender:
             self._ctl.put(keys.shards(self.epoch), ShardsRecord(self._side.shards))
         self._ctl.put(keys.sender_record(self.epoch), self._side.record)
         self._ctl.put(keys.SENDER_CURRENT, SenderPointer(self.epoch))  # signed: receivers follow it
-        tell_news(self._ctl)
+        self._ctl.bump(keys.NEWS)
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
     @property
@@ -228,7 +228,7 @@ class WeightSender:
         ctl = self._ctl
         ctl.put(keys.version_record(version), VersionRecord(version, self.epoch))
         ctl.put(keys.LATEST, VersionRecord(version, self.epoch))
-        tell_news(ctl)  # after every record of the version: a watcher that sees it finds them
+        ctl.bump(keys.NEWS)  # after every record of the version: a watcher that sees it finds them
         self._members.refresh(members=False)  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:
@@ -310,7 +310,7 @@ class WeightSender:
         deadline = time.monotonic() + self.config.timeout_s
         try:
             self._ctl.put(keys.closed(self.epoch), ClosedRecord(final))
-            tell_news(self._ctl)
+            self._ctl.bump(keys.NEWS)
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
                 for key in keys.version_keys(old):
                     self._ctl.delete(key)
@@ -356,14 +356,6 @@ def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
     if cfg.transport == "nccl" and not any(t.is_cuda for t in tensors.values()):
         raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
     return tensors
-
-
-def tell_news(ctl: Control) -> None:
-    """Bump ``news``, which idle watchers read instead of every record they follow."""
-    try:
-        ctl.add(keys.NEWS, 1)
-    except WeightSyncRecordError:  # garbled by someone else: any new value is news too
-        ctl.set_text(keys.NEWS, str(time.time_ns()))
 
 
 def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event) -> None:

@@ -353,6 +353,7 @@ class NetReceiveLink:
         while not self._stop.is_set():
             try:
                 number = ctl.add(keys.member_link(self._rid), 1)
+                ctl.bump(keys.LINKS_ASKED)  # the sender looks at link numbers when this moves
             except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
                 self._stop.wait(_STORE_RETRY_S)
                 continue
