@@ -1,5 +1,8 @@
 """The control plane: connection to the shared store, host facts, and :class:`Control`,
 the one error boundary for a job's keys (their layout: :mod:`lightning_wsync._control.keys`).
+
+Longer than 300 lines: every store operation goes through the one class, so that no
+``RuntimeError`` of the store escapes it unnamed.
 """
 
 from __future__ import annotations

@@ -28,11 +28,14 @@ import os
 import statistics
 import time
 from collections import Counter
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
+import torch.distributed as dist
+from torch import nn
+
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
-from lightning_wsync._control.store import tcp_store
 from lightning_wsync.bench._push import wait_registered
 from lightning_wsync.bench._storeproxy import CountingProxy
 from lightning_wsync.testing.hosts import assume_host
@@ -104,7 +107,7 @@ def _hammer(conn: Connection, address: str, seconds: float) -> None:
     """One capacity client: back-to-back reads (the request a poll sends) for ``seconds``."""
     init_child()
     host, port = address.rsplit(":", 1)
-    store = tcp_store(host, int(port), serve=False, timeout_s=30)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
     conn.send(("ready", os.getpid()))
     receive(conn, 60, "go")
     n, deadline = 0, time.monotonic() + seconds
@@ -128,12 +131,53 @@ def _rates(counts: Counter[str], seconds: float) -> dict[str, float]:
     return {k: round(v / seconds, 1) for k, v in sorted(counts.items())}
 
 
+class _Run(NamedTuple):
+    proxy: CountingProxy
+    sender: WeightSender
+    model: nn.Module
+    conns: dict[str, Connection]
+    timeout_s: float
+    bad: list[str]  # receivers that applied other bytes than pushed
+
+    def push(self, version: int) -> tuple[Counter[str], float]:
+        """Push ``version`` and wait until every receiver applied it: the requests meanwhile, and the time."""
+        mutate(self.model, version)
+        expected = digest(self.model)
+        before, started = self.proxy.snapshot(), time.monotonic()
+        self.sender.push(version)
+        for conn in self.conns.values():
+            conn.send(("await", version))
+        for g, conn in self.conns.items():
+            got = receive(conn, self.timeout_s, f"version {version} applied on {g}")
+            self.bad.extend(f"{g}: version {version}" for d in got[2] if d != expected)  # type: ignore[attr-defined]
+        took = time.monotonic() - started
+        return self.proxy.snapshot() - before, took
+
+
+def _measure(run: _Run, args: argparse.Namespace) -> tuple[Counter[str], list[dict[str, object]]]:
+    """Version 1, the idle window, then the timed pushes."""
+    run.push(1)
+    before = run.proxy.snapshot()
+    time.sleep(args.idle_s)  # the measuring window itself, not a wait for anything
+    idle = run.proxy.snapshot() - before
+    idle_rate = sum(idle.values()) / args.idle_s
+    pushes: list[dict[str, object]] = []
+    for version in range(2, args.pushes + 2):
+        counts, took = run.push(version)
+        total = sum(counts.values())
+        less_idle = round(total - idle_rate * took, 1)
+        pushes.append({"version": version, "requests": total, "duration_s": round(took, 4),
+                       "requests_less_idle": less_idle, "by_command": dict(counts)})  # fmt: skip
+    return idle, pushes
+
+
 def run_store_load(args: argparse.Namespace) -> dict[str, object]:
     """Run the idle window and the pushes; return the JSON-able result."""
     spec = spec_for_size(args.size_mb)
     model = build_model(spec, seed=args.seed)
     job = f"bench-store-{os.getpid()}-{time.monotonic_ns()}"
-    server = tcp_store(_STORE_HOST, 0, serve=True, timeout_s=args.timeout_s)
+    server = dist.TCPStore(_STORE_HOST, 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                           timeout=timedelta(seconds=args.timeout_s))  # fmt: skip
     groups: dict[str, tuple[str | None, list[str]]] = {f"same{i}": (None, [f"same{i}"]) for i in range(args.receivers)}
     for h in range(args.store_hosts):
         groups[f"host{h}"] = (f"simhost-{h}", [f"h{h}r{i}" for i in range(args.receivers_per_host)])
@@ -153,33 +197,8 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             for g, conn in conns.items():
                 receive(conn, startup_s, f"receivers of {g} to start")
             wait_registered(sender, [n for _, names in groups.values() for n in names], startup_s)
-            bad: list[str] = []
-
-            def push(version: int) -> tuple[Counter[str], float]:
-                mutate(model, version)
-                expected = digest(model)
-                before, started = proxy.snapshot(), time.monotonic()
-                sender.push(version)
-                for conn in conns.values():
-                    conn.send(("await", version))
-                for g, conn in conns.items():
-                    got = receive(conn, args.timeout_s, f"version {version} applied on {g}")
-                    bad.extend(f"{g}: version {version}" for d in got[2] if d != expected)  # type: ignore[attr-defined]
-                took = time.monotonic() - started
-                return proxy.snapshot() - before, took
-
-            push(1)
-            before = proxy.snapshot()
-            time.sleep(args.idle_s)  # the measuring window itself, not a wait for anything
-            idle = proxy.snapshot() - before
-            idle_rate = sum(idle.values()) / args.idle_s
-            pushes = []
-            for version in range(2, args.pushes + 2):
-                counts, took = push(version)
-                total = sum(counts.values())
-                less_idle = round(total - idle_rate * took, 1)
-                pushes.append({"version": version, "requests": total, "duration_s": round(took, 4),
-                               "requests_less_idle": less_idle, "by_command": dict(counts)})  # fmt: skip
+            run = _Run(proxy, sender, model, conns, args.timeout_s, [])
+            idle, pushes = _measure(run, args)
             for conn in conns.values():
                 conn.send(("close",))
         finally:
@@ -190,19 +209,21 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             result["capacity_requests_per_s"] = round(measure_capacity(children, f"{_STORE_HOST}:{server.port}",
                                                                        args.capacity_clients))  # fmt: skip
         result["unparsed_connections"] = proxy.unparsed
+    return {**result, **_summary(idle, pushes, args, n_receivers), "ok": not run.bad, "problems": run.bad}
+
+
+def _summary(
+    idle: Counter[str], pushes: list[dict[str, object]], args: argparse.Namespace, n_receivers: int
+) -> dict[str, object]:
     hosts = args.store_hosts + 1  # the trainer's host too
-    result["idle"] = {
-        "requests_per_s": round(idle_rate, 1),
-        "per_receiver_per_s": round(idle_rate / n_receivers, 2),
-        "per_host_per_s": round(idle_rate / hosts, 2),
-        "by_command_per_s": _rates(idle, args.idle_s),
-    }
-    medians = statistics.median(p["requests_less_idle"] for p in pushes)
-    result["per_push"] = {"median_requests_less_idle": medians, "per_receiver": round(medians / n_receivers, 2),
-                          "per_host": round(medians / hosts, 2), "pushes": pushes}  # fmt: skip
-    result["ok"] = not bad
-    result["problems"] = bad
-    return result
+    idle_rate = sum(idle.values()) / args.idle_s
+    median = round(statistics.median(float(str(p["requests_less_idle"])) for p in pushes), 1)
+    return {
+        "idle": {"requests_per_s": round(idle_rate, 1), "per_receiver_per_s": round(idle_rate / n_receivers, 2),
+                 "per_host_per_s": round(idle_rate / hosts, 2), "by_command_per_s": _rates(idle, args.idle_s)},
+        "per_push": {"median_requests_less_idle": median, "per_receiver": round(median / n_receivers, 2),
+                     "per_host": round(median / hosts, 2), "pushes": pushes},
+    }  # fmt: skip
 
 
 def format_store_load(result: dict[str, object]) -> str:
