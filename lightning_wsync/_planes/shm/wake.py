@@ -49,7 +49,10 @@ class WakeSocket:
         return cls(sock, path)
 
     def wait(self, timeout_s: float) -> None:
-        select.select([self._sock], [], [], timeout_s)
+        try:
+            select.select([self._sock], [], [], timeout_s)
+        except (OSError, ValueError):  # closed meanwhile by another thread (its source was swapped out)
+            return
         while True:  # several versions may have landed: one look at the header covers them
             try:
                 self._sock.recv(16)
