@@ -149,3 +149,43 @@ def test_receiver_paused_past_every_timeout_catches_up(children, port, monkeypat
         assert rid_of(sender, "r0") != rid  # registered again under a fresh id
     finally:
         sender.close(flush_timeout_s=0)
+
+
+@pytest.mark.parametrize("apply", ["copy", "swap"])
+def test_receiver_stopped_during_a_send_is_served_after_resume(children, port, apply):
+    """r0 is SIGSTOPped while the sender sends it a version: the sender's link fails after
+    its timeout_s and lets go of the group. After SIGCONT r0 holds the next version within a
+    few of the sender's timeout_s, not after its own (longer) timeout_s on the dead group."""
+    spec = ("big", 16)  # 16 MiB: a send cannot hide in socket buffers
+    model = build(spec)
+    results = Inbox(CTX)
+    store, job = f"127.0.0.1:{port}", f"midsend-{apply}"
+    receiver_timeout_s = 60.0  # what a stuck receive on the dead group would cost
+    with WeightSender(model, store=store, job=job, transport="gloo", timeout_s=TIMEOUT_S) as sender:
+        options = {"apply": apply, "timeout_s": receiver_timeout_s}
+        p = CTX.Process(target=receiver_main, args=(store, job, "r0", spec, results.queue("r0"), options), daemon=True)
+        p.start()
+        children.track(p.pid)
+        collect(results, "ready", {"r0"}, timeout_s=120)
+        mutate(model, 1)
+        assert sender.push(1).wait(timeout_s=60).delivered == ("r0",)
+        newest_held(results, "r0", 1, digest(model), 30)
+        rid = rid_of(sender, "r0")
+
+        mutate(model, 2)
+        handle = sender.push(2)
+        os.kill(p.pid, signal.SIGSTOP)  # as the chaos test does: the send is under way
+        try:
+            report = handle.wait(timeout_s=TIMEOUT_S + 5)
+            assert "r0" not in report.delivered, report
+            deadline = time.monotonic() + TIMEOUT_S + 10
+            while (link := sender._side.net._links.get(rid)) is None or link.error is None:
+                assert time.monotonic() < deadline, "the sender's link to the stopped receiver never failed"
+                time.sleep(0.05)  # polling the sender's own state, bounded by the deadline
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        mutate(model, 3)
+        sender.push(3)
+        newest_held(results, "r0", 3, digest(model), 4 * TIMEOUT_S + 5)
+        print(f"{apply}: version 3 held {time.monotonic() - resumed:.2f} s after SIGCONT")

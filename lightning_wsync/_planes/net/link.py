@@ -193,6 +193,9 @@ class NetSendLink:
                 log.warning("link %d to receiver rid=%d failed: %s", self.number, self.rid, self.error)
         finally:
             shutdown_group(pg)
+            # Unreferenced, the group closes its connection: a receiver blocked in a receive
+            # on it fails at once (when it runs again) instead of at its own timeout_s.
+            self._pg = pg = None
             forget_notes(ctl, prefix, n)
 
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
@@ -470,4 +473,3 @@ class NetReceiveLink:
             pg.interrupt()  # a receive blocked on a stalled sender ends now, not at timeout_s
         self._thread.join(timeout=timeout_s)
         self._quiet.join(timeout=timeout_s)
-
