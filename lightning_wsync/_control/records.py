@@ -1,5 +1,6 @@
-"""Every JSON record the package keeps on the store: one type each, with its encoding,
-decoding and validation here and nowhere else.
+"""Every JSON record the package keeps on the store, one type each, with its encoding,
+decoding and validation here and nowhere else; the fleet's records (``ReceiverConfig.fleet``)
+have a module of their own, :mod:`lightning_wsync._control.fleet_records`.
 
 A record type has ``encode()`` (the JSON value written) and ``decode(value)`` (the
 type from a parsed JSON value), which raises :class:`RecordShape` naming what it
@@ -7,8 +8,8 @@ expected. Reads go through :meth:`Control.get_record
 <lightning_wsync._control.store.Control.get_record>`, which turns any failure into a
 :class:`~lightning_wsync.errors.WeightSyncRecordError` naming the key.
 
-Longer than 300 lines: a catalogue of seventeen small types, one per stored record; split,
-a record's format would no longer be found in one place.
+Longer than 300 lines: a catalogue of fifteen small types (thirteen stored records, two parts of them);
+split further, a record's format would no longer be found next to the others'.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.shards import ShardPlan
 
 __all__ = [
-    "NOT_FOLLOWING", "ChainRecord", "ClosedRecord", "FleetAck", "FleetRound", "FleetSwitch", "FleetSwitches",
-    "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
+    "ChainRecord", "ClosedRecord", "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
     "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer", "SenderRecord",
     "ShardsRecord", "SumsRecord", "VersionRecord",
 ]  # fmt: skip
@@ -352,95 +352,3 @@ class ReceiptsRecord:
             share, decode_s = as_float(cells[2], "changed_share"), as_float(cells[3], "decode_s")
             out[int(version)] = Receipt(delta, wire_bytes, share, decode_s)
         return cls(out)
-
-
-# -- one version across a fleet (lightning_wsync._push.fleet, lightning_wsync._pull.fleet) --
-NOT_FOLLOWING = -2  # FleetAck.round of a member that does not follow the sender yet
-
-
-@dataclass(frozen=True)
-class FleetAck:
-    """``member/<rid>/fleet``: a fleet member's group, the newest round it saw, the version it
-    has staged (-1: none) and whether it holds a switched version not yet applied."""
-
-    EXPECTED: ClassVar[str] = '{"group": <str>, "round": <int>, "staged": <int>, "holding": <bool>}'
-    group: str
-    round: int = -1
-    staged: int = -1
-    holding: bool = False
-
-    def encode(self) -> object:
-        return asdict(self)
-
-    @classmethod
-    def decode(cls, value: object) -> Self:
-        v = fields(value, "group", "round", "staged", "holding")
-        return cls(as_str(v["group"], "group"), as_int(v["round"], "round"), as_int(v["staged"], "staged"),
-                   as_bool(v["holding"], "holding"))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class FleetRound:
-    """``fleet/<group>/round``: the group's newest round: the target version every member of
-    ``rids`` stages (the sender keeps it in its ring until the round ends), with its bucket
-    checksums when a member verifies (the version's own ``v/<version>/sums`` may be gone by then)."""
-
-    EXPECTED: ClassVar[str] = '{"round": <int>, "version": <int>, "rids": [<int>, ...], "sums": [<int>, ...]}'
-    round: int
-    version: int
-    rids: tuple[int, ...]
-    sums: tuple[int, ...] = ()  # its bucket checksums, when a member verifies
-
-    def encode(self) -> object:
-        return {"round": self.round, "version": self.version, "rids": list(self.rids), "sums": list(self.sums)}
-
-    @classmethod
-    def decode(cls, value: object) -> Self:
-        v = fields(value, "round", "version", "rids")
-        rids = tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids"))
-        sums = tuple(as_int(x, "sums[]") for x in as_list(v.get("sums", []), "sums"))
-        return cls(as_int(v["round"], "round"), as_int(v["version"], "version"), rids, sums)
-
-
-@dataclass(frozen=True)
-class FleetSwitch:
-    """One switch of a fleet group: every member of ``rids`` staged ``version`` and may apply it.
-
-    ``excluded``: member name -> why it is left out of this version; ``at``: the sender's
-    wall-clock time (``time.time()``) of the switch.
-    """
-
-    round: int
-    version: int
-    rids: tuple[int, ...]
-    excluded: Mapping[str, str]
-    at: float
-
-
-@dataclass(frozen=True)
-class FleetSwitches:
-    """``fleet/<group>/switch``: the group's newest few switches, oldest first."""
-
-    EXPECTED: ClassVar[str] = (
-        '{"switches": [{"round": <int>, "version": <int>, "rids": [<int>, ...], '
-        '"excluded": {"<name>": <str>, ...}, "at": <number>}, ...]}'
-    )
-    switches: tuple[FleetSwitch, ...]
-
-    def encode(self) -> object:
-        return {"switches": [
-            {"round": s.round, "version": s.version, "rids": list(s.rids), "excluded": dict(s.excluded), "at": s.at}
-            for s in self.switches
-        ]}  # fmt: skip
-
-    @classmethod
-    def decode(cls, value: object) -> Self:
-        out = []
-        for item in as_list(fields(value, "switches")["switches"], "switches"):
-            v = fields(item, "round", "version", "rids", "excluded", "at")
-            excluded = {as_str(k, "excluded name"): as_str(r, "excluded reason")
-                        for k, r in fields(v["excluded"]).items()}  # fmt: skip
-            rids = tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids"))
-            out.append(FleetSwitch(as_int(v["round"], "round"), as_int(v["version"], "version"), rids, excluded,
-                                   as_float(v["at"], "at")))  # fmt: skip
-        return cls(tuple(out))

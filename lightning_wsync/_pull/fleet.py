@@ -21,15 +21,8 @@ from collections.abc import Callable
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
-from lightning_wsync._control.records import (
-    NOT_FOLLOWING,
-    FleetAck,
-    FleetRound,
-    FleetSwitch,
-    FleetSwitches,
-    R,
-    SumsRecord,
-)
+from lightning_wsync._control.fleet_records import NOT_FOLLOWING, FleetAck, FleetRound, FleetSwitch, FleetSwitches
+from lightning_wsync._control.records import R, SumsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._pull.watcher import POLL_S, Watcher
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncIntegrityError, WeightSyncRecordError

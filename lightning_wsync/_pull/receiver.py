@@ -29,9 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.fleet_records import FleetSwitch
 from lightning_wsync._control.host import default_receiver_name, host_id
 from lightning_wsync._control.manifest import Manifest, select_tensors
-from lightning_wsync._control.records import FleetSwitch, ManifestRecord, SenderPointer
+from lightning_wsync._control.records import ManifestRecord, SenderPointer
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import Control, connect_store, resolve_job
 from lightning_wsync._pull.fleet import FleetMember

@@ -24,13 +24,12 @@ import torch
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.fleet_records import NOT_FOLLOWING, FleetAck
 from lightning_wsync._control.host import local_address, pid_namespace
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.member_state import StateReport
 from lightning_wsync._control.records import (
-    NOT_FOLLOWING,
     ClosedRecord,
-    FleetAck,
     ManifestRecord,
     MemberRecord,
     SenderPointer,

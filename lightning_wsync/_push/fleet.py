@@ -1,7 +1,8 @@
 """One version across a fleet: the sender's side of ``ReceiverConfig.fleet``.
 
 Receivers registered with ``fleet=<group>`` apply only versions their group switched
-to. The sender runs the group's rounds on a thread of its own (:class:`FleetCoordinator`)::
+to. The sender runs the group's rounds on a thread of its own (:class:`FleetCoordinator`),
+started when the first receiver naming a group registers::
 
     open     target T = the newest version published; the sender leases T's slot of its
              snapshot ring for the whole round (pushes go on into the other slot), and
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
-from lightning_wsync._control.records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
+from lightning_wsync._control.fleet_records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._push.membership import Member, Membership
@@ -88,10 +89,20 @@ class FleetCoordinator:
         self._lock = threading.Lock()
         self._complaints = Complaints(log, "the fleet coordinator")
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_run, args=(weakref.ref(self), self._stop), name="wsync-fleet", daemon=True
-        )
-        self._thread.start()
+        self._start_lock = threading.Lock()  # start() on the sender's thread, close() on the caller's
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the rounds' thread, once, unless closed: a sender starts it when a receiver
+        names a fleet group, so without fleet receivers nothing polls."""
+        with self._start_lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(
+                target=_run, args=(weakref.ref(self), self._stop), name="wsync-fleet", daemon=True
+            )
+            self._thread.start()
+        log.debug("fleet coordinator started")
 
     def switches(self, group: str) -> list[FleetSwitch]:
         """The group's newest few switches, oldest first."""
@@ -111,8 +122,11 @@ class FleetCoordinator:
         return out
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        with self._start_lock:
+            self._stop.set()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
         for g in self._groups.values():
             if g.lease is not None:
                 g.lease.release()

@@ -94,6 +94,7 @@ class Membership:
         self._gone: list[Member] = []  # since the last take_changes()
         self._retired: list[Member] = []
         self._retire_lock = threading.Lock()  # a report never reads state keys being deleted
+        self.fleet_seen = False  # a receiver named a fleet group (ReceiverConfig.fleet)
 
     def refresh(self, *, members: bool = True) -> None:
         """Take in new registrations; with ``members``, also read every member's heartbeat
@@ -128,6 +129,7 @@ class Membership:
                     log.info("receiver rid=%d reserved an id but never registered; forgotten", rid)
                 continue
             del self._unrecorded[rid]
+            self.fleet_seen = self.fleet_seen or record.fleet is not None
             member = Member(rid, record.name, record.host, record.pid, verify=record.verify, pidns=record.pidns,
                             fleet=record.fleet)  # fmt: skip
             member.hb, member.hb_seen_at = self._heartbeat(member), time.monotonic()

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.fleet_records import FleetSwitch
 from lightning_wsync._control.member_state import decode_state
-from lightning_wsync._control.records import FleetSwitch
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import SendPlane
 from lightning_wsync._planes.delta.encode import DeltaStreams

@@ -33,11 +33,11 @@ from torch import nn
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.fleet_records import FleetSwitch, FleetSwitches
 from lightning_wsync._control.host import host_id, local_address
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import (
     ClosedRecord,
-    FleetSwitch,
     ManifestRecord,
     SenderPointer,
     ShardsRecord,
@@ -121,7 +121,7 @@ class WeightSender:
         self._members_checked_at = 0.0  # the last full read of every member (see _refresh)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
-        # Receivers with ReceiverConfig.fleet switch versions together: rounds on a thread of its own.
+        # Fleet receivers (ReceiverConfig.fleet) switch together: rounds on a thread started with the first.
         self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._ring,
                                        self._newest_published, cfg.timeout_s)  # fmt: skip
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
@@ -229,7 +229,7 @@ class WeightSender:
         ctl.put(keys.version_record(version), VersionRecord(version, self.epoch))
         ctl.put(keys.LATEST, VersionRecord(version, self.epoch))
         ctl.bump(keys.NEWS)  # after every record of the version: a watcher that sees it finds them
-        self._members.refresh(members=False)  # a receiver that registered just before the push is a target
+        self._refresh_members(members=False)  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:
             handle.published(live)
@@ -246,6 +246,11 @@ class WeightSender:
         published = self._published_versions
         return published[-1] if published else None
 
+    def _refresh_members(self, members: bool) -> None:
+        self._members.refresh(members=members)
+        if self._members.fleet_seen:
+            self._fleet.start()
+
     def _refresh(self) -> None:
         """Follow the receivers, and hand every plane who is live, gone and retired.
 
@@ -256,7 +261,7 @@ class WeightSender:
         now = time.monotonic()
         check_s = min(_MEMBER_CHECK_S, self.config.heartbeat_timeout_s / 4)
         full = now - self._members_checked_at >= check_s
-        self._members.refresh(members=full)
+        self._refresh_members(members=full)
         if full:
             self._members_checked_at = now
         gone, retired = self._members.take_changes()
@@ -275,8 +280,17 @@ class WeightSender:
         return sum(plane.superseded for plane in self._side.planes)
 
     def fleet_switches(self, group: str) -> list[FleetSwitch]:
-        """The newest few switches of fleet ``group`` (receivers with ``fleet=group``), oldest first."""
-        return self._fleet.switches(group)
+        """The newest few switches of fleet ``group`` (receivers with ``fleet=group``), oldest first.
+
+        Read from the store, as the group's receivers read them in ``update()``: the
+        coordinator lists a switch only once it is stored, so its own list can trail what
+        receivers already apply (it is the answer here only when the store cannot be read).
+        """
+        try:
+            record = self._ctl.get_record(keys.fleet_switch(group), FleetSwitches)
+        except RuntimeError:  # the store gone (after close), a bad or forged record
+            return self._fleet.switches(group)
+        return [] if record is None else list(record.switches)
 
     def receivers(self) -> list[str]:
         """Names of the receivers currently considered live."""

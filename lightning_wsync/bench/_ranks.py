@@ -11,10 +11,12 @@ Each configuration is its own trainer (:mod:`~lightning_wsync.bench._ranks_train
 torch thread per rank) with ``--receivers`` receiver processes on this host following
 the job. Reported per configuration: each rank's median stall per push (time in the push
 hook), a push's stall (the slowest rank's: the others wait for it at the next
-collective), each rank's peak resident memory over the run above what it held before the
-callback started (snapshot rings, FSDP2's gathered copy and its CPU mirror, but also the
-training's own gradients), and the median delivery latency (push to the last receiver's
-acknowledgement, from the push reports).
+collective), each rank's memory per push (the peak resident memory during the push hook
+above what the rank held just before it: FSDP2's gathered copy without sharding; median
+and largest of the pushes after the first few), each rank's peak resident memory over the
+run above what it held before the callback started (snapshot rings, FSDP2's CPU mirror,
+but also the training's own gradients), and the median delivery latency (push to the last
+receiver's acknowledgement, from the push reports).
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def _one(args: argparse.Namespace, spec: ModelSpec, ranks: int, sharded: bool) -
                "--vocab", str(spec.vocab), "--ranks", str(ranks), "--strategy", args.strategy, "--steps", str(steps),
                "--store", f"127.0.0.1:{port}", "--job", job, "--out", out, "--timeout-s", str(args.timeout_s),
                *(["--sharded"] if sharded else [])]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # A fixed mmap threshold: blocks of 1 MiB and more go back to the system when freed, so a
+        # push's peak resident rise is what it allocates, not hidden by pages glibc kept from the last.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
         trainer = subprocess.Popen(cmd, env=env, cwd=out, start_new_session=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
         try:
@@ -101,6 +105,8 @@ def _one(args: argparse.Namespace, spec: ModelSpec, ranks: int, sharded: bool) -
         + (", sharded" if sharded else ""),
         "stall_s": statistics.median(slowest),
         "rank_stall_s": stalls,
+        "rank_push_rise_mib": [_median(r["push_rise_mib"]) for r in per_rank],
+        "rank_push_rise_max_mib": [max(r["push_rise_mib"][_WARMUP:] or r["push_rise_mib"]) for r in per_rank],
         "rank_peak_rise_mib": [r["peak_rise_mib"] for r in per_rank],
         "delivery_s": _median(per_rank[0]["delivery_s"], warmup=0) if per_rank[0]["delivery_s"] else None,
     }
@@ -141,13 +147,16 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     lines = [
         f"trainer ranks {args.trainer_ranks}, {args.strategy}, {args.size_mb:g} MiB float32 policy, a push every "
         f"step, {args.receivers} receiver(s) on this host; medians of {args.pushes} pushes after {_WARMUP}",
-        "| trainer | stall per push (slowest rank) | / one rank | stall by rank | memory rise (MiB) | delivery |",
-        "|---|---|---|---|---|---|",
+        "| trainer | stall per push (slowest rank) | / one rank | stall by rank | memory per push, by rank (MiB) "
+        "| run's memory rise (MiB) | delivery |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ranks = ", ".join(f"{s * 1e3:.1f} ms" for s in row["rank_stall_s"])
+        pushes = ", ".join(f"{m:.1f} (max {x:.1f})" for m, x in zip(row["rank_push_rise_mib"],
+                                                                   row["rank_push_rise_max_mib"]))  # fmt: skip
         rises = ", ".join(f"{m:.0f}" for m in row["rank_peak_rise_mib"])
         delivery = "—" if row["delivery_s"] is None else f"{row['delivery_s'] * 1e3:.0f} ms"
         lines.append(f"| {row['config']} | {row['stall_s'] * 1e3:.1f} ms | {row['vs_one_rank']:.2f} | {ranks} | "
-                     f"{rises} | {delivery} |")  # fmt: skip
+                     f"{pushes} | {rises} | {delivery} |")  # fmt: skip
     return "\n".join(lines)

@@ -6,14 +6,18 @@ Lightning starts the other ranks with the same command line.
 
 Per push and per rank: the time the training loop spends in the push hook (the stall;
 under DDP without sharding the other ranks then wait for rank 0 at the next collective,
-so a push's stall is the slowest rank's); per rank, how far its peak resident memory
-(VmHWM, shared-memory rings included) rose above what it held before the callback started.
+so a push's stall is the slowest rank's), and how far the rank's peak resident memory
+(VmHWM, reset before the hook) rose above what it held just before it: the push's own
+memory (a gathered copy under FSDP2 unsharded; pages of the rings touched the first time).
+Per rank, also the run's peak above what it held before the callback started.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 import types
 import warnings
@@ -22,12 +26,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_wsync import WeightSyncCallback
+from lightning_wsync.bench._memory import MemSample, growth, reset_peak
 from lightning_wsync.testing.models import ModelSpec, build_model
+from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
@@ -75,28 +79,6 @@ class _Policy(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
-class _Metrics(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "bench"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append(dict(metrics))
-
-
 def _rss_kib() -> tuple[int, int]:
     """(VmRSS, VmHWM) of this process in KiB."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
@@ -109,23 +91,28 @@ class _Before(pl.Callback):
     def __init__(self) -> None:
         self.started = 0.0
         self.rss_kib = 0
+        self.memory: MemSample | None = None  # just before this push, with the peak reset
 
     def on_fit_start(self, *args: Any) -> None:
         self.rss_kib = _rss_kib()[0]
 
     def on_train_batch_end(self, *args: Any) -> None:
+        self.memory = reset_peak()
         self.started = time.perf_counter()
 
 
 class _After(pl.Callback):
-    """Placed after WeightSyncCallback: each push's stall."""
+    """Placed after WeightSyncCallback: each push's stall and its peak memory rise."""
 
     def __init__(self, before: _Before) -> None:
         self.before = before
         self.stall_s: list[float] = []
+        self.rise_mib: list[float] = []
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.stall_s.append(time.perf_counter() - self.before.started)
+        assert self.before.memory is not None
+        self.rise_mib.append(growth(self.before.memory).peak_rss / 2**20)
 
 
 def main() -> None:
@@ -148,29 +135,36 @@ def main() -> None:
                               timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
     before = _Before()
     after = _After(before)
-    metrics = _Metrics()
+    metrics = RecordingLogger()
     if args.ranks == 1:
         strategy: Any = "auto"
     elif fsdp:
         strategy = ModelParallelStrategy(data_parallel_size=args.ranks, tensor_parallel_size=1)
     else:
         strategy = "ddp"
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=metrics,
-        callbacks=[before, sync, after], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=args.out,
-    )  # fmt: skip
+    trainer = pl.Trainer(**trainer_kwargs(
+        args.out, devices=args.ranks, strategy=strategy, max_steps=args.steps, logger=metrics,
+        callbacks=[before, sync, after],
+    ))  # fmt: skip
     data = torch.utils.data.TensorDataset(torch.zeros(args.steps * args.ranks, 1, dtype=torch.long))
     trainer.fit(_Policy(spec, fsdp), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
     record = {
         "rank": trainer.global_rank,
         "stall_s": after.stall_s,
         "peak_rise_mib": (_rss_kib()[1] - before.rss_kib) / 1024,  # the run's peak over the memory before any push
-        "delivery_s": [m["wsync/delivery_s"] for m in metrics.rows if "wsync/delivery_s" in m],
-        "logged_stall_s": [m["wsync/stall_s"] for m in metrics.rows if "wsync/stall_s" in m],
+        "push_rise_mib": after.rise_mib,
+        "delivery_s": metrics.values("wsync/delivery_s"),
+        "logged_stall_s": metrics.values("wsync/stall_s"),
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
     main()
+    # Not a normal interpreter exit: torch's gloo workers may free the final gather's work (and
+    # its tensors' Python objects) only once the interpreter is finalizing, where taking the GIL
+    # ends the thread inside a noexcept destructor: std::terminate (docs/sharded.md). The
+    # results are written; an error above still exits non-zero.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -21,11 +21,13 @@ HOST = "host-a"
 HB_TIMEOUT_S = 0.2
 
 
-def register(ctl: Control, name: str, *, host: str = HOST, pid: int | None = None) -> int:
+def register(ctl: Control, name: str, *, host: str = HOST, pid: int | None = None, fleet: str | None = None) -> int:
     """What a WeightReceiver writes when it joins."""
     rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
     ctl.add(keys.member_heartbeat(rid), 1)
     record = {"name": name, "host": host, "pid": os.getpid() if pid is None else pid, "pidns": pid_namespace()}
+    if fleet is not None:
+        record["fleet"] = fleet
     ctl.set_json(keys.member(rid), record)
     return rid
 
@@ -50,6 +52,17 @@ def test_registered_receivers_are_live_under_their_names(ctl):
     members.refresh()
     assert [m.label for m in members.live()] == ["a", "b"] and (a, b) == (0, 1)
     assert members.failure(a) is None and members.failure(99) == "unknown receiver"
+
+
+def test_fleet_seen_only_once_a_receiver_names_a_fleet_group(ctl):
+    """What starts the sender's fleet coordinator: without fleet receivers it never runs."""
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    register(ctl, "plain")
+    members.refresh()
+    assert [m.fleet for m in members.live()] == [None] and not members.fleet_seen
+    register(ctl, "member", fleet="rollout")
+    members.refresh()
+    assert [m.fleet for m in members.live()] == [None, "rollout"] and members.fleet_seen
 
 
 def test_a_silent_receiver_stops_being_live_and_comes_back_with_its_heartbeat(ctl):

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_wsync import WeightSyncAuthError, WeightSyncRecordError
-from lightning_wsync._control import keys, records
+from lightning_wsync._control import fleet_records, keys, records
 from lightning_wsync._control.signing import KDF_ITERATIONS, derive_key, resolve_secret
 from lightning_wsync._control.store import Control
 
@@ -68,6 +68,9 @@ def test_every_record_round_trips_and_old_member_states_still_read(server):
         records.LeaderRecord(2, 13, 1, "wsync-j-relay-3"),
         records.ChainRecord(4, (2, 9)),
         records.ReceiptsRecord({5: records.Receipt(True, 100, 0.25, 0.01)}),
+        fleet_records.FleetAck("g", 3, 7, True),
+        fleet_records.FleetRound(2, 7, (1, 4), (5, -6)),
+        fleet_records.FleetSwitches((fleet_records.FleetSwitch(2, 7, (1,), {"r4": "did not stage"}, 12.5),)),
     ]
     for i, record in enumerate(examples):
         key = f"example/{i}"

@@ -229,5 +229,7 @@ def test_trainer_ranks_bench_reports_every_configuration(capsys):
     assert [r["config"] for r in result["rows"]] == ["1 rank", "2 ranks, fsdp", "2 ranks, fsdp, sharded"]
     for row in result["rows"]:
         assert row["stall_s"] > 0 and row["delivery_s"] is not None and row["delivery_s"] > 0, row
-        assert len(row["rank_stall_s"]) == len(row["rank_peak_rise_mib"]) == (1 if row["config"] == "1 rank" else 2)
+        ranks = 1 if row["config"] == "1 rank" else 2
+        assert len(row["rank_stall_s"]) == len(row["rank_peak_rise_mib"]) == len(row["rank_push_rise_mib"]) == ranks
+        assert all(0 <= m <= x for m, x in zip(row["rank_push_rise_mib"], row["rank_push_rise_max_mib"])), row
     assert not _children_alive()

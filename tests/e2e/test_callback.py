@@ -13,13 +13,11 @@ import torch
 import torch.distributed as dist
 from _lightning_workers import (
     PolicyModule,
-    RecordingLogger,
     digest,
     loader,
     make_policy,
     next_message,
     receiver_main,
-    trainer_kwargs,
 )
 from conftest import free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -27,6 +25,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_wsync import SenderConfig, WeightReceiver
 from lightning_wsync.callback import WeightSyncCallback
+from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(120)
 CTX = mp.get_context("spawn")

@@ -13,9 +13,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _lightning_workers import PolicyModule, loader, make_policy, trainer_kwargs
+from _lightning_workers import PolicyModule, loader, make_policy
 
 from lightning_wsync.callback import WeightSyncCallback
+from lightning_wsync.testing.trainers import trainer_kwargs
 
 pytestmark = pytest.mark.timeout(150)
 CTX = mp.get_context("spawn")

@@ -216,3 +216,37 @@ def test_verifying_members_stage_checked_versions(port):
             assert time.monotonic() < deadline, (a.version, b.version, final)
         assert digest(mods["a"]) == digest(mods["b"]) == digests[final.version]
         assert a.rejected == b.rejected == 0
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_runs_only_once_a_receiver_names_a_fleet_group(port):
+    """A sender whose receivers use no fleet runs no coordinator thread; the first fleet
+    member starts it, and its rounds then switch versions as usual."""
+    from lightning_wsync import WeightReceiver
+
+    store, job = f"127.0.0.1:{port}", "fleet-lazy"
+    model = mixed_model(1)
+    coordinators = lambda: [t for t in threading.enumerate() if t.name == "wsync-fleet"]  # noqa: E731
+    with (
+        WeightSender(model, store=store, job=job, timeout_s=10) as sender,
+        WeightReceiver(mixed_model(5), store=store, job=job, name="plain") as plain,
+    ):
+        mutate(model, 1)
+        handle = sender.push(1)
+        assert plain.wait_for_version(1, timeout_s=30) == 1
+        assert sorted(handle.wait(timeout_s=30).delivered) == ["plain"]  # so the sender has seen it
+        assert coordinators() == []
+        with WeightReceiver(mixed_model(5), store=store, job=job, name="a", fleet=GROUP) as a:
+            deadline = time.monotonic() + 30
+            version = 1
+            while a.version is None or a.version < 2:  # only a fleet switch lets a apply anything
+                assert time.monotonic() < deadline, f"no fleet switch: {sender.fleet_switches(GROUP)}"
+                version += 1
+                mutate(model, version)
+                sender.push(version)
+                a.update()
+                time.sleep(PUSH_EVERY_S)  # the trainer's pace, not a synchronisation
+            assert len(coordinators()) == 1
+            switched = sender.fleet_switches(GROUP)
+            assert a.rid in switched[-1].rids and a.version in {s.version for s in switched}
+    assert coordinators() == []

@@ -1,4 +1,4 @@
-"""A small LightningModule, a recording logger, a rollout receiver and a 2-rank trainer script.
+"""A small LightningModule, a rollout receiver and a 2-rank trainer script.
 
 Run as a script, it is the trainer of the multi-process tests (Lightning relaunches it
 once per rank)::
@@ -20,11 +20,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from lightning_wsync.testing.models import digest
+from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
@@ -65,42 +64,6 @@ class PolicyModule(pl.LightningModule):
 def loader(n: int = 256, batch_size: int = 4) -> torch.utils.data.DataLoader[Any]:
     g = torch.Generator().manual_seed(1)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g)), batch_size)
-
-
-class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def values(self, key: str) -> list[float]:
-        return [m[key] for _, m in self.rows if key in m]
-
-
-def trainer_kwargs(tmp: Path | str, **overrides: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp), "enable_checkpointing": False,
-        "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-    }  # fmt: skip
-    kwargs.update(overrides)
-    return kwargs
 
 
 def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any]) -> None:
@@ -155,6 +118,7 @@ class _Probe(pl.Callback):
         self.digests: dict[int, str] = {}
         self._out = out
         self._seen: int | None = None
+        self.share: dict[str, Any] | None = None  # sharded push: what this rank snapshots
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer, pl_module)
@@ -164,6 +128,13 @@ class _Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.had_sender = self.had_sender or self.sync.sender is not None
+        shares = self.sync._shares
+        if shares is not None and self.share is None:
+            names = [e.name for e in shares.layout.entries]
+            self.share = {
+                "bytes": shares.share.total_bytes, "full_bytes": shares.layout.total_bytes,
+                "pieces": [[names[p.entry], p.start, p.end] for p in shares.plan.shares[shares.rank]],
+            }  # fmt: skip
         self._record(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,6 +204,21 @@ def _fsdp(shards: int) -> Any:
     return ModelParallelStrategy(data_parallel_size=shards, tensor_parallel_size=1)
 
 
+def _count_gathers() -> list[int]:
+    """Count the callback's full-weights gathers (``get_model_state_dict``) in this rank."""
+    from lightning_wsync import callback
+
+    calls = [0]
+    original = callback.get_model_state_dict
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    callback.get_model_state_dict = counted  # type: ignore[assignment]
+    return calls
+
+
 def main() -> None:
     from lightning_wsync.callback import WeightSyncCallback
 
@@ -251,6 +237,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.kill_share_at is not None:
         _kill_mid_share(args.kill_share_at)
+    gathers = _count_gathers()
 
     sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
                               max_version_lag=0, timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
@@ -270,9 +257,27 @@ def main() -> None:
         "last_pushed": sync.last_pushed_version,
         "digest": probe.digest,
         "digests": {str(v): d for v, d in probe.digests.items()},
+        "share": probe.share,
+        "gathers": gathers[0],
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def _exit_without_finalizing() -> None:
+    """End this rank without tearing the interpreter down: torch (2.13) gloo's worker threads free
+    a finished collective's work after its waiter returned; when the work holds the last reference
+    to a tensor whose Python object was already dropped (the probe's full gather on train end,
+    right before exit), freeing it takes the GIL, and during interpreter finalization that thread
+    is ended by pthread_exit through a noexcept destructor: std::terminate, exit -6 (seen in a
+    core dump: ``~AsyncAllgatherCoalescedWork`` -> ``decref_pyobject`` -> ``PyThread_exit_thread``).
+    Everything this script reports is written by now; an error above still exits non-zero."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _exit_without_finalizing()

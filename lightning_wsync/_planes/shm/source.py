@@ -85,26 +85,16 @@ class SharedMemorySource:
         Raises:
             WeightSyncIntegrityError: it was overwritten under the copy (the module holds a torn copy).
         """
-        for _ in range(_PIN_ATTEMPTS):
-            ref = self._reader.newest(version)
-            if ref is None or version == self._rejected:
-                return None
-            expected = None if sums is None else sums(version)
-            if sums is not None and expected is None:
-                return None
-            if not self._reader.pin(ref):
-                continue
-            if expected is not None and not self._verified(ref, expected, reject):
-                self._reader.unpin(ref)
-                return None
-            self._reader.copy_to(ref, self._ordered)
-            if self._reader.unpin(ref):
-                return version
-            raise WeightSyncIntegrityError(
-                f"WeightReceiver {self._name!r}: version {version} was overwritten in shared memory while "
-                f"copied (this process stalled past the sender's pin lease)"
-            )
-        return None
+        ref = self._pin_verified(version, sums, reject)
+        if ref is None:
+            return None
+        self._reader.copy_to(ref, self._ordered)
+        if self._reader.unpin(ref):
+            return version
+        raise WeightSyncIntegrityError(
+            f"WeightReceiver {self._name!r}: version {version} was overwritten in shared memory while "
+            f"copied (this process stalled past the sender's pin lease)"
+        )
 
     def lend(
         self, version: int | None, sums: SumsLookup | None, reject: Reject
@@ -113,6 +103,13 @@ class SharedMemorySource:
         entries' read-only views, in layout order: no copy. None when there is none, its
         checksums are not out yet, or it failed them. The pin holds until :meth:`give_back`
         as long as :meth:`touch` renews it within the sender's lease."""
+        ref = self._pin_verified(version, sums, reject)
+        return None if ref is None else (ref, self._reader.views(ref))
+
+    def _pin_verified(self, version: int | None, sums: SumsLookup | None, reject: Reject) -> SlotRef | None:
+        """Pin the newest complete slot (or the one holding ``version``) once its checksums,
+        when ``sums`` gives them, are out and match; None (nothing pinned) when there is no
+        such slot, its checksums are not out yet, or it failed them."""
         for _ in range(_PIN_ATTEMPTS):
             ref = self._reader.newest(version)
             if ref is None or ref.version == self._rejected:
@@ -125,7 +122,7 @@ class SharedMemorySource:
             if expected is not None and not self._verified(ref, expected, reject):
                 self._reader.unpin(ref)
                 return None
-            return ref, self._reader.views(ref)
+            return ref
         return None
 
     def give_back(self, ref: SlotRef) -> bool:
@@ -164,8 +161,8 @@ class SharedMemorySource:
                 self._reader.wait(min(poll_s, max(0.0, until - time.monotonic())))
                 if self._reader.change_marker() != seen:
                     break
-        except (AttributeError, ValueError):
-            pass  # closed under us (a new sender epoch): the caller looks again
+        except (AttributeError, ValueError, OSError):
+            pass  # closed under us (a new sender epoch, a relay host's new leader): the caller looks again
         return True
 
     def describe(self) -> str:

@@ -49,9 +49,11 @@ class WakeSocket:
         return cls(sock, path)
 
     def wait(self, timeout_s: float) -> None:
+        """Until a wake-up or ``timeout_s``; at once when the socket was closed meanwhile
+        (another thread closing the ring under a waiter): the caller reads the header again."""
         try:
             select.select([self._sock], [], [], timeout_s)
-        except (OSError, ValueError):  # closed meanwhile by another thread (its source was swapped out)
+        except (OSError, ValueError):  # EBADF, or fileno() -1: closed between the two
             return
         while True:  # several versions may have landed: one look at the header covers them
             try:
