@@ -97,9 +97,42 @@ class Membership:
         self.fleet_seen = False  # a receiver named a fleet group (ReceiverConfig.fleet)
 
     def refresh(self, *, members: bool = True) -> None:
-        """Take in new registrations; with ``members``, also read every member's heartbeat
-        and goodbye (two requests each: the sender calls it at most every
-        :func:`member_check_s`, and with ``members=False`` at a push)."""
+        """Take in new registrations and look for members whose process exited (a local
+        check, no request); with ``members``, also read every member's heartbeat and
+        goodbye (two requests each: the sender asks for that at most once a second).
+
+        The exit check runs at every call: a receiver killed mid-send is let go of (its
+        link stopped, its ring slots freed) at once, not at the next full read.
+        """
+        self._take_registrations()
+        if not members:
+            now = time.monotonic()
+            for member in self.members():
+                if member.gone_reason is None and self._exited(member):
+                    self._mark_gone(member, f"process {member.pid} exited", now)
+            return
+        now = time.monotonic()
+        for member in self.members():
+            if member.gone_reason is not None:
+                # Kept a while, so reports still read what it acknowledged before leaving.
+                if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
+                    self._retire(member)
+                continue
+            hb = self._heartbeat(member)
+            if hb != member.hb:
+                member.hb, member.hb_seen_at = hb, now
+            reason = self._gone_reason(member, now)
+            if reason is not None:
+                self._mark_gone(member, reason, now)
+        self._forget_retired(now)
+        self._advance_low()
+
+    def _mark_gone(self, member: Member, reason: str, now: float) -> None:
+        member.gone_reason, member.gone_at = reason, now
+        with self._lock:
+            self._gone.append(member)
+
+    def _take_registrations(self) -> None:
         ctl = self._ctl
         try:
             registered = ctl.add(keys.MEMBERS_NEXT, 0)
@@ -135,25 +168,6 @@ class Membership:
             member.hb, member.hb_seen_at = self._heartbeat(member), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
-        if not members:
-            return
-        now = time.monotonic()
-        for member in self.members():
-            if member.gone_reason is not None:
-                # Kept a while, so reports still read what it acknowledged before leaving.
-                if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
-                    self._retire(member)
-                continue
-            hb = self._heartbeat(member)
-            if hb != member.hb:
-                member.hb, member.hb_seen_at = hb, now
-            reason = self._gone_reason(member, now)
-            if reason is not None:
-                member.gone_reason, member.gone_at = reason, now
-                with self._lock:
-                    self._gone.append(member)
-        self._forget_retired(now)
-        self._advance_low()
 
     def _heartbeat(self, member: Member) -> int:
         """The member's heartbeat count; a garbled one counts as no beat (its owner rewrites it)."""

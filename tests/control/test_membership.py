@@ -105,6 +105,22 @@ def test_a_receiver_whose_process_exited_is_gone_at_once_on_its_host(ctl):
     assert members.failure(elsewhere) is None
 
 
+def test_an_exited_process_is_gone_between_full_reads_of_the_members(ctl):
+    """The sender reads every member's heartbeat once a second (refresh(members=True)) but
+    checks at every call, without a request, whether a same-host receiver's process exited:
+    a link to a receiver killed mid-send is stopped (its ring slots freed) at once."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    members = Membership(ctl, HOST, 60.0)
+    here = register(ctl, "here", pid=proc.pid)
+    members.refresh()
+    assert [m.rid for m in members.live()] == [here]
+    proc.communicate(timeout=30)  # it exits once its stdin closes
+    members.refresh(members=False)
+    assert members.failure(here) == f"process {proc.pid} exited"
+    gone, retired = members.take_changes()
+    assert [p.rid for p in gone] == [here] and retired == []
+
+
 def test_an_id_reserved_without_a_record_does_not_hide_later_receivers(ctl):
     members = Membership(ctl, HOST, HB_TIMEOUT_S)
     dead = ctl.add(keys.MEMBERS_NEXT, 1) - 1  # died between taking its id and writing its record

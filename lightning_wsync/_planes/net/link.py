@@ -147,6 +147,8 @@ class NetSendLink:
         self._stop = threading.Event()
         self._notes = NoteWaiter(control, self._stop)
         self._pg: Interruptible | None = None
+        self._leases: list[Lease] = []  # held for the send in progress; let go on stop()
+        self._leases_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}l{number}", daemon=True)
         self._thread.start()
 
@@ -176,12 +178,12 @@ class NetSendLink:
                 lease = None
                 while lease is None and not self._stop.is_set():
                     lease = self._ring.acquire_newer(self.sent_version, 0.2)
-                if lease is None:
+                if lease is None or not self._hold(lease):
                     return
                 try:
                     self._send(pg, ctl, keys.announcement(prefix, n), lease)
                 finally:
-                    lease.release()
+                    self._let_go(lease)
                 n += 1
         except Exception as exc:  # noqa: BLE001 - any failure ends this link only
             if not self._stop.is_set():
@@ -198,13 +200,30 @@ class NetSendLink:
             self._pg = pg = None
             forget_notes(ctl, prefix, n)
 
+    def _hold(self, lease: Lease) -> bool:
+        """Keep ``lease`` where stop() lets go of it; False (released) once stopped."""
+        with self._leases_lock:
+            if not self._stop.is_set():
+                self._leases.append(lease)
+                return True
+        lease.release()
+        return False
+
+    def _let_go(self, lease: Lease) -> None:
+        with self._leases_lock:
+            if lease in self._leases:
+                self._leases.remove(lease)
+        lease.release()
+
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
         delta = delta_base(self._ring, self._deltas, self._policy, self._held, lease, f"rid={self.rid}")
+        if delta is not None and not self._hold(delta[1]):
+            return  # stopped meanwhile: the base is let go, and the thread ends
         try:
             self._send_version(pg, ctl, ann_key, lease, delta)
         finally:
             if delta is not None:  # whatever failed: a leaked lease would pin the base slot for lease_s
-                delta[1].release()
+                self._let_go(delta[1])
 
     def _send_version(
         self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None
@@ -240,8 +259,19 @@ class NetSendLink:
         log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
 
     def stop(self) -> None:
-        """Ask the thread to end, and end a send it is blocked in (see :meth:`join`)."""
-        self._stop.set()
+        """Ask the thread to end, end a send it is blocked in (see :meth:`join`), and let go
+        of the ring slots it holds at once.
+
+        A send to a receiver that died mid-version can stay blocked until gloo's own
+        ``timeout_s`` (the interrupt does not always end it); its leases would keep both
+        snapshot slots from the next push meanwhile, which is then dropped. Released
+        here, a slot rewritten under the send only makes its trailer say "superseded".
+        """
+        with self._leases_lock:
+            self._stop.set()
+            leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
         self._notes.wake()
         pg = self._pg
         if pg is not None:
