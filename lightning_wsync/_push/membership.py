@@ -230,9 +230,10 @@ class Membership:
 
     def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:  # decoded by the report
         """The raw ``member/<rid>/state`` of each of ``rids`` in one round trip; a retired
-        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands)."""
+        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands),
+        and so does one already forgotten (no longer a member: retired before that)."""
         with self._retire_lock:
-            retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
+            retired = {rid for rid in rids if (m := self.get(rid)) is None or m.retired}
             raws = iter(ctl.multi_get([keys.member_state(rid) for rid in rids if rid not in retired]))
         return [
             ctl.seal(keys.member_state(rid), MemberState(-1).encode()).encode() if rid in retired else next(raws)
