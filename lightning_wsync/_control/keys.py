@@ -20,6 +20,10 @@ layout/<epoch>                  JSON    the manifest: tensor table and buckets o
 shards/<epoch>                  JSON    a sharded sender's plan: each trainer rank's pieces and the
                                         shared-memory segment of its ring
 latest                          JSON    ``{version, epoch}`` of the newest published version
+news                            count   bumped by the sender after each change receivers follow (a
+                                        version, a sender epoch, closed): an idle watcher reads it alone
+links/asked                     count   bumped by a receiver after it asks for a new network link
+                                        (``member/<rid>/net``): the sender reads it alone while idle
 v/<version>                     JSON    ``{version, epoch}`` of a published version (newest few)
 v/<version>/sums                JSON    ``{version, sums}`` bucket checksums (when a receiver verifies)
 closed/<epoch>                  JSON    ``{final}``, set by WeightSender.close(); final=False when
@@ -92,6 +96,8 @@ ENV_ADDR = "WSYNC_ADDR"  # the address other hosts reach this process at
 SENDER_EPOCH = "sender/epoch"
 SENDER_CURRENT = "sender/current"
 LATEST = "latest"
+NEWS = "news"  # a counter: "look again" (see the table), read alone by idle watchers
+LINKS_ASKED = "links/asked"  # a counter: some receiver asked for a new network link
 MEMBERS_NEXT = "members/next"
 MEMBERS_LOW = "members/low"
 RUN = "run"  # this run's random id, bound into every MAC (set once, by compare-and-set)

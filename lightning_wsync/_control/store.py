@@ -1,5 +1,8 @@
 """The control plane: connection to the shared store, host facts, and :class:`Control`,
 the one error boundary for a job's keys (their layout: :mod:`lightning_wsync._control.keys`).
+
+Longer than 300 lines: every store operation goes through the one class, so that no
+``RuntimeError`` of the store escapes it unnamed.
 """
 
 from __future__ import annotations
@@ -7,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -210,6 +214,21 @@ class Control:
     def has(self, key: str) -> bool:
         return self._call("check", key, lambda: bool(self.store.check([key])))
 
+    def wait_for(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` exists (True) or ``timeout_s`` passes (False), in one request.
+
+        The store answers when the key is set, so a waiter costs no polls; keep ``timeout_s``
+        short enough for the caller's own deadlines, and call it on a :meth:`clone` only: the
+        connection is busy for the whole wait.
+        """
+        try:
+            self._call("wait for", key, lambda: self.store.wait([key], timedelta(seconds=max(0.001, timeout_s))))
+        except WeightSyncStoreError as exc:
+            if isinstance(exc.__cause__, dist.DistStoreError):  # the wait's own timeout; a lost store is another error
+                return False
+            raise
+        return True
+
     def get_text(self, key: str) -> str | None:
         """The value at ``key``, or None, in one request that never waits (``has`` then ``get``
         waits the store's timeout if the key goes in between; this compare-and-set never writes)."""
@@ -264,6 +283,14 @@ class Control:
         elif amount == 0:
             return 0
         return self._call("add", key, lambda: int(self.store.add(key, amount)))
+
+    def bump(self, key: str) -> None:
+        """Change the "look again" counter at ``key``: add 1, or when someone garbled it, write
+        a fresh value (any change is the signal; nobody reads such a counter as a number)."""
+        try:
+            self.add(key, 1)
+        except WeightSyncRecordError:
+            self.set_text(key, str(time.time_ns()))
 
     def queue_len(self, key: str) -> int:
         return self._call("queue_len", key, lambda: int(self.store.queue_len(key)))

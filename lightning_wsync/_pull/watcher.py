@@ -52,8 +52,14 @@ from lightning_wsync.errors import (
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.002
-SLOW_POLL_S = 0.05
+POLL_S = 0.002  # a fleet member's own thread (see _pull.fleet)
+SLOW_POLL_S = 0.05  # update()'s waits look again at least this often (in memory, not the store)
+# How often the watcher reads ``news`` (one request; the records only when it moved):
+IDLE_POLL_S = 0.1  # following a sender: versions come through the plane itself, news only feeds
+#                    latest_published, a sender switch and the close signal
+VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of each version
+SEEK_POLL_S = 0.05  # no sender followed yet
+BACKSTOP_S = 5.0  # every record is read at least this often, news or not
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
@@ -168,8 +174,8 @@ class Watcher:
     # -- the thread -------------------------------------------------------------------
     def _watch(self) -> None:
         ctl = self._watch_ctl
-        next_beat = next_slow = 0.0
-        fast = True
+        next_beat = next_all = 0.0
+        news: str | None = None
         while not self._stop.is_set():
             self._kick.clear()  # before the work: a kick during it makes the wait below return at once
             try:
@@ -181,17 +187,14 @@ class Watcher:
                     self._beat = beat
                     next_beat = now + self.config.heartbeat_s
                 self._state.write(ctl)
-                # Sender changes and the close signal are looked at every SLOW_POLL_S.
-                slow, next_slow = now >= next_slow, (now + SLOW_POLL_S if now >= next_slow else next_slow)
-                # Versions arrive through a network link itself, and a shared segment's header
-                # is read by update() directly: then `latest` only feeds latest_published and
-                # is read at the slow pace too. With verify, the published checksums are needed.
-                source = self.source
-                fast = source is None or self.config.verify
-                steps = ((self._follow_sender, self._follow_close) if slow else ()) + (
-                    (self._follow_versions, self._follow_sums) if fast or slow else ()
-                )
-                for step in steps:
+                # The records are read when `news` moved (or is unreadable), when verify still
+                # lacks the newest version's checksums, and every BACKSTOP_S whatever happens.
+                seen = self._read_news(ctl)
+                look = seen is None or seen != news or now >= next_all or self._sums_missing()
+                if now >= next_all:
+                    next_all = now + BACKSTOP_S
+                steps = (self._follow_sender, self._follow_close, self._follow_versions, self._follow_sums)
+                for step in steps if look else ():
                     try:
                         step(ctl)
                         self._complaints.good(step.__name__)
@@ -199,6 +202,7 @@ class Watcher:
                         self._refuse(exc)
                     except WeightSyncRecordError as exc:  # ignored until its writer replaces it
                         self._complaints.bad(step.__name__, exc)
+                news = seen  # only once read through: a lost store reads it all again
                 if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self.store_lost_since = None
@@ -213,10 +217,24 @@ class Watcher:
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
-            self._kick.wait(POLL_S if fast else SLOW_POLL_S)  # an apply kicks it for its acknowledgement
+            pace = SEEK_POLL_S if self.source is None else VERIFY_POLL_S if self.config.verify else IDLE_POLL_S
+            self._kick.wait(min(pace, max(0.0, next_beat - time.monotonic())))  # an apply kicks it to acknowledge
+
+    def _read_news(self, ctl: Control) -> str | None:
+        """The ``news`` counter as written (None when absent: then every record is read)."""
+        return ctl.get_text(keys.NEWS)
+
+    def _sums_missing(self) -> bool:
+        latest, held = self.latest, self._sums
+        return self.config.verify and latest is not None and (held is None or held.version != latest.version)
 
     def _beat_once(self, ctl: Control) -> int:
         key = keys.member_heartbeat(self.rid)
+        beat = str(self._beat + 1)
+        # One request while the counter holds this receiver's last beat; anything else (deleted
+        # by the sender, garbled) takes the checked path below.
+        if self._beat > 0 and ctl.compare_set(key, str(self._beat), beat) == beat.encode():
+            return self._beat + 1
         try:
             return ctl.add(key, 1)
         except WeightSyncRecordError as exc:  # garbled by someone else: this receiver owns it, so restore it

@@ -96,7 +96,43 @@ class Membership:
         self._retire_lock = threading.Lock()  # a report never reads state keys being deleted
         self.fleet_seen = False  # a receiver named a fleet group (ReceiverConfig.fleet)
 
-    def refresh(self) -> None:
+    def refresh(self, *, members: bool = True) -> None:
+        """Take in new registrations and look for members whose process exited (a local
+        check, no request); with ``members``, also read every member's heartbeat and
+        goodbye (two requests each: the sender asks for that at most once a second).
+
+        The exit check runs at every call: a receiver killed mid-send is let go of (its
+        link stopped, its ring slots freed) at once, not at the next full read.
+        """
+        self._take_registrations()
+        if not members:
+            now = time.monotonic()
+            for member in self.members():
+                if member.gone_reason is None and self._exited(member):
+                    self._mark_gone(member, f"process {member.pid} exited", now)
+            return
+        now = time.monotonic()
+        for member in self.members():
+            if member.gone_reason is not None:
+                # Kept a while, so reports still read what it acknowledged before leaving.
+                if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
+                    self._retire(member)
+                continue
+            hb = self._heartbeat(member)
+            if hb != member.hb:
+                member.hb, member.hb_seen_at = hb, now
+            reason = self._gone_reason(member, now)
+            if reason is not None:
+                self._mark_gone(member, reason, now)
+        self._forget_retired(now)
+        self._advance_low()
+
+    def _mark_gone(self, member: Member, reason: str, now: float) -> None:
+        member.gone_reason, member.gone_at = reason, now
+        with self._lock:
+            self._gone.append(member)
+
+    def _take_registrations(self) -> None:
         ctl = self._ctl
         try:
             registered = ctl.add(keys.MEMBERS_NEXT, 0)
@@ -132,23 +168,6 @@ class Membership:
             member.hb, member.hb_seen_at = self._heartbeat(member), time.monotonic()
             with self._lock:
                 self._members[member.rid] = member
-        now = time.monotonic()
-        for member in self.members():
-            if member.gone_reason is not None:
-                # Kept a while, so reports still read what it acknowledged before leaving.
-                if not member.retired and now - member.gone_at >= self._heartbeat_timeout_s:
-                    self._retire(member)
-                continue
-            hb = self._heartbeat(member)
-            if hb != member.hb:
-                member.hb, member.hb_seen_at = hb, now
-            reason = self._gone_reason(member, now)
-            if reason is not None:
-                member.gone_reason, member.gone_at = reason, now
-                with self._lock:
-                    self._gone.append(member)
-        self._forget_retired(now)
-        self._advance_low()
 
     def _heartbeat(self, member: Member) -> int:
         """The member's heartbeat count; a garbled one counts as no beat (its owner rewrites it)."""
@@ -211,9 +230,10 @@ class Membership:
 
     def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:  # decoded by the report
         """The raw ``member/<rid>/state`` of each of ``rids`` in one round trip; a retired
-        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands)."""
+        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands),
+        and so does one already forgotten (no longer a member: retired before that)."""
         with self._retire_lock:
-            retired = {rid for rid in rids if (m := self.get(rid)) is not None and m.retired}
+            retired = {rid for rid in rids if (m := self.get(rid)) is None or m.retired}
             raws = iter(ctl.multi_get([keys.member_state(rid) for rid in rids if rid not in retired]))
         return [
             ctl.seal(keys.member_state(rid), MemberState(-1).encode()).encode() if rid in retired else next(raws)

@@ -66,6 +66,7 @@ from lightning_wsync.errors import (
 log = logging.getLogger(__name__)
 
 _MEMBERSHIP_REFRESH_S = 0.05
+_MEMBER_CHECK_S = 1.0
 _KEEP_VERSION_RECORDS = 4
 
 
@@ -117,10 +118,10 @@ class WeightSender:
         self._side = SendSide(self._ctl, self.layout, spec)
         self._ring = self._side.ring
         self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+        self._members_checked_at = 0.0  # the last full read of every member (see _refresh)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
-        # Receivers with ReceiverConfig.fleet switch versions together: rounds on a thread of its
-        # own, started by _refresh_members once one of them registers.
+        # Fleet receivers (ReceiverConfig.fleet) switch together: rounds on a thread started with the first.
         self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._ring,
                                        self._newest_published, cfg.timeout_s)  # fmt: skip
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
@@ -163,6 +164,7 @@ class WeightSender:
             self._ctl.put(keys.shards(self.epoch), ShardsRecord(self._side.shards))
         self._ctl.put(keys.sender_record(self.epoch), self._side.record)
         self._ctl.put(keys.SENDER_CURRENT, SenderPointer(self.epoch))  # signed: receivers follow it
+        self._ctl.bump(keys.NEWS)
         retire_old_epochs(self._ctl, self.epoch, self.latest_version)
 
     @property
@@ -226,7 +228,8 @@ class WeightSender:
         ctl = self._ctl
         ctl.put(keys.version_record(version), VersionRecord(version, self.epoch))
         ctl.put(keys.LATEST, VersionRecord(version, self.epoch))
-        self._refresh_members()  # a receiver that registered just before the push is a target
+        ctl.bump(keys.NEWS)  # after every record of the version: a watcher that sees it finds them
+        self._refresh_members(members=False)  # a receiver that registered just before the push is a target
         live = self._members.live()
         for handle in pending:
             handle.published(live)
@@ -243,14 +246,24 @@ class WeightSender:
         published = self._published_versions
         return published[-1] if published else None
 
-    def _refresh_members(self) -> None:
-        self._members.refresh()
+    def _refresh_members(self, members: bool) -> None:
+        self._members.refresh(members=members)
         if self._members.fleet_seen:
             self._fleet.start()
 
     def _refresh(self) -> None:
-        """Follow the receivers, and hand every plane who is live, gone and retired."""
-        self._refresh_members()
+        """Follow the receivers, and hand every plane who is live, gone and retired.
+
+        New registrations are taken in at every call; every member's heartbeat and goodbye
+        are read every ``_MEMBER_CHECK_S`` (at most a quarter of heartbeat_timeout_s), so the
+        store's load from the sender grows with receivers at that pace, not at every call.
+        """
+        now = time.monotonic()
+        check_s = min(_MEMBER_CHECK_S, self.config.heartbeat_timeout_s / 4)
+        full = now - self._members_checked_at >= check_s
+        self._refresh_members(members=full)
+        if full:
+            self._members_checked_at = now
         gone, retired = self._members.take_changes()
         live = [m.peer for m in self._members.live()]
         for plane in self._side.planes:
@@ -311,6 +324,7 @@ class WeightSender:
         deadline = time.monotonic() + self.config.timeout_s
         try:
             self._ctl.put(keys.closed(self.epoch), ClosedRecord(final))
+            self._ctl.bump(keys.NEWS)
             for old in self._published_versions[:-1]:  # the newest goes when the next sender starts
                 for key in keys.version_keys(old):
                     self._ctl.delete(key)

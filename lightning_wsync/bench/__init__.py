@@ -9,22 +9,21 @@
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
     lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128  # sharded push vs one rank
     lightning-wsync bench --gpu --size-mb 1024  # a CUDA module: copy bounds, pushes, a Lightning trainer
+    lightning-wsync bench --store-load --store-hosts 4 --receivers-per-host 2  # control-plane requests
 
-The trainer (this process) pushes a transformer-shaped float32 model to receiver
-processes on this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed
-until every receiver has *applied* it. With ``--dtype`` the same pushes also run
-without the cast (to a second receiver set, alternating with the cast pushes when
-memory allows), so the cast's gain is measured in the same run. The machine's bounds are measured on the same
-byte count by separate worker processes (one memcpy, shared memory with N parallel
-readers, plain loopback TCP; see ``_bounds``): one round after each timed push, so a
-shared machine's changing load reaches pushes and bounds alike, or, when memory is too
-short to hold both sets of buffers, half the rounds before the pushes and half after.
-Every process runs one torch thread. Exit status: 0 when every push was applied
-bit-exact by every receiver, 1 otherwise or on failure, 2 on bad arguments.
+The trainer (this process) pushes a transformer-shaped float32 model to receiver processes on
+this host: two warm-up pushes (one per snapshot slot), then ``--pushes`` timed ones, each timed
+until every receiver has *applied* it. With ``--dtype`` the same pushes also run without the
+cast (to a second receiver set, alternating with the cast pushes when memory allows), so the
+cast's gain is measured in the same run. The machine's bounds are measured on the same byte
+count by separate worker processes (one memcpy, shared memory with N parallel readers, plain
+loopback TCP; see ``_bounds``): one round after each timed push, so a shared machine's changing
+load reaches pushes and bounds alike, or, when memory is too short to hold both sets of buffers,
+half the rounds before the pushes and half after. Every process runs one torch thread. Exit
+status: 0 when every push was applied bit-exact by every receiver, 1 otherwise, 2 on bad arguments.
 
-With ``--interval-ms`` the run is different (see ``_interval``): pushes at a fixed
-pace whether or not receivers keep up, reporting per receiver the fraction of versions
-applied and the age of the version held.
+With ``--interval-ms`` the run is different (see ``_interval``): pushes at a fixed pace whether
+or not receivers keep up, reporting per receiver the fraction of versions applied and the age held.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_wsync.bench import _hostbench
+from lightning_wsync.bench import _gpu, _hostbench, _storeload
 from lightning_wsync.bench._bounds import BoundBench, BoundSamples
 from lightning_wsync.bench._interval import format_interval, run_interval_phase
 from lightning_wsync.bench._memory import fits
@@ -79,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=10.0, help="length of an --interval-ms run (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _hostbench.add_arguments(parser)
+    _storeload.add_arguments(parser)
     parser.add_argument("--trainer-ranks", type=int, default=None,
                         help="a Lightning trainer of this many CPU ranks pushing every step, unsharded and sharded, "
                              "against one rank (see --strategy)")
@@ -89,10 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(changed share, delta bytes vs full push, encode/decode time); with --hosts: "
                              "full versions against deltas through the relay")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate for --delta (default 1e-6)")
-    parser.add_argument("--gpu", action="store_true",
-                        help="a CUDA module on one GPU: copy bounds, pushes to CPU and GPU receivers, a Lightning run")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="with --gpu: where the module lives (cpu: the same pushes without a GPU, a baseline)")
+    _gpu.add_arguments(parser)
     parser.add_argument("--delta-mode", choices=DELTA_MODES, default="auto",
                         help="with --delta --transport gloo: the delta sender's delta= (the other sends full versions)")
 
@@ -100,20 +97,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the report; return the exit status."""
     if args.size_mb is None and not args.delta:
-        args.size_mb = _DEFAULT_SIZE_MB
+        args.size_mb = 1.0 if args.store_load else _DEFAULT_SIZE_MB
     try:
         _validate(args)
         if args.hosts is not None:
             _hostbench.validate(args)
+        if args.store_load:
+            _storeload.validate(args)
     except ValueError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
         return 2
+    if args.store_load:
+        return _run_store_load(args)
     if args.hosts is not None:
         return _hostbench.run(args)
     if args.gpu:
-        from lightning_wsync.bench._gpu import run_gpu
-
-        return run_gpu(args.size_mb, args.pushes, device=args.device, as_json=args.json)
+        return _gpu.run_gpu(args.size_mb, args.pushes, device=args.device, as_json=args.json)
     if args.trainer_ranks is not None:
         from lightning_wsync.bench._ranks import run_ranks
 
@@ -141,6 +140,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     table = format_interval(result) if args.interval_ms is not None else format_table(result)
     print(json.dumps(result, indent=2) if args.json else table)
+    return 0 if result["ok"] else 1
+
+
+def _run_store_load(args: argparse.Namespace) -> int:
+    restore_signals = exit_on_sigterm()
+    try:
+        result = _storeload.run_store_load(args)
+    except (BenchError, WeightSyncError, OSError) as exc:
+        print(f"lightning-wsync bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        restore_signals()
+    print(json.dumps(result, indent=2) if args.json else _storeload.format_store_load(result))
     return 0 if result["ok"] else 1
 
 

@@ -16,6 +16,7 @@ Measures on one GPU (the paths that need two, NCCL pairs, are not here):
 
 from __future__ import annotations
 
+import argparse
 import json
 import mmap
 import multiprocessing as mp
@@ -234,6 +235,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpu`` and ``--device`` of ``lightning-wsync bench``."""
+    parser.add_argument(
+        "--gpu", action="store_true",
+        help="a CUDA module on one GPU: copy bounds, pushes to CPU and GPU receivers, a Lightning run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda",
+        help="with --gpu: where the module lives (cpu: the same pushes without a GPU, a baseline)",
+    )  # fmt: skip
 
 
 def run_gpu(size_mb: float, pushes: int, *, device: str = "cuda", as_json: bool = False) -> int:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.member_state import MemberState, Rejection, StateReport, decode_state
 from lightning_wsync._control.store import Control
+from lightning_wsync._push import membership as _membership
 from lightning_wsync._push.membership import Membership
 
 HOST = "host-a"
@@ -105,6 +107,22 @@ def test_a_receiver_whose_process_exited_is_gone_at_once_on_its_host(ctl):
     assert members.failure(elsewhere) is None
 
 
+def test_an_exited_process_is_gone_between_full_reads_of_the_members(ctl):
+    """The sender reads every member's heartbeat once a second (refresh(members=True)) but
+    checks at every call, without a request, whether a same-host receiver's process exited:
+    a link to a receiver killed mid-send is stopped (its ring slots freed) at once."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    members = Membership(ctl, HOST, 60.0)
+    here = register(ctl, "here", pid=proc.pid)
+    members.refresh()
+    assert [m.rid for m in members.live()] == [here]
+    proc.communicate(timeout=30)  # it exits once its stdin closes
+    members.refresh(members=False)
+    assert members.failure(here) == f"process {proc.pid} exited"
+    gone, retired = members.take_changes()
+    assert [p.rid for p in gone] == [here] and retired == []
+
+
 def test_an_id_reserved_without_a_record_does_not_hide_later_receivers(ctl):
     members = Membership(ctl, HOST, HB_TIMEOUT_S)
     dead = ctl.add(keys.MEMBERS_NEXT, 1) - 1  # died between taking its id and writing its record
@@ -130,3 +148,21 @@ def test_state_reports_round_trip_and_retired_receivers_read_as_holding_nothing(
     until(lambda: members.get(rid).retired, members)
     (raw,) = members.read_states(ctl, [rid])
     assert decode_state(ctl, rid, raw) == MemberState(acked=-1, rejected=None)
+
+
+def test_a_receiver_retired_and_forgotten_still_reads_as_holding_nothing(monkeypatch):
+    """A push report can outlive its targets' records: one retired and then forgotten
+    (``_FORGET_AFTER`` heartbeat timeouts later) has no keys left; reading its state must not
+    wait out the store's timeout (seen in test_link_churn: WeightSyncStoreError from wait())."""
+    monkeypatch.setattr(_membership, "_FORGET_AFTER", 1)
+    ctl = Control(dist.HashStore(), "m")
+    ctl.store.set_timeout(timedelta(seconds=30))  # a read of a missing key would wait this long
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    rid = register(ctl, "r")
+    members.refresh()
+    ctl.set_json(keys.member_gone(rid), True)
+    until(lambda: members.get(rid) is None, members)
+    started = time.monotonic()
+    (raw,) = members.read_states(ctl, [rid])
+    assert decode_state(ctl, rid, raw) == MemberState(acked=-1, rejected=None)
+    assert time.monotonic() - started < 5.0

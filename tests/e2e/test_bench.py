@@ -48,6 +48,27 @@ def _children_alive() -> list[int]:
     return alive
 
 
+@pytest.mark.timeout(180)
+def test_store_load_counts_every_request_at_a_proxy_and_idle_links_cost_nothing(capsys):
+    """One receiver on this host, one on a simulated host with its own network link: every
+    client's requests are parsed at the proxy, pushes arrive bit-exact, and at idle the
+    link's ends send the store nothing (before: a check every 2 ms, ~500 requests/s)."""
+    before = set(_children_alive())
+    code = main(["bench", "--store-load", "--receivers", "1", "--store-hosts", "1", "--receivers-per-host", "1",
+                 "--cross-host", "star", "--pushes", "2", "--idle-s", "2", "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["ok"] and result["problems"] == [] and result["unparsed_connections"] == 0
+    assert result["config"]["receivers"] == 2 and len(result["per_push"]["pushes"]) == 2
+    idle = result["idle"]["by_command_per_s"]
+    assert idle.get("check", 0) < 20, idle  # the sender's goodbye reads (2/s); no link polls
+    assert result["idle"]["requests_per_s"] < 150, result["idle"]  # ~70 measured; before: ~650
+    for push in result["per_push"]["pushes"]:
+        assert push["by_command"].get("set", 0) >= 3, push  # the version's records, notes and acks, counted
+    assert set(_children_alive()) <= before
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", ["auto", "gloo"])
 def test_bench_json_reports_every_push_applied_bit_exact(transport):
@@ -169,6 +190,8 @@ def test_digest_sees_wire_rounding_but_not_equal_copies():
         (["--interval-ms", "-1"], r"--interval-ms=-1.0 must be >= 0"),
         (["--duration-s", "0"], r"--duration-s=0.0 must be > 0"),
         (["--trainer-ranks", "1"], r"--trainer-ranks=1 must be >= 2"),
+        (["--store-load", "--idle-s", "0"], r"--idle-s=0.0 must be > 0"),
+        (["--store-load", "--store-hosts", "-1"], r"--store-hosts=-1 must be >= 0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):

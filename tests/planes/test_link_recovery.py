@@ -173,8 +173,11 @@ def test_receiver_stopped_during_a_send_is_served_after_resume(children, port, a
         rid = rid_of(sender, "r0")
 
         mutate(model, 2)
+        # Stopped before the push, not just after it: a push's send can finish in ~30 ms, before
+        # a SIGSTOP sent after push() lands (seen: v2 delivered). r0 already asked for its next
+        # version, so the sender's send of 16 MiB starts at once and blocks on the stopped process.
+        os.kill(p.pid, signal.SIGSTOP)
         handle = sender.push(2)
-        os.kill(p.pid, signal.SIGSTOP)  # as the chaos test does: the send is under way
         try:
             report = handle.wait(timeout_s=TIMEOUT_S + 5)
             assert "r0" not in report.delivered, report

@@ -51,10 +51,61 @@ from lightning_wsync.errors import WeightSyncStoreError
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.002
+_WAIT_BACKSTOP_S = 60.0  # longest wait on the store for a note; stop and silence end one sooner
+_SILENCE_CHECK_S = 0.25  # how often a waiting receiver looks (locally) for silence past timeout_s
 _REBUILD_PAUSE_S = 0.1  # between a failed group and the next (a peer refusing at once would spin)
 _STORE_RETRY_S = 1.0
 PIECE_BYTES = 1 << 20  # a full version's unit on the wire: the sender's lease is renewed after each
+
+
+class NoteWaiter:
+    """A link thread's waits for its peer's notes: one blocking store wait per note, not a
+    poll every few milliseconds, and :meth:`wake` to end a wait early.
+
+    The thread waits on its own connection (a clone); :meth:`wake` writes the awaited key
+    through the owner's, so ``stop()`` ends the wait at once, and so does a receiver's
+    silence watch (:meth:`NetReceiveLink._watch_silence`). The key is the link's own (its
+    prefix and number) and is deleted with its other notes. ``_WAIT_BACKSTOP_S`` bounds a
+    wait whose wake-up was lost (the store logs a line when a wait times out: rare, on purpose).
+    """
+
+    def __init__(self, control: Control, stop: threading.Event) -> None:
+        self._control = control
+        self._stop = stop
+        self._lock = threading.Lock()  # a wake is written only into a wait in progress
+        self._key: str | None = None
+        self._woken = False
+        self.waiting_since: float | None = None  # set while the thread is in a wait
+
+    def wait(self, ctl: Control, key: str) -> bool:
+        """True once the peer wrote ``key``; False after the backstop, on stop, or on a wake."""
+        with self._lock:
+            self._key, self._woken = key, False
+            self.waiting_since = time.monotonic()
+        try:
+            if self._stop.is_set():  # after waiting_since is set: a stop() later than this wakes the wait
+                return False
+            return ctl.wait_for(key, _WAIT_BACKSTOP_S) and not (self._stop.is_set() or self._woken)
+        finally:
+            with self._lock:
+                self.waiting_since = None
+
+    @property
+    def woken(self) -> bool:
+        """The last wait was ended by :meth:`wake` (its key now holds the wake, not a note)."""
+        return self._woken
+
+    def wake(self) -> None:
+        """End the wait in progress, if any, by writing its key (deleted with the link's notes:
+        the wait cannot return, nor the thread delete its notes, before this write is done)."""
+        with self._lock:
+            if self.waiting_since is None or self._key is None:
+                return
+            self._woken = True
+            try:
+                self._control.set_text(self._key, "wake")
+            except WeightSyncStoreError:
+                pass  # the store is gone: the wait fails by itself
 
 
 class LinkSilent(Exception):
@@ -94,7 +145,10 @@ class NetSendLink:
         self._addr = addr
         self._timeout_s = timeout_s
         self._stop = threading.Event()
+        self._notes = NoteWaiter(control, self._stop)
         self._pg: Interruptible | None = None
+        self._leases: list[Lease] = []  # held for the send in progress; let go on stop()
+        self._leases_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"wsync-send-r{rid}l{number}", daemon=True)
         self._thread.start()
 
@@ -112,8 +166,8 @@ class NetSendLink:
                 # The receiver says when its staging buffer is free: a send it cannot keep
                 # until update() takes it would only be overwritten by the next.
                 ready = keys.ready(prefix, n)
-                while not ctl.has(ready):
-                    if self._stop.wait(_POLL_S):
+                while not self._notes.wait(ctl, ready):  # False: the backstop passed, or stop
+                    if self._stop.is_set():
                         return
                 self._held, decode_s = parse_ready_note(ctl.get_text(ready))
                 if self.sent_version in self.delta_versions:
@@ -124,12 +178,12 @@ class NetSendLink:
                 lease = None
                 while lease is None and not self._stop.is_set():
                     lease = self._ring.acquire_newer(self.sent_version, 0.2)
-                if lease is None:
+                if lease is None or not self._hold(lease):
                     return
                 try:
                     self._send(pg, ctl, keys.announcement(prefix, n), lease)
                 finally:
-                    lease.release()
+                    self._let_go(lease)
                 n += 1
         except Exception as exc:  # noqa: BLE001 - any failure ends this link only
             if not self._stop.is_set():
@@ -146,13 +200,30 @@ class NetSendLink:
             self._pg = pg = None
             forget_notes(ctl, prefix, n)
 
+    def _hold(self, lease: Lease) -> bool:
+        """Keep ``lease`` where stop() lets go of it; False (released) once stopped."""
+        with self._leases_lock:
+            if not self._stop.is_set():
+                self._leases.append(lease)
+                return True
+        lease.release()
+        return False
+
+    def _let_go(self, lease: Lease) -> None:
+        with self._leases_lock:
+            if lease in self._leases:
+                self._leases.remove(lease)
+        lease.release()
+
     def _send(self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease) -> None:
         delta = delta_base(self._ring, self._deltas, self._policy, self._held, lease, f"rid={self.rid}")
+        if delta is not None and not self._hold(delta[1]):
+            return  # stopped meanwhile: the base is let go, and the thread ends
         try:
             self._send_version(pg, ctl, ann_key, lease, delta)
         finally:
             if delta is not None:  # whatever failed: a leaked lease would pin the base slot for lease_s
-                delta[1].release()
+                self._let_go(delta[1])
 
     def _send_version(
         self, pg: PeerGroup, ctl: Control, ann_key: str, lease: Lease, delta: tuple[DeltaStream, Lease] | None
@@ -188,8 +259,20 @@ class NetSendLink:
         log.debug("sent version %d to rid=%d (%s)", version, self.rid, "intact" if intact else "superseded")
 
     def stop(self) -> None:
-        """Ask the thread to end, and end a send it is blocked in (see :meth:`join`)."""
-        self._stop.set()
+        """Ask the thread to end, end a send it is blocked in (see :meth:`join`), and let go
+        of the ring slots it holds at once.
+
+        A send to a receiver that died mid-version can stay blocked until gloo's own
+        ``timeout_s`` (the interrupt does not always end it); its leases would keep both
+        snapshot slots from the next push meanwhile, which is then dropped. Released
+        here, a slot rewritten under the send only makes its trailer say "superseded".
+        """
+        with self._leases_lock:
+            self._stop.set()
+            leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
+        self._notes.wake()
         pg = self._pg
         if pg is not None:
             pg.interrupt()
@@ -262,8 +345,11 @@ class NetReceiveLink:
         self._n = 0  # the announcement the current generation waits for
         self._pg: Interruptible | None = None
         self._stop = threading.Event()
+        self._notes = NoteWaiter(control, self._stop)
         self._thread = threading.Thread(target=self._run, name=f"wsync-recv-net-r{rid}", daemon=True)
         self._thread.start()
+        self._quiet = threading.Thread(target=self._watch_silence, name=f"wsync-recv-net-quiet-r{rid}", daemon=True)
+        self._quiet.start()
 
     def _new_staging(self) -> torch.Tensor:
         return torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=self._pinned)
@@ -304,6 +390,7 @@ class NetReceiveLink:
         while not self._stop.is_set():
             try:
                 number = ctl.add(keys.member_link(self._rid), 1)
+                ctl.bump(keys.LINKS_ASKED)  # the sender looks at link numbers when this moves
             except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
                 self._stop.wait(_STORE_RETRY_S)
                 continue
@@ -323,6 +410,14 @@ class NetReceiveLink:
                 forget_notes(ctl, prefix, self._n)
                 for key in keys.group_keys(prefix):  # spent, or never to be joined
                     ctl.delete(key)
+
+    def _watch_silence(self) -> None:
+        """End a wait for an announcement once it is silent (see :meth:`_silent`): looked at
+        here, in memory, so a link waiting at idle sends the store nothing."""
+        while not self._stop.wait(_SILENCE_CHECK_S):
+            since = self._notes.waiting_since
+            if since is not None and self._silent(time.monotonic() - since):
+                self._notes.wake()
 
     def _silent(self, waited_s: float) -> bool:
         """No announcement for ``timeout_s`` although a version newer than any seen here is
@@ -347,10 +442,10 @@ class NetReceiveLink:
             ctl.set_text(keys.ready(prefix, n), ready_note(held, self._decode_s))
             ann = keys.announcement(prefix, n)
             waiting_since = time.monotonic()
-            while not ctl.has(ann):
-                if self._stop.wait(_POLL_S):
+            while not self._notes.wait(ctl, ann):  # False: the backstop passed, stop, or silence (a wake)
+                if self._stop.is_set():
                     return
-                if self._silent(time.monotonic() - waiting_since):
+                if self._notes.woken or self._silent(time.monotonic() - waiting_since):
                     raise LinkSilent(f"no version announced within timeout_s={self._timeout_s} while version "
                                      f"{self._newest()} is published (newest seen here: {self._seen})")  # fmt: skip
             ctl.delete(ann)  # one key per push would otherwise pile up in the store's memory
@@ -406,7 +501,9 @@ class NetReceiveLink:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        self._notes.wake()
         pg = self._pg
         if pg is not None:
             pg.interrupt()  # a receive blocked on a stalled sender ends now, not at timeout_s
         self._thread.join(timeout=timeout_s)
+        self._quiet.join(timeout=timeout_s)

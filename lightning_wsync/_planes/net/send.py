@@ -24,6 +24,8 @@ from lightning_wsync._planes.shm.ring import SnapshotRing
 
 log = logging.getLogger(__name__)
 
+_FOLLOW_ALL_S = 1.0  # every live receiver's link number is read at least this often
+
 
 class NetSendPlane:
     """Links to receivers on other hosts (or every receiver, with ``transport='gloo'``)."""
@@ -45,8 +47,19 @@ class NetSendPlane:
         self._lock = threading.Lock()
         self._superseded = 0  # by links already dropped
         self._stopping: list[NetSendLink] = []  # dropped links still ending (joined on close)
+        self._followed: tuple[str | None, frozenset[int]] | None = None  # links/asked and live rids last followed
+        self._follow_all_at = 0.0
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
+        # Every live receiver's link number is read when one asked for a link (links/asked
+        # moved), when the receivers changed, and every _FOLLOW_ALL_S: not at every call.
+        asked = self._ctl.get_text(keys.LINKS_ASKED)
+        rids = frozenset(p.rid for p in live)
+        now = time.monotonic()
+        if (asked, rids) == self._followed and not gone and not retired and now < self._follow_all_at:
+            self._reap()
+            return
+        self._followed, self._follow_all_at = (asked, rids), now + _FOLLOW_ALL_S
         for peer in gone:
             self._drop(peer.rid)
         for peer in retired:
