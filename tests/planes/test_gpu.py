@@ -128,3 +128,37 @@ def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, chi
             assert got == expected[version], f"version {version} torn on the GPU receiver"
             seen.append(version)
     assert seen == sorted(set(seen)) and seen[-1] == 40
+
+
+@needs_cuda
+def test_closing_a_reader_under_its_gpu_copies_never_unregisters_a_copy_in_flight():
+    """A receiver that switches sources closes the old segment from another thread while an
+    apply may be copying from it: the registration is let go between copies, never under one."""
+    import threading
+
+    from lightning_wsync._planes.shm.segment import ShmSegment, segment_name
+
+    writer = ShmSegment(segment_name("gpu-close", 0), 64 << 20, create=True)
+    writer.data[0].fill_(3)
+    reader = ShmSegment(writer.name, 64 << 20, create=False)
+    reader.register_cuda()
+    src, dst = [reader.data[0]], [torch.empty(64 << 20, dtype=torch.uint8, device="cuda")]
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def copies() -> None:
+        try:
+            for _ in range(40):
+                reader.copy_to_gpu(dst, src)
+                started.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=copies)
+    thread.start()
+    assert started.wait(30)
+    reader.close()  # while the copies go on: later ones copy from pageable memory
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert int(dst[0].sum()) == 3 * (64 << 20)
+    writer.close()

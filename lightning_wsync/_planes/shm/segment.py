@@ -120,6 +120,14 @@ class ShmSegment:
                 what = "snapshot ring" if self._writable else "receiver"
                 self._cuda = register(self._whole, read_only=not self._writable, what=what)
 
+    def copy_to_gpu(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        """``dst[i] <- src[i]`` (views of this mapping) and wait for the copies, with the
+        registration held: :meth:`close` from another thread (a receiver switching sources)
+        cannot unregister the pages under a DMA transfer."""
+        with self._cuda_lock:
+            copy_tensors(dst, src)
+            wait_for_copies()
+
     # -- slot words -----------------------------------------------------------------
     def seq(self, slot: int) -> int:
         return int(self.header[_SLOT_BASE + 2 * slot])
@@ -291,9 +299,10 @@ class ShmReader:
             self._segment.register_cuda()
         with torch.no_grad():  # flat views of parameters that require grad
             for dst, src in pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
-                copy_tensors(dst, src)
-                if gpu:
-                    wait_for_copies()  # from registered memory the copy is asynchronous: done before unpin
+                if gpu:  # from registered memory the copy is asynchronous: done before the pin moves on
+                    self._segment.copy_to_gpu(dst, src)
+                else:
+                    copy_tensors(dst, src)
                 self._pin.touch()
 
     def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:
