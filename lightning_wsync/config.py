@@ -138,6 +138,10 @@ class SenderConfig(_PeerConfig):
             version's checksums) while that is clearly smaller than the full version;
             ``"off"`` always sends full versions; ``"always"`` sends a delta whenever the
             receiver holds the base (for tests). Receivers without the base get a full version.
+        cuda_ipc: with the module on a GPU, also keep the snapshot slots on that GPU and let
+            same-host receivers whose modules are on a GPU copy from there by CUDA IPC (device
+            to device) instead of from host memory. Costs two copies of the pushed bytes in
+            the trainer GPU's memory. Other receivers are served as without it.
     """
 
     OWNER: ClassVar[str] = "WeightSender"
@@ -148,11 +152,17 @@ class SenderConfig(_PeerConfig):
     heartbeat_timeout_s: float = 10.0
     cross_host: str = "relay"
     delta: str = "auto"
+    cuda_ipc: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = self.OWNER
         _delta_mode(owner, self.delta)
+        if self.cuda_ipc and self.transport not in ("auto", "shm"):
+            raise ValueError(
+                f"{owner}: cuda_ipc=True serves same-host receivers beside the shared-memory ring, but "
+                f"transport={self.transport!r}; use transport='auto' or 'shm', or cuda_ipc=False"
+            )
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in WIRE_DTYPES:
             raise ValueError(f"{owner}: dtype={self.dtype!r} is not supported; choose one of {WIRE_DTYPES} or None")
         _positive(owner, "bucket_mb", self.bucket_mb, "e.g. bucket_mb=32")

@@ -59,6 +59,7 @@ class SenderSpec:
     timeout_s: float
     heartbeat_timeout_s: float
     shards: ShardPlan | None = None  # sharded: this is trainer rank 0, its ring holds its share
+    cuda_ipc: bool = False  # also keep the slots on the module's GPU, for same-host GPU receivers
 
 
 class SendSide:
@@ -77,8 +78,9 @@ class SendSide:
         self.segment = segment
         self.backend = "nccl" if from_device else "gloo"
         lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        mirror = spec.device if spec.cuda_ipc and segment is not None else None
         self.ring = SnapshotRing(layout, segment=segment, device=spec.device if from_device else torch.device("cpu"),
-                                 slots=2, lease_s=lease_s)  # fmt: skip
+                                 slots=2, lease_s=lease_s, mirror=mirror)  # fmt: skip
         # Deltas between ring slots, for network receivers and the relay (one encoding per base for all).
         self.deltas = DeltaStreams(layout) if spec.delta != "off" and not from_device else None
         policy = AutoPolicy(spec.delta)

@@ -96,7 +96,7 @@ class WeightSender:
     ) -> None:
         cfg = SenderConfig(**config_values(SenderConfig, config, options, owner="WeightSender", job=job))
         self.config = cfg
-        self._tensors = _selected(module, cfg)
+        self._tensors = _selected(module, cfg, sharded=shares is not None)
         job_name = resolve_job(cfg.job, "WeightSender")
         key = resolve_secret(cfg.secret, "WeightSender")
         self._store: StoreHandle = connect_store(store, serve=True, timeout_s=cfg.timeout_s, owner="WeightSender")
@@ -111,7 +111,7 @@ class WeightSender:
         self.latest_version = self._latest_version()
         spec = SenderSpec(
             job=job_name, epoch=self.epoch, host=self._host, addr=local_address(self._store.address),
-            transport=cfg.transport, cross_host=cfg.cross_host, delta=cfg.delta,
+            transport=cfg.transport, cross_host=cfg.cross_host, delta=cfg.delta, cuda_ipc=cfg.cuda_ipc,
             device=next(iter(self._tensors.values())).device, timeout_s=cfg.timeout_s,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s, shards=None if shares is None else shares.plan,
         )  # fmt: skip
@@ -358,8 +358,9 @@ class WeightSender:
         self.close(flush_timeout_s=0 if exc_type is not None else None, final=exc_type is None)
 
 
-def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
-    """The tensors ``cfg`` selects from ``module``; a clear error when none, or when NCCL has no GPU to use."""
+def _selected(module: nn.Module, cfg: SenderConfig, *, sharded: bool) -> dict[str, torch.Tensor]:
+    """The tensors ``cfg`` selects from ``module``; a clear error when none, or when NCCL or
+    CUDA IPC has no GPU to use."""
     tensors = select_tensors(module, cfg.include, cfg.exclude)
     if not tensors:
         names = list(module.state_dict().keys())[:5]
@@ -369,6 +370,7 @@ def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
         )
     if cfg.transport == "nccl" and not any(t.is_cuda for t in tensors.values()):
         raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
+    _check_cuda_ipc(cfg, tensors, sharded=sharded)
     return tensors
 
 
@@ -401,3 +403,19 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
             stop.wait(0.2)
         finally:
             del sender
+
+
+def _check_cuda_ipc(cfg: SenderConfig, tensors: dict[str, torch.Tensor], *, sharded: bool) -> None:
+    if not cfg.cuda_ipc:
+        return
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(
+            f"WeightSender: cuda_ipc=True shares snapshot slots on the module's GPU, but its tensors are on "
+            f"{sorted(map(str, devices))}; move the module to one GPU, or cuda_ipc=False"
+        )
+    if sharded:
+        raise ValueError(
+            "WeightSender: cuda_ipc=True is not supported with sharded=True (each rank's share goes through "
+            "host shared memory); use one or the other"
+        )

@@ -96,7 +96,10 @@ def _receiver(address: str, job: str, name: str, size_mb: float, device: str, dt
         while True:
             version = receiver.wait_for_version(want, timeout_s=300)
             _sync(device)
-            conn.send(("version", name, version, digest(model)))
+            applied_at = time.time()
+            source = receiver._watcher.source
+            plane = "" if source is None else source.describe()
+            conn.send(("version", name, version, digest(model), applied_at, plane))
             if version < 0:
                 return
             want = version + 1
@@ -108,17 +111,20 @@ def _sync(device: str) -> None:
 
 
 def push_run(
-    size_mb: float, pushes: int, dtype: str | None, device: str = "cuda", transport: str = "auto"
-) -> dict[str, Any]:
-    """Pushes of a ``device`` module to a CPU-module and a ``device``-module receiver, each checked bit-exact."""
+    size_mb: float, pushes: int, dtype: str | None, device: str = "cuda", transport: str = "auto",
+    cuda_ipc: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Pushes of a ``device`` module to a CPU-module and a ``device``-module receiver, each checked bit-exact;
+    with ``cuda_ipc`` the GPU receiver copies from the trainer's GPU slots."""
     from lightning_wsync import WeightSender
 
     spec = spec_for_size(size_mb)
     model = build_model(spec, seed=0).to(device)
     wire = None if dtype is None else getattr(torch, dtype)
-    job = f"gpu-{os.getpid()}-{dtype}-{transport}"
+    job = f"gpu-{os.getpid()}-{dtype}-{transport}-{cuda_ipc}"
     rows: list[dict[str, Any]] = []
-    with WeightSender(model, store="127.0.0.1:0", job=job, dtype=dtype, transport=transport, timeout_s=120) as sender:
+    with WeightSender(model, store="127.0.0.1:0", job=job, dtype=dtype, transport=transport, timeout_s=120,
+                      cuda_ipc=cuda_ipc) as sender:  # fmt: skip
         procs, conns = [], {}
         for name, where in (("cpu", "cpu"), ("dev", device)):
             ours, theirs = _CTX.Pipe()
@@ -133,7 +139,7 @@ def push_run(
             for version in range(1, pushes + 3):
                 mutate(model, version)
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, wall0 = time.perf_counter(), time.time()
                 handle = sender.push(version)
                 stall = time.perf_counter() - t0
                 report = handle.wait(120)
@@ -143,7 +149,9 @@ def push_run(
                 rows.append({
                     "version": version, "warmup": version <= 2, "stall_s": stall, "core_stall_s": handle.stall_s,
                     "latency_s": latency, "delivered": sorted(report.delivered),
-                    "bit_exact": {n: d == want for n, d in got.items()},
+                    "bit_exact": {n: g[3] == want for n, g in got.items()},
+                    "applied_after_s": {n: g[4] - wall0 for n, g in got.items()},
+                    "plane": {n: g[5] for n, g in got.items()},
                 })  # fmt: skip
         finally:
             for p in procs:
@@ -155,18 +163,22 @@ def push_run(
         "transport": transport,
         "stall_s_median": statistics.median(r["stall_s"] for r in timed),
         "latency_s_median": statistics.median(r["latency_s"] for r in timed),
+        "gpu_receiver_applied_s_median": statistics.median(r["applied_after_s"]["dev"] for r in timed),
+        "cpu_receiver_applied_s_median": statistics.median(r["applied_after_s"]["cpu"] for r in timed),
+        "planes": rows[-1]["plane"], "cuda_ipc": cuda_ipc,
         "all_bit_exact": all(all(r["bit_exact"].values()) for r in rows),
         "all_delivered": all(r["delivered"] == ["cpu", "dev"] for r in rows), "pushes": rows,
     }  # fmt: skip
 
 
-def _next_version(conn: Any, version: int) -> str:
+def _next_version(conn: Any, version: int) -> tuple[Any, ...]:
+    """The receiver's report of ``version``: ("version", name, version, digest, applied_at, plane)."""
     while True:
         if not conn.poll(300):
             raise TimeoutError(f"no report of version {version}")
         msg = conn.recv()
         if msg[0] == "version" and msg[2] == version:
-            return str(msg[3])
+            return tuple(msg)
 
 
 class _Policy(nn.Module):
@@ -263,7 +275,9 @@ def run_gpu(size_mb: float, pushes: int, *, device: str = "cuda", as_json: bool 
         "lightning": lambda: lightning_run(accelerator="gpu" if device == "cuda" else "cpu"),
     }
     if device == "cuda":
-        steps = {"bounds": lambda: copy_bounds(spec_for_size(size_mb).nbytes), **steps}
+        steps = {"bounds": lambda: copy_bounds(spec_for_size(size_mb).nbytes), **steps,
+                 "push-ipc": lambda: push_run(size_mb, pushes, None, device, cuda_ipc=True),
+                 "push-bf16-ipc": lambda: push_run(size_mb, pushes, "bfloat16", device, cuda_ipc=True)}  # fmt: skip
     for part, step in steps.items():
         t0 = time.perf_counter()
         try:

@@ -99,19 +99,22 @@ def test_a_readers_read_only_mapping_is_registered_too(caplog):
 
 
 @needs_cuda
-@pytest.mark.parametrize("transport", ["auto", "gloo"])
-def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, children, transport):
+@pytest.mark.parametrize(("transport", "cuda_ipc"), [("auto", False), ("gloo", False), ("auto", True)])
+def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, children, transport, cuda_ipc):
     """A GPU module pushed back to back while a receiver in another process applies each
     version into its own GPU module from the registered slots: every version it reports
     holds exactly that version's bytes (an asynchronous copy that outlived its pin would
     show a torn version here). Over gloo the receiver stages each version in page-locked
-    memory, and the next receive must not start into it while the copy to the GPU runs."""
+    memory, and the next receive must not start into it while the copy to the GPU runs.
+    With cuda_ipc the receiver copies from the trainer's GPU slots (device to device)
+    under the same pins, and says so."""
     ctx = mp.get_context("spawn")
     inbox = Inbox(ctx)
     store = f"127.0.0.1:{port}"
     src = big_model(64).cuda()
     expected: dict[int, str] = {}
-    with WeightSender(src, store=store, job="gpu-overlap", timeout_s=30, transport=transport) as sender:
+    with WeightSender(src, store=store, job="gpu-overlap", timeout_s=30, transport=transport,
+                      cuda_ipc=cuda_ipc) as sender:  # fmt: skip
         p = ctx.Process(target=receiver_main, daemon=True,
                         args=(store, "gpu-overlap", "r", ("big-cuda0", 64), inbox.queue("r"), {}))  # fmt: skip
         p.start()
@@ -124,10 +127,59 @@ def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, chi
             assert not sender.push(version, wait_for_slot_s=10).dropped
         seen = []
         while not seen or seen[-1] < 40:
-            version, got = collect(inbox, "version", {"r"}, 60)["r"][2:4]
+            version, got, _rss, plane = collect(inbox, "version", {"r"}, 60)["r"][2:6]
             assert got == expected[version], f"version {version} torn on the GPU receiver"
             seen.append(version)
     assert seen == sorted(set(seen)) and seen[-1] == 40
+    assert ("CUDA IPC" in plane) == cuda_ipc, plane
+
+
+@needs_cuda
+def test_cuda_ipc_in_the_senders_own_process_copies_from_host_memory(port):
+    """CUDA opens no IPC handle in the process that made it: a receiver beside the sender
+    in one process takes the host slots, bit-exact, and CUDA stays usable."""
+    src, dst = cuda_model(0), cuda_model(1)
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="gpu-ipc-self", timeout_s=10, cuda_ipc=True) as sender:
+        with WeightReceiver(dst, store=store, job="gpu-ipc-self") as receiver:
+            for version in (1, 2):
+                mutate(src, version)
+                sender.push(version).wait(10)
+                assert receiver.wait_for_version(version, timeout_s=30) == version
+                assert digest(dst) == digest(src)
+            assert receiver._watcher.source.describe() == "shared memory"
+    torch.ones(4, device="cuda").sum().item()
+
+
+@needs_cuda
+def test_sharded_shares_written_from_gpu_tensors_reach_a_gpu_receiver_bit_exact(port):
+    """Two shares of one CUDA module (as two trainer ranks would write them, each through its
+    own registered ring and copy stream) assembled by a receiver whose module is on the GPU."""
+    import dataclasses
+
+    from lightning_wsync._push.shares import ShareWriter, prepare_shares
+    from lightning_wsync.config import SenderConfig
+
+    src, dst = big_model(16).cuda(), big_model(16).cuda()
+    for t in dst.state_dict().values():
+        t.detach().zero_()
+    store = f"127.0.0.1:{port}"
+    cfg = SenderConfig(job="gpu-sharded", timeout_s=10)
+    mine, theirs = prepare_shares(src, cfg, 0, 2), prepare_shares(src, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    try:
+        shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+        with WeightSender(src, store=store, config=cfg, shares=shares) as sender, \
+                WeightReceiver(dst, store=store, job="gpu-sharded", timeout_s=10, verify=True) as receiver:
+            for version in (1, 2, 3):
+                mutate(src, version)
+                assert writer.write(version)
+                handle = sender.push(version)
+                assert receiver.wait_for_version(version, timeout_s=30) == version  # applied in this thread
+                report = handle.wait(timeout_s=10)
+                assert digest(dst) == digest(src) and report.failed == {}, report
+    finally:
+        writer.close()
 
 
 @needs_cuda

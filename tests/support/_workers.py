@@ -72,7 +72,9 @@ def receiver_main(
                 except WeightSyncClosedError:
                     results.put(("closed", name, receiver.version))
                     return
-                results.put(("version", name, version, digest(module), _rss_kib()))
+                source = receiver._watcher.source  # which plane served it (tests of plane choice)
+                plane = "" if source is None else source.describe()
+                results.put(("version", name, version, digest(module), _rss_kib(), plane))
                 want = version + 1
     except WeightSyncError as exc:
         results.put(("error", name, type(exc).__name__, str(exc)))

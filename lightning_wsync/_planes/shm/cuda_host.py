@@ -47,7 +47,7 @@ def register(buffer: torch.Tensor, *, read_only: bool, what: str) -> HostRegistr
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     err = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, _READ_ONLY if read_only else 0))
     if err != 0:
-        _clear_last_error()
+        clear_last_error()
         log.warning(
             "%s: cannot register %.1f MiB of shared memory with CUDA (cudaError %d); copies to and from "
             "the GPU stay pageable (about 5x slower); check the locked-memory limit (ulimit -l)",
@@ -57,7 +57,7 @@ def register(buffer: torch.Tensor, *, read_only: bool, what: str) -> HostRegistr
     return HostRegistration(buffer.data_ptr())
 
 
-def _clear_last_error() -> None:
+def clear_last_error() -> None:
     """Reset CUDA's last error, which the failed call set: torch checks it after kernel
     launches and would raise this error there. torch does not bind cudaGetLastError."""
     import ctypes

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._planes.shm.cuda_host import CopyStream
 from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef
 from lightning_wsync._planes.shm.slots import slot_store
@@ -79,11 +80,16 @@ class Draft:
 
 
 class SnapshotRing:
-    """``slots`` preallocated flat buffers; in shared memory when ``segment`` is given."""
+    """``slots`` preallocated flat buffers; in shared memory when ``segment`` is given.
+
+    ``mirror``: also keep the slots on this GPU, shared with same-host GPU readers by
+    CUDA IPC (:mod:`~lightning_wsync._planes.shm.cuda_ipc`; needs ``segment``).
+    """
 
     def __init__(
-        self, layout: Manifest, *, segment: ShmSegment | None, device: torch.device, slots: int = 2, lease_s: float
-    ) -> None:
+        self, layout: Manifest, *, segment: ShmSegment | None, device: torch.device, slots: int = 2, lease_s: float,
+        mirror: torch.device | None = None,
+    ) -> None:  # fmt: skip
         self.layout = layout
         self.segment = segment
         self.lease_s = lease_s
@@ -97,6 +103,12 @@ class SnapshotRing:
         self.dropped = 0  # pushes that found every slot held
         self._copy_stream = CopyStream()
         self.closed = False
+        self._mirror: list[torch.Tensor] | None = None
+        if mirror is not None:
+            assert segment is not None, "a CUDA IPC mirror is read through the segment's pins"
+            self._mirror = cuda_ipc.mirror(layout.total_bytes, len(self.buffers), mirror)
+            self._mirror_views = [entry_views(layout, b) for b in self._mirror]
+            cuda_ipc.export(self._mirror, segment.pin_dir)
 
     # -- slot words -------------------------------------------------------------------
     def seq(self, slot: int) -> int:
@@ -130,8 +142,15 @@ class SnapshotRing:
             if not buffer.is_cuda:
                 self._slots.register_cuda()  # once: the device-to-host copies then run at DMA speed
             # On a stream of the ring's own; published only once the bytes landed.
-            self._copy_stream.run(device, lambda: copy_tensors(self._views[slot], tensors))
+            self._copy_stream.run(device, lambda: self._copy_from_gpu(slot, tensors))
         return self._end_write(slot, version, wake=wake)
+
+    def _copy_from_gpu(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        if self._mirror is None:
+            copy_tensors(self._views[slot], tensors)
+        else:  # the mirror first (device to device), then the host slot from it: the same bytes
+            copy_tensors(self._mirror_views[slot], tensors)
+            self.buffers[slot].copy_(self._mirror[slot], non_blocking=True)
 
     def draft(self) -> Draft | None:
         """A free slot to be written in place and then committed or discarded; None when every slot is held."""
@@ -249,4 +268,6 @@ class SnapshotRing:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+        if self._mirror is not None and self.segment is not None:
+            cuda_ipc.withdraw(self.segment.pin_dir)
         self._slots.close()

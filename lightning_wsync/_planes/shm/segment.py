@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._planes.shm.cuda_host import HostRegistration, register, wait_for_copies
 from lightning_wsync._planes.shm.fence import fence
 from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, reserve, unlink_segment
@@ -228,6 +229,7 @@ class ShmReader:
         self._views = [entry_views(layout, data) for data in self._segment.data]
         self._pin = ReaderPin(self._segment.pin_dir)
         self._wake = WakeSocket.bind(self._segment.pin_dir)
+        self._mirror: list[list[torch.Tensor]] | None | bool = False  # the writer's GPU slots; False: not looked
 
     @property
     def woken(self) -> bool:
@@ -294,16 +296,37 @@ class ShmReader:
     def copy_to(self, ref: SlotRef, tensors: list[torch.Tensor]) -> None:
         """Copy the pinned slot into ``tensors``, renewing the pin every _TOUCH_BYTES: only a
         reader that makes no progress for the writer's lease loses its slot."""
-        gpu = any(t.is_cuda for t in tensors)
-        if gpu:
+        gpu = next((t.device for t in tensors if t.is_cuda), None)
+        if gpu is not None and (mirror := self._device_slots(gpu)) is not None:
+            with torch.no_grad():  # device to device from the writer's mirror, waited for before the pin moves on
+                for dst, src in pieces(tensors, mirror[ref.slot], _TOUCH_BYTES):
+                    copy_tensors(dst, src)
+                    wait_for_copies()
+                    self._pin.touch()
+            return
+        if gpu is not None:
             self._segment.register_cuda()
         with torch.no_grad():  # flat views of parameters that require grad
             for dst, src in pieces(tensors, self._views[ref.slot], _TOUCH_BYTES):
-                if gpu:  # from registered memory the copy is asynchronous: done before the pin moves on
+                if gpu is not None:  # from registered memory the copy is asynchronous: done before the pin moves on
                     self._segment.copy_to_gpu(dst, src)
                 else:
                     copy_tensors(dst, src)
                 self._pin.touch()
+
+    def _device_slots(self, device: torch.device) -> list[list[torch.Tensor]] | None:
+        """The writer's CUDA IPC mirror as entry views per slot, opened once; None without one."""
+        if self._mirror is False:
+            slots = cuda_ipc.open_mirror(self._segment.pin_dir, device, f"receiver of {self._segment.name}")
+            self._mirror = None if slots is None else [entry_views(self._layout, s) for s in slots]
+            if slots is not None:
+                log.info("%s: copying versions from the trainer's GPU (CUDA IPC)", self._segment.name)
+        return self._mirror if isinstance(self._mirror, list) else None
+
+    @property
+    def device_copies(self) -> bool:
+        """Whether versions are copied from the writer's GPU (CUDA IPC) rather than host memory."""
+        return isinstance(self._mirror, list)
 
     def stage(self, ref: SlotRef, staging: torch.Tensor) -> None:
         staging.copy_(self._segment.data[ref.slot])
@@ -323,6 +346,7 @@ class ShmReader:
 
     def close(self) -> None:
         self._views = []  # views pin the mapping
+        self._mirror = None  # the IPC mapping closes once the last view is gone
         self._pin.close()
         if self._wake is not None:
             self._wake.close()

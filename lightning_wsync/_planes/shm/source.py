@@ -166,7 +166,8 @@ class SharedMemorySource:
         return True
 
     def describe(self) -> str:
-        return "shared memory"
+        ipc = self._reader.device_copies
+        return "shared memory, copied from the trainer's GPU (CUDA IPC)" if ipc else "shared memory"
 
     def close(self) -> None:
         self._reader.close()
