@@ -119,7 +119,8 @@ class SendSide:
         self.segment = segment
         self.backend = "gloo"
         lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
-        self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2, lease_s=lease_s)
+        self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2, lease_s=lease_s,
+                                 mirror=spec.device if spec.cuda_ipc else None)  # fmt: skip
         self.deltas = None
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
         self.planes = (ShardSendPlane(ctl, self.ring, plan, shares, timeout_s=spec.timeout_s),)

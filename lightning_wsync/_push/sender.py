@@ -52,6 +52,7 @@ from lightning_wsync._control.store import (
     retire_old_epochs,
 )
 from lightning_wsync._planes.open import SenderSpec, SendSide
+from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._push.fleet import FleetCoordinator
 from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
@@ -96,7 +97,7 @@ class WeightSender:
     ) -> None:
         cfg = SenderConfig(**config_values(SenderConfig, config, options, owner="WeightSender", job=job))
         self.config = cfg
-        self._tensors = _selected(module, cfg, sharded=shares is not None)
+        self._tensors = _selected(module, cfg)
         job_name = resolve_job(cfg.job, "WeightSender")
         key = resolve_secret(cfg.secret, "WeightSender")
         self._store: StoreHandle = connect_store(store, serve=True, timeout_s=cfg.timeout_s, owner="WeightSender")
@@ -358,7 +359,7 @@ class WeightSender:
         self.close(flush_timeout_s=0 if exc_type is not None else None, final=exc_type is None)
 
 
-def _selected(module: nn.Module, cfg: SenderConfig, *, sharded: bool) -> dict[str, torch.Tensor]:
+def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
     """The tensors ``cfg`` selects from ``module``; a clear error when none, or when NCCL or
     CUDA IPC has no GPU to use."""
     tensors = select_tensors(module, cfg.include, cfg.exclude)
@@ -370,7 +371,8 @@ def _selected(module: nn.Module, cfg: SenderConfig, *, sharded: bool) -> dict[st
         )
     if cfg.transport == "nccl" and not any(t.is_cuda for t in tensors.values()):
         raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
-    _check_cuda_ipc(cfg, tensors, sharded=sharded)
+    if cfg.cuda_ipc:
+        cuda_ipc.mirror_device(list(tensors.values()), "WeightSender")
     return tensors
 
 
@@ -403,19 +405,3 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
             stop.wait(0.2)
         finally:
             del sender
-
-
-def _check_cuda_ipc(cfg: SenderConfig, tensors: dict[str, torch.Tensor], *, sharded: bool) -> None:
-    if not cfg.cuda_ipc:
-        return
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(
-            f"WeightSender: cuda_ipc=True shares snapshot slots on the module's GPU, but its tensors are on "
-            f"{sorted(map(str, devices))}; move the module to one GPU, or cuda_ipc=False"
-        )
-    if sharded:
-        raise ValueError(
-            "WeightSender: cuda_ipc=True is not supported with sharded=True (each rank's share goes through "
-            "host shared memory); use one or the other"
-        )

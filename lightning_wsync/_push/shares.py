@@ -21,6 +21,7 @@ from torch import nn
 from lightning_wsync._control.manifest import Manifest, build_manifest, select_tensors
 from lightning_wsync._control.shards import ShardPlan, plan_shards, share_sources
 from lightning_wsync._control.store import resolve_job
+from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync.config import SenderConfig
@@ -70,8 +71,9 @@ class ShareWriter:
         self._shares = shares
         self.segment = ShmSegment(segment_name(job, next(_SERIALS)), shares.share.total_bytes, create=True, slots=2)
         lease_s = min(config.timeout_s, config.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        mirror = cuda_ipc.mirror_device(shares.sources, "WeightSyncCallback") if config.cuda_ipc else None
         self._ring = SnapshotRing(shares.share, segment=self.segment, device=torch.device("cpu"), slots=2,
-                                  lease_s=lease_s)  # fmt: skip
+                                  lease_s=lease_s, mirror=mirror)  # fmt: skip
         self.stall_s: float | None = None  # the last write's
         log.info("trainer rank %d writes its share of each version (%.1f MiB of %.1f MiB) into %s", shares.rank,
                  shares.share.total_bytes / 2**20, shares.layout.total_bytes / 2**20, self.segment.name)  # fmt: skip

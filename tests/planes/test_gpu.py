@@ -152,9 +152,12 @@ def test_cuda_ipc_in_the_senders_own_process_copies_from_host_memory(port):
 
 
 @needs_cuda
-def test_sharded_shares_written_from_gpu_tensors_reach_a_gpu_receiver_bit_exact(port):
+@pytest.mark.parametrize("cuda_ipc", [False, True])
+def test_sharded_shares_written_from_gpu_tensors_reach_a_gpu_receiver_bit_exact(port, children, cuda_ipc):
     """Two shares of one CUDA module (as two trainer ranks would write them, each through its
-    own registered ring and copy stream) assembled by a receiver whose module is on the GPU."""
+    own registered ring and copy stream) assembled by a receiver whose module is on the GPU:
+    in this process from the host slots, and in another process, with cuda_ipc, from each
+    share's GPU mirror."""
     import dataclasses
 
     from lightning_wsync._push.shares import ShareWriter, prepare_shares
@@ -164,11 +167,28 @@ def test_sharded_shares_written_from_gpu_tensors_reach_a_gpu_receiver_bit_exact(
     for t in dst.state_dict().values():
         t.detach().zero_()
     store = f"127.0.0.1:{port}"
-    cfg = SenderConfig(job="gpu-sharded", timeout_s=10)
+    cfg = SenderConfig(job="gpu-sharded", timeout_s=10, cuda_ipc=cuda_ipc)
     mine, theirs = prepare_shares(src, cfg, 0, 2), prepare_shares(src, cfg, 1, 2)
     writer = ShareWriter(theirs, cfg)
     try:
         shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+        if cuda_ipc:
+            with WeightSender(src, store=store, config=cfg, shares=shares) as sender:
+                ctx = mp.get_context("spawn")
+                inbox = Inbox(ctx)
+                p = ctx.Process(target=receiver_main, daemon=True, args=(
+                    store, "gpu-sharded", "r", ("big-cuda0", 16), inbox.queue("r"), {"verify": True}))  # fmt: skip
+                p.start()
+                children.track(p.pid)
+                collect(inbox, "ready", {"r"}, timeout_s=120)
+                for version in (1, 2, 3):
+                    mutate(src, version)
+                    assert writer.write(version)
+                    report = sender.push(version).wait(timeout_s=30)
+                    _, _, got, dig, _rss, plane = collect(inbox, "version", {"r"}, 60)["r"]
+                    assert (got, dig) == (version, digest(src)) and report.failed == {}, report
+                assert "CUDA IPC" in plane, plane
+            return
         with WeightSender(src, store=store, config=cfg, shares=shares) as sender, \
                 WeightReceiver(dst, store=store, job="gpu-sharded", timeout_s=10, verify=True) as receiver:
             for version in (1, 2, 3):

@@ -134,7 +134,9 @@ class ShardedSource:
         return True
 
     def describe(self) -> str:
-        return f"shared memory, sharded over {len(self._readers)} trainer ranks"
+        ipc = sum(r.device_copies for r in self._readers)
+        how = f", {ipc} copied from the trainer's GPUs (CUDA IPC)" if ipc else ""
+        return f"shared memory, sharded over {len(self._readers)} trainer ranks{how}"
 
     def close(self) -> None:
         readers, self._readers = self._readers, []

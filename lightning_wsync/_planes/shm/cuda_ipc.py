@@ -32,6 +32,21 @@ log = logging.getLogger(__name__)
 _FILE = "cuda-ipc"
 
 
+def mirror_device(tensors: list[torch.Tensor], owner: str) -> torch.device:
+    """The one GPU ``tensors`` live on, where ``cuda_ipc=True`` keeps the mirror.
+
+    Raises:
+        ValueError: they are not all on one GPU.
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(
+            f"{owner}: cuda_ipc=True shares snapshot slots on the module's GPU, but its tensors are on "
+            f"{sorted(map(str, devices))}; move the module to one GPU, or cuda_ipc=False"
+        )
+    return next(iter(devices))
+
+
 def mirror(nbytes: int, slots: int, device: torch.device) -> list[torch.Tensor]:
     """``slots`` flat device buffers of ``nbytes`` in one allocation (one IPC handle)."""
     whole = torch.empty(slots * nbytes, dtype=torch.uint8, device=device)
