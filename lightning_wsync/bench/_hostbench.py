@@ -30,12 +30,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
 from lightning_wsync.bench import _hostdelta
 from lightning_wsync.bench._push import PushRun
 from lightning_wsync.bench._receivers import Placement
+from lightning_wsync.bench._storeproxy import CountingProxy
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.hosts import (
     SimHosts,
@@ -190,17 +192,21 @@ def _phase(
     placement = placements(hosts, n_hosts, args.receivers_per_host)
     run = PushRun(model, spec, n_receivers=len(placement), transport="auto", dtype=args.dtype,
                   bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, store_host=hosts.address(0),
-                  placement=placement, cross_host=topology)  # fmt: skip
+                  placement=placement, cross_host=topology, count_store=True)  # fmt: skip
     samples: list[dict[str, object]] = []
     with run:
+        assert run.proxy is not None
         pushed = run.phase.pushed_bytes if run.phase is not None else 0
         for version in range(1, args.pushes + 2):
             tx0, _ = hosts.counters(0)
+            asked0 = sum(run.proxy.snapshot().values())
             sample = run.push(version, warmup=version == 1)
             tx1, _ = hosts.counters(0)
             samples.append({"version": version, "warmup": version == 1, "latency_s": sample.latency_s,
                             "egress_bytes": tx1 - tx0, "egress_models": (tx1 - tx0) / pushed,
+                            "store_requests": sum(run.proxy.snapshot().values()) - asked0,
                             "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
+        idle = _idle_store_rate(run.proxy)
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate
     tree = topology == "tree" or (topology == "relay" and prefer_tree(n_hosts))
@@ -213,8 +219,22 @@ def _phase(
         "latency_s": latency, "wire_bound_s": wire_bound_s, "latency_vs_wire_bound": latency / wire_bound_s,
         "egress_models_per_push": egress, "hops": hops, "shape": "tree" if tree else topology,
         "per_hop_overhead_s": (latency - max(nic_s, wire_bound_s)) / hops,
+        # The receivers' store requests (the sender's own are not counted): per push, from push()
+        # until every receiver applied and hashed it; at idle, per second over _IDLE_S after the last.
+        "store_requests_per_push": statistics.median(int(s["store_requests"]) for s in timed),  # type: ignore[call-overload]
+        "store_idle_requests_per_s": idle, "store_idle_requests_per_s_per_host": idle / n_hosts,
         "samples": samples, "ok": all(bool(s["digest_ok"]) and not s["failed"] for s in samples),
     }  # fmt: skip
+
+
+_IDLE_S = 3.0
+
+
+def _idle_store_rate(proxy: CountingProxy) -> float:
+    """Requests per second the receivers send the store while nothing is pushed."""
+    before, started = sum(proxy.snapshot().values()), time.monotonic()
+    time.sleep(_IDLE_S)  # a measuring window, not synchronisation
+    return (sum(proxy.snapshot().values()) - before) / (time.monotonic() - started)
 
 
 def format_table(result: dict[str, object]) -> str:
@@ -227,7 +247,8 @@ def format_table(result: dict[str, object]) -> str:
     )
     header = (
         f"{'phase':<10} {'hosts':>5} {'recv':>5} {'latency s':>10} {'wire bound s':>13} {'x bound':>8} "
-        f"{'x 1 host':>9} {'egress models':>14} {'hop overhead s':>15} {'bit-exact':>10}"
+        f"{'x 1 host':>9} {'egress models':>14} {'hop overhead s':>15} {'store req/push':>15} "
+        f"{'idle req/s/host':>16} {'bit-exact':>10}"
     )
     lines = [title, header]
     phases = result["phases"]
@@ -237,6 +258,8 @@ def format_table(result: dict[str, object]) -> str:
         lines.append(
             f"{name:<10} {p['hosts']:>5} {p['receivers']:>5} {p['latency_s']:>10.2f} {p['wire_bound_s']:>13.2f} "
             f"{p['latency_vs_wire_bound']:>8.2f} {'-' if vs_one is None else f'{vs_one:.2f}':>9} "
-            f"{p['egress_models_per_push']:>14.2f} {p['per_hop_overhead_s']:>15.2f} {'yes' if p['ok'] else 'NO':>10}"
+            f"{p['egress_models_per_push']:>14.2f} {p['per_hop_overhead_s']:>15.2f} "
+            f"{p.get('store_requests_per_push', 0):>15.0f} {p.get('store_idle_requests_per_s_per_host', 0):>16.1f} "
+            f"{'yes' if p['ok'] else 'NO':>10}"
         )
     return "\n".join(lines)

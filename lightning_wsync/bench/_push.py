@@ -24,6 +24,7 @@ from torch import nn
 from lightning_wsync import WeightSender
 from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
 from lightning_wsync.bench._receivers import Placement, ReceiverArgs, receiver_main, receiver_on_host
+from lightning_wsync.bench._storeproxy import CountingProxy
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.testing.models import ModelSpec, digest, mutate
 from lightning_wsync.testing.procs import BenchError, Children, receive
@@ -113,9 +114,11 @@ class PushRun:
         cross_host: str = SenderConfig.cross_host,
         change: Callable[[nn.Module, int], None] = mutate,
         sender_options: dict[str, Any] | None = None,
+        count_store: bool = False,
     ) -> None:
         """``change(model, version)`` makes each version's weights before its push;
-        ``sender_options``: further WeightSender keyword arguments (e.g. ``delta``)."""
+        ``sender_options``: further WeightSender keyword arguments (e.g. ``delta``);
+        ``count_store``: receivers reach the store through a counting proxy (:attr:`proxy`)."""
         self._model = model
         self._change = change
         self._sender_options = dict(sender_options or {})
@@ -137,6 +140,8 @@ class PushRun:
         self._base = reset_peak()
         self._sender_memory: MemGrowth | None = None
         self.phase: PushPhase | None = None
+        self._count_store = count_store
+        self.proxy: CountingProxy | None = None  # every receiver's store requests, when counted
 
     def __enter__(self) -> PushRun:
         job = f"bench-{os.getpid()}-{time.monotonic_ns()}"
@@ -150,6 +155,10 @@ class PushRun:
             self._children = Children().__enter__()
             address = self._sender.store_address
             assert address is not None
+            if self._count_store:
+                host, port = address.rsplit(":", 1)
+                self.proxy = CountingProxy(host, int(port), host=host)
+                address = self.proxy.address
             for n in self._names:
                 args = ReceiverArgs(address, job, n, self._spec, self._dtype, self._apply, self._timeout_s)
                 where = self._placement.get(n)
@@ -230,6 +239,8 @@ class PushRun:
             finally:
                 if sender is not None:
                     sender.close(flush_timeout_s=0)
+                if self.proxy is not None:
+                    self.proxy.close()
 
 
 def run_push_phase(

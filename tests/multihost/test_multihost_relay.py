@@ -47,6 +47,10 @@ def test_relay_sends_one_copy_per_push_and_delivers_bit_exact() -> None:
         assert sample["digest_ok"] and not sample["failed"]
     assert relay["egress_models_per_push"] <= 1.25, relay
     assert relay["latency_vs_wire_bound"] <= 1.5, relay
+    # The receivers' store requests are counted at a proxy: every push asks the store something
+    # (the version's records), and the idle rate is a finite figure per host.
+    assert all(s["store_requests"] > 0 for s in relay["samples"]), relay["samples"]
+    assert relay["store_requests_per_push"] > 0 and relay["store_idle_requests_per_s_per_host"] >= 0, relay
 
 
 def _bench_hosts(args: list[str], timeout_s: float) -> dict[str, Any]:
