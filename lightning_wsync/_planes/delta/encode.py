@@ -165,11 +165,8 @@ class DeltaStream:
 
 
 class DeltaStreams:
-    """The sender's streams, one per (base version, version, layout), shared by its links; old ones dropped.
-
-    A stream is encoded over the sender's layout (a record per bucket), or over another
-    cut of the same bytes given to :meth:`get` (the relay's trees: a record per chunk).
-    """
+    """The sender's streams, one per (base version, version, cut), shared by its links; old ones
+    dropped. A stream's records are cut by the sender's buckets, or as :meth:`get`'s ``layout`` says."""
 
     def __init__(self, layout: Manifest, *, keep: int = 2, workers: int = 2) -> None:
         self._layout = layout

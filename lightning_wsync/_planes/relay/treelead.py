@@ -144,6 +144,12 @@ class TreeHop(HopReceiver):
             raise Superseded("the topology changed mid-version")
         if errors:
             raise errors[0]
+        return self._message(heads, trailers, stats, sums)
+
+    def _message(
+        self, heads: list[Header | None], trailers: list[list[int]], stats: list[HalfStats], sums: list[int]
+    ) -> Message:
+        """Both halves as one version: they must carry the same version, sequence and trailer."""
         h0, h1 = heads
         assert h0 is not None and h1 is not None
         # A parent that could not rebuild its delta half marks the trailer it forwards (first word).
