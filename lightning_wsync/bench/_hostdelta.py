@@ -49,10 +49,10 @@ def measure(args: argparse.Namespace, hosts: SimHosts, placement: list[Placement
     hold nothing yet: full), then ``--pushes`` AdamW versions each. The first topology's figures
     are also the result's top level (``pushes``, ``medians``), as with one topology."""
     spec = delta_spec(args.size_mb)
-    trainer = Trainer(spec, lr=args.lr, seed=args.seed)
     topologies: dict[str, dict[str, object]] = {}
     full_bytes = 0
     for topology in args.topology or ["relay"]:
+        trainer = Trainer(spec, lr=args.lr, seed=args.seed)  # each topology gets the same versions
         full_bytes, topologies[topology] = _measure_topology(args, hosts, placement, trainer, spec, topology)
     first = next(iter(topologies.values()))
     return {"model": {"parameters": spec.numel, "full_bytes": full_bytes, "d_model": spec.d_model,
