@@ -2,8 +2,9 @@
 
 See :mod:`~lightning_wsync._planes.relay.plan` for the shape. Each root's hop is a
 two-rank group of its own under ``relay/<epoch>/pg/<number>/t<tree>/<rid>/``; both get
-the same header (the version, its snapshot sequence, how many chunks follow), their
-half of the chunks, and the same signed trailer. A root whose hop fails is marked broken
+a header (the version, its snapshot sequence, how many chunks follow), their half of the
+chunks, in full or as a delta against what that root holds
+(:mod:`~lightning_wsync._planes.relay.treedelta`), and the same signed trailer. A root whose hop fails is marked broken
 and the sender re-forms the trees without it (as for the chain's first leader).
 
 A topology change mid-version ends the feed at once, and the head resends the newest
