@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", default="700mbit", help="link rate of every host, tc syntax (default 700mbit)")
     parser.add_argument("--topology", choices=_CHOICES, action="append", default=None,
                         help="data plane(s) to measure across hosts, in turn: relay (chain or trees as the "
-                             "model picks), chain, tree, star (default: relay and star)")  # fmt: skip
+                             "model picks), chain, tree, star (default: relay and star; with --delta, each "
+                             "full against deltas, default relay)")  # fmt: skip
     parser.add_argument("--no-reference", action="store_true", help="skip the one-host reference run")
 
 

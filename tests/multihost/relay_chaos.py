@@ -66,9 +66,10 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
     for rid in rids:
         names = [keys.relay_broken(epoch, rid), keys.relay_received(epoch, rid)]
         for g in range(1, gen + 1):
-            prefix = keys.relay_hop_prefix(epoch, g, rid)
-            names += [keys.joined(prefix, 0), keys.joined(prefix, 1), *keys.group_keys(prefix),
-                      *(keys.ready(prefix, n) for n in range(4))]  # fmt: skip
+            for tree in (None, 0, 1):  # the chain's hop into rid, or its hop in either tree
+                prefix = keys.relay_hop_prefix(epoch, g, rid, tree)
+                names += [keys.joined(prefix, 0), keys.joined(prefix, 1), *keys.group_keys(prefix),
+                          *(keys.ready(prefix, n) for n in range(4))]  # fmt: skip
         for name in names:
             if ctl.has(name):
                 count += 1
@@ -188,6 +189,7 @@ def settle(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str], int]:
 
 def scenario(argv: list[str]) -> dict[str, Any]:
     out, n_hosts, per_host, pushes, seed = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
+    cross_host = argv[5] if len(argv) > 5 else "relay"  # "tree": the two trees, deltas on their edges
     events = out / "events.jsonl"
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
@@ -196,7 +198,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         hosts.enter(0)
         model = build_model(SPEC, seed=0)
         with WeightSender(model, store=f"{hosts.address(0)}:0", job="chaos", timeout_s=TIMEOUT_S,
-                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, delta="auto") as sender:  # fmt: skip
+                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, delta="auto",
+                          cross_host=cross_host) as sender:  # fmt: skip
             ctl = Control(sender.store, "chaos")
             fleet = Fleet(Procs(hosts, out), sender, events)
             for host in range(1, n_hosts + 1):

@@ -22,8 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
 @pytest.mark.timeout(1500 if FULL else 400)
-def test_relay_chaos_no_torn_version_everyone_current_store_bounded(tmp_path: Path) -> None:
-    result = run_scenario("relay_chaos.py", str(tmp_path), str(HOSTS), str(PER_HOST), str(PUSHES), "21",
+@pytest.mark.parametrize("cross_host", ["relay", "tree"])
+def test_relay_chaos_no_torn_version_everyone_current_store_bounded(tmp_path: Path, cross_host: str) -> None:
+    """``cross_host="relay"`` is the chain at these host counts; ``"tree"``: the two trees, deltas on their edges."""
+    result = run_scenario("relay_chaos.py", str(tmp_path), str(HOSTS), str(PER_HOST), str(PUSHES), "21", cross_host,
                           timeout_s=1400 if FULL else 380)  # fmt: skip
     (tmp_path / "scenario.log").write_text(result.pop("_output"))  # the trainer's side, kept for a failure
     counts, actions = result["key_counts"], result["actions"]

@@ -165,43 +165,47 @@ class DeltaStream:
 
 
 class DeltaStreams:
-    """The sender's streams, one per (base version, version), shared by its links; old ones dropped."""
+    """The sender's streams, one per (base version, version, cut), shared by its links; old ones
+    dropped. A stream's records are cut by the sender's buckets, or as :meth:`get`'s ``layout`` says."""
 
     def __init__(self, layout: Manifest, *, keep: int = 2, workers: int = 2) -> None:
         self._layout = layout
         self._workers = workers
-        self._pool: EncoderPool | None = None  # scratch allocated with the first network peer
-        self._streams: dict[tuple[int, int], DeltaStream] = {}
+        self._pools: dict[int, EncoderPool] = {}  # by the cut's bucket count; scratch allocated with the first peer
+        self._streams: dict[tuple[int, int, int], DeltaStream] = {}
         self._lock = threading.Lock()
         self._keep = keep
 
-    def prepare(self) -> None:
-        """Allocate (and fault in) the encoders' scratch now: called when a network peer appears,
-        so the first delta does not pay for it."""
+    def prepare(self, layout: Manifest | None = None) -> EncoderPool:
+        """Allocate (and fault in) the encoders' scratch for ``layout`` (the sender's by default)
+        now: called when a network peer appears, so the first delta does not pay for it."""
+        cut = self._layout if layout is None else layout
         with self._lock:
-            if self._pool is None:
-                self._pool = EncoderPool(self._layout, self._workers)
+            pool = self._pools.get(len(cut.buckets))
+            if pool is None:
+                pool = self._pools[len(cut.buckets)] = EncoderPool(cut, self._workers)
+            return pool
 
     def get(
-        self, *, version: int, base_version: int, base: torch.Tensor, new: torch.Tensor, base_sums: list[int]
-    ) -> DeltaStream:
-        self.prepare()
-        key = (base_version, version)
+        self, *, version: int, base_version: int, base: torch.Tensor, new: torch.Tensor, base_sums: list[int],
+        layout: Manifest | None = None,
+    ) -> DeltaStream:  # fmt: skip
+        pool = self.prepare(layout)
+        key = (base_version, version, len(pool.layout.buckets))
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.failed:  # a failed encoding is not served again
-                assert self._pool is not None
                 stream = self._streams[key] = DeltaStream(
-                    self._pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
+                    pool, version=version, base_version=base_version, base=base, new=new, base_sums=base_sums
                 )
-                for old in sorted(self._streams, key=lambda k: k[1])[: -self._keep]:
+                for old in sorted(self._streams, key=lambda k: k[1])[: -self._keep * len(self._pools)]:
                     del self._streams[old]
             return stream
 
     def stats_for(self, version: int) -> DeltaStats | None:
         """The delta that carried ``version`` (to receivers that held the version before it, if several)."""
         with self._lock:
-            streams = [s for (_, v), s in self._streams.items() if v == version]
+            streams = [s for (_, v, _), s in self._streams.items() if v == version]
         if not streams:
             return None
         return max((s.stats() for s in streams), key=lambda st: st.wire_bytes)
@@ -226,6 +230,7 @@ class AutoPolicy:
         self._full_left = 0  # versions still to send full after a delta that did not pay
         self._decided: dict[int, bool] = {}
         self._observed: set[int] = set()
+        self._last_share: float | None = None  # the last delta's wire bytes / the full version's
         self._lock = threading.Lock()
 
     def want_delta(self, version: int) -> bool:
@@ -239,9 +244,19 @@ class AutoPolicy:
                     del self._decided[old]
             return self._decided[version]
 
+    def wire_share(self) -> float:
+        """The share of a full version's bytes the next versions are expected to cost on the
+        wire: the last delta's, or 1.0 (deltas off, backing off, or none measured yet)."""
+        with self._lock:
+            if self.mode == "off" or self._full_left or self._last_share is None:
+                return 1.0
+            return self._last_share
+
     def observe(self, version: int, stats: DeltaStats) -> None:
         """Feed back one version's delta size: too large, and the next pushes go out full."""
         with self._lock:
+            if stats.full_bytes:
+                self._last_share = stats.wire_bytes / stats.full_bytes
             if self.mode != "auto" or version in self._observed:
                 return
             self._observed = {v for v in self._observed if v > version - 8} | {version}
@@ -251,9 +266,10 @@ class AutoPolicy:
 
 def delta_base(
     ring: SnapshotRing, deltas: DeltaStreams | None, policy: AutoPolicy, held: Held | None, lease: Lease,
-    peer: str,
+    peer: str, layout: Manifest | None = None,
 ) -> tuple[DeltaStream, Lease] | None:
-    """The delta of ``lease``'s version against what ``peer`` holds, and a lease on that base.
+    """The delta of ``lease``'s version against what ``peer`` holds, and a lease on that base;
+    its records cut as ``layout`` says (the ring's buckets by default).
 
     None (a full version goes out) when deltas are off or not worth it now, the peer
     holds nothing or something newer, or the ring no longer holds the exact bytes it
@@ -280,5 +296,5 @@ def delta_base(
         base.release()
         return None
     stream = deltas.get(version=version, base_version=held.version, base=base.buffer, new=lease.buffer,
-                        base_sums=base_sums)  # fmt: skip
+                        base_sums=base_sums, layout=layout)  # fmt: skip
     return stream, base

@@ -53,8 +53,8 @@
 Why a chain, and when two trees: a chain keeps every link at one copy per version (the trainer's
 and each host's egress stay one model at any host count) and costs a chunk time plus a hop latency
 per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.plan`) keep every link
-at one model and cross log2(H) levels; ``cross_host="relay"`` picks by the push-time model
-(with ``delta="off"`` only: the trees carry full versions).
+at one model and cross log2(H) levels, with deltas on every edge (:mod:`relay.treedelta`);
+``cross_host="relay"`` picks by the push-time model on a version's wire size (full, or the last delta's).
 
 Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
 """
@@ -84,7 +84,7 @@ from lightning_wsync._planes.relay.hops import (
     send_apart,
     wait_ready,
 )
-from lightning_wsync._planes.relay.plan import prefer_tree
+from lightning_wsync._planes.relay.plan import choose_tree
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
 from lightning_wsync._planes.relay.treefeed import TreeFeed
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
@@ -132,6 +132,7 @@ class RelayHead:
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._pieces = chunks(ring.layout)
+        self._bucket_bytes = ring.layout.total_bytes / max(1, len(ring.layout.buckets))
         self._sweeper = RelaySweeper(epoch, linger_s=timeout_s + heartbeat_timeout_s)
         self._notes = 0  # ready notes taken on the current hop to the first leader
         self._hop: tuple[int, Interruptible] | None = None  # (chain number, hop to its first leader) being fed
@@ -152,8 +153,10 @@ class RelayHead:
         kept = [r for r in self.chain.rids if r in wanted]
         rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
         self._sweeper.sweep(ctl, leaders)
-        full_only = self._deltas is None or self._policy.mode == "off"  # "relay": trees carry no deltas
-        tree = self._topology == "tree" or (self._topology == "relay" and full_only and prefer_tree(len(rids)))
+        share = 1.0 if self._deltas is None else self._policy.wire_share()  # "relay": the model picks
+        current = self.chain.tree if self.chain.number and len(rids) == len(self.chain.rids) else None
+        tree = self._topology == "tree" or self._topology == "relay" and choose_tree(
+            len(rids), wire_share=share, bucket_bytes=self._bucket_bytes, current=current)
         if rids == self.chain.rids and tree == self.chain.tree:
             return
         if self.chain.number:
@@ -190,7 +193,8 @@ class RelayHead:
                 continue
             if chain.tree:
                 feed = TreeFeed(ctl, self._ring, chain, epoch=self._epoch, backend=self._backend, addr=self._addr,
-                                timeout_s=self._timeout_s, superseded=self._superseded)  # fmt: skip
+                                timeout_s=self._timeout_s, superseded=self._superseded, deltas=self._deltas,
+                                policy=self._policy)  # fmt: skip
                 if feed.run():
                     self._changed.wait()  # the failed generation's hops cannot be joined again
                 continue
@@ -273,8 +277,7 @@ class RelayHead:
         trailer = signed_trailer(ctl, self._epoch, RELAY_RID, version, seq, sums, intact=lease.intact(),
                                  buckets=len(layout.buckets))  # fmt: skip
         pg.send([trailer], 1, 0).wait()
-        log.debug("relay: version %d sent %s", version,
-                  "in full" if delta is None else f"as a delta from {delta[0].header.base_version}")  # fmt: skip
+        log.debug("relay: version %d sent %s", version, "in full" if delta is None else "as a delta")
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

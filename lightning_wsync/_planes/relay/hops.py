@@ -67,11 +67,10 @@ def read_chain(ctl: Control, epoch: int) -> Chain | None:
 
 
 def hop_header(version: int, seq: int, layout: Manifest, kind: int, pieces: int | None = None) -> torch.Tensor:
-    """``pieces``: how many of the version's chunks follow (a tree carries half of them)."""
-    if kind != FULL:
-        pieces = len(layout.buckets)
-    elif pieces is None:
-        pieces = len(chunks(layout))
+    """``pieces``: how many of the version's chunks, or records of a delta, follow (a tree carries
+    one per chunk of its half, either way; a chain's delta one per bucket)."""
+    if pieces is None:
+        pieces = len(chunks(layout)) if kind == FULL else len(layout.buckets)
     return Header(version, seq, layout.total_bytes, pieces, kind).tensor()
 
 

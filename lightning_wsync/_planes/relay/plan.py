@@ -19,7 +19,8 @@ carries at most one model per version both ways, and a version crosses
 ``floor(log2 H) + 1`` levels instead of H hops.
 
 :func:`prefer_tree` is the push-time model's choice between the two at a host count
-(``cross_host="relay"``; ``"chain"`` and ``"tree"`` force one).
+(``cross_host="relay"``; ``"chain"`` and ``"tree"`` force one), on the wire size of a
+version as it travels (:func:`delta_chunks_s`: full, or the last delta's share).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ TREES = 2
 # a shared 2-core machine, where a tree level cost far more than a chain hop: h = 13 ms,
 # h_t = 87 ms), so the trees take over from ~22 hosts.
 CHUNK_WIRE_S = 0.006
+CHUNK_BYTES = 1 << 19  # as hops.CHUNK_BYTES (plan imports nothing of the relay)
 HOP_S = 0.013
 TREE_LEVEL_S = 0.087
 
@@ -83,9 +85,46 @@ def tree_depth(hosts: int) -> int:
     return max(1, math.floor(math.log2(max(1, hosts))) + 1)
 
 
+def pipeline_s(
+    hosts: int, *, chunk_s: float = CHUNK_WIRE_S, hop_s: float = HOP_S, level_s: float = TREE_LEVEL_S,
+    tree_chunk_s: float | None = None,
+) -> tuple[float, float]:  # fmt: skip
+    """What the model puts on top of one wire time at ``hosts`` leaders: (chain, trees).
+
+    ``chunk_s`` is the wire time of the unit a leader forwards on a chain (a chunk, or a
+    piece of a delta's record), ``tree_chunk_s`` that of a tree's unit (``chunk_s`` when
+    None; with deltas, one chunk's record, far smaller than a chain's record piece)."""
+    tree_chunk_s = chunk_s if tree_chunk_s is None else tree_chunk_s
+    return (hosts - 1) * (chunk_s + hop_s), (tree_depth(hosts) - 1) * (2 * tree_chunk_s + level_s)
+
+
 def prefer_tree(hosts: int, *, chunk_s: float = CHUNK_WIRE_S, hop_s: float = HOP_S,
-                level_s: float = TREE_LEVEL_S) -> bool:  # fmt: skip
+                level_s: float = TREE_LEVEL_S, tree_chunk_s: float | None = None) -> bool:  # fmt: skip
     """Whether the model puts the trees ahead of the chain at ``hosts`` leaders."""
-    chain = (hosts - 1) * (chunk_s + hop_s)
-    tree = (tree_depth(hosts) - 1) * (2 * chunk_s + level_s)
+    chain, tree = pipeline_s(hosts, chunk_s=chunk_s, hop_s=hop_s, level_s=level_s, tree_chunk_s=tree_chunk_s)
     return tree < chain
+
+
+def delta_chunks_s(wire_share: float, bucket_bytes: float) -> tuple[float, float]:
+    """The forwarded units' wire times (chain, trees) when a version travels as ``wire_share``
+    of its bytes: a chain's delta is a record per bucket of ``bucket_bytes`` forwarded in
+    pieces of up to a chunk; a tree's is a record per chunk."""
+    share = min(1.0, max(0.0, wire_share))
+    return CHUNK_WIRE_S * min(1.0, share * bucket_bytes / CHUNK_BYTES), CHUNK_WIRE_S * share
+
+
+SWITCH_MARGIN = 0.1  # the topology in use is kept unless the other one is this much faster
+
+
+def choose_tree(hosts: int, *, wire_share: float, bucket_bytes: float, current: bool | None) -> bool:
+    """The model's choice at ``hosts`` leaders for versions that travel as ``wire_share`` of their
+    bytes (1.0: in full). ``current``: the topology in use at this host count (None: none, or the
+    host count changed), kept unless the other wins by SWITCH_MARGIN, as the share moves a little
+    with every version."""
+    chain_chunk_s, tree_chunk_s = delta_chunks_s(wire_share, bucket_bytes)
+    chain, tree = pipeline_s(hosts, chunk_s=chain_chunk_s, tree_chunk_s=tree_chunk_s)
+    if current is None:
+        return tree < chain
+    if current:
+        return not chain < tree * (1 - SWITCH_MARGIN)
+    return tree < chain * (1 - SWITCH_MARGIN)

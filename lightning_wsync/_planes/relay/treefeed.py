@@ -2,8 +2,9 @@
 
 See :mod:`~lightning_wsync._planes.relay.plan` for the shape. Each root's hop is a
 two-rank group of its own under ``relay/<epoch>/pg/<number>/t<tree>/<rid>/``; both get
-the same header (the version, its snapshot sequence, how many chunks follow), their
-half of the chunks, and the same signed trailer. A root whose hop fails is marked broken
+a header (the version, its snapshot sequence, how many chunks follow), their half of the
+chunks, in full or as a delta against what that root holds
+(:mod:`~lightning_wsync._planes.relay.treedelta`), and the same signed trailer. A root whose hop fails is marked broken
 and the sender re-forms the trees without it (as for the chain's first leader).
 
 A topology change mid-version ends the feed at once, and the head resends the newest
@@ -19,10 +20,13 @@ closed: what is left of it ends on its own within timeout_s, and releases its sl
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
+from lightning_wsync._planes.delta.wire import Held
 from lightning_wsync._planes.relay.hops import (
     RELAY_RID,
     Chain,
@@ -37,8 +41,9 @@ from lightning_wsync._planes.relay.hops import (
 )
 from lightning_wsync._planes.relay.plan import TREES, half, roots
 from lightning_wsync._planes.relay.tidy import forget_hop
+from lightning_wsync._planes.relay.treedelta import chunk_layout, half_messages, send_halves
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
-from lightning_wsync._planes.wire import FULL, Interruptible, Work, close_group, signed_trailer
+from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, close_group, signed_trailer
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +53,11 @@ class TreeFeed:
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, chain: Chain, *, epoch: int, backend: str, addr: str,
-        timeout_s: float, superseded: Callable[[], bool],
+        timeout_s: float, superseded: Callable[[], bool], deltas: DeltaStreams | None = None,
+        policy: AutoPolicy | None = None,
     ) -> None:  # fmt: skip
+        """``deltas`` (the sender's, with ``policy``): each root gets its half as a delta
+        against what it holds, when ``delta_base`` says so, its records cut by chunk."""
         self._ctl = ctl
         self._ring = ring
         self._epoch = epoch
@@ -58,6 +66,9 @@ class TreeFeed:
         self._timeout_s = timeout_s
         self._superseded = superseded
         self._pieces = chunks(ring.layout)
+        self._deltas = deltas
+        self._policy = policy or AutoPolicy("off")
+        self._cuts = chunk_layout(ring.layout)
         self._halves = [half(len(self._pieces), t) for t in range(TREES)]
         self.roots = roots(chain.rids)
         self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, self.roots[t], t) for t in range(TREES)]
@@ -94,42 +105,79 @@ class TreeFeed:
     def _feed(self) -> None:
         sent: int | None = None
         n = 0
+        if self._deltas is not None:
+            self._deltas.prepare(self._cuts)
         while not self._superseded():
+            held: list[Held | None] = []
             for t in range(TREES):
                 self._blame = t
-                wait_ready(self._ctl, keys.ready(self._prefixes[t], n), self._ring, sent, self._timeout_s,
-                           self._superseded, f"tree root rid={self.roots[t]}")  # fmt: skip
+                held.append(wait_ready(self._ctl, keys.ready(self._prefixes[t], n), self._ring, sent, self._timeout_s,
+                                       self._superseded, f"tree root rid={self.roots[t]}"))  # fmt: skip
             if (lease := next_lease(self._ring, sent, self._superseded)) is None:
                 return
-            self._send(lease)
+            plans: list[tuple[DeltaStream, Lease] | None] = []
+            try:
+                for t in range(TREES):
+                    plans.append(delta_base(self._ring, self._deltas, self._policy, held[t], lease,
+                                            f"tree root rid={self.roots[t]}", self._cuts))  # fmt: skip
+            except BaseException:
+                for plan in plans:
+                    if plan is not None:
+                        plan[1].release()
+                lease.release()
+                raise
+            self._send(lease, plans)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
-    def _send(self, lease: Lease) -> None:
-        """Send the leased version to both roots from a thread left behind (still holding the
-        lease) if the topology changes first: see the module; releases ``lease``.
+    def _send(self, lease: Lease, plans: list[tuple[DeltaStream, Lease] | None]) -> None:
+        """Send the leased version to both roots (tree t as ``plans[t]`` says: a delta against a
+        leased base, or in full) from a thread left behind (still holding the leases) if the
+        topology changes first: see the module; releases the leases.
 
         Raises:
             Superseded: the topology changed before the version was sent.
         """
         pgs = [pg for pg in self._pgs if pg is not None]
-        send_apart(lambda: self._send_now(lease, pgs), lease.release, self._superseded,
+
+        def release() -> None:
+            for plan in plans:
+                if plan is not None:
+                    plan[1].release()
+            lease.release()
+
+        send_apart(lambda: self._send_now(lease, pgs, plans), release, self._superseded,
                    f"wsync-relay-tree-send-v{lease.ref.version}")  # fmt: skip
 
-    def _send_now(self, lease: Lease, pgs: list[Interruptible]) -> None:
+    def _send_now(self, lease: Lease, pgs: list[Interruptible], plans: list[tuple[DeltaStream, Lease] | None]) -> None:
         layout, buffer, (_, seq, version) = self._ring.layout, lease.buffer, lease.ref
-        works: list[list[Work]] = []
-        for t, pg in enumerate(pgs):
+        bases = [plan[1] for plan in plans if plan is not None]
+        hashed: list[list[int] | None] = []  # the full version's checksums, hashed while the halves go out
+        hasher = threading.Thread(target=lambda: hashed.append(self._ring.checksums(lease)),
+                                  name=f"wsync-relay-tree-hash-v{version}", daemon=True)  # fmt: skip
+        hasher.start()
+
+        def progress() -> None:
+            for held in [lease, *bases]:
+                held.touch()
+
+        def blame(t: int) -> None:
             self._blame = t
-            pg.send([hop_header(version, seq, layout, FULL, len(self._halves[t]))], 1, 0).wait()
-            works.append([pg.send([buffer[a:b]], 1, 0) for a, b, _ in (self._pieces[i] for i in self._halves[t])])
-        sums = self._ring.checksums(lease)  # while gloo streams the chunks
-        for k in range(max(len(w) for w in works)):  # in the order they go out, alternating trees
-            for t in range(TREES):
-                if k < len(works[t]):
-                    self._blame = t
-                    works[t][k].wait()
-            lease.touch()
+
+        try:
+            for t, pg in enumerate(pgs):
+                self._blame = t
+                kind = FULL if plans[t] is None else DELTA
+                pg.send([hop_header(version, seq, layout, kind, len(self._halves[t]))], 1, 0).wait()
+            halves = [half_messages(buffer, self._pieces, self._halves[t], None if plan is None else plan[0])
+                      for t, plan in enumerate(plans)]  # fmt: skip
+            send_halves(pgs, halves, progress, blame)
+        finally:
+            hasher.join()
+        for plan in plans:
+            if plan is not None:
+                self._policy.observe(version, plan[0].stats())
+        sums = hashed[0] if hashed and all(base.intact() for base in bases) else None
         trailer = signed_trailer(self._ctl, self._epoch, RELAY_RID, version, seq, sums, intact=lease.intact(),
                                  buckets=len(layout.buckets))  # fmt: skip
         for t, pg in enumerate(pgs):

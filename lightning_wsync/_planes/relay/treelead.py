@@ -9,7 +9,8 @@ for the other; this thread hashes the buckets in order as their chunks come in. 
 version is accepted only when both halves carry the same version, snapshot sequence and
 trailer, and the trailer's MAC and every checksum verify, exactly as on a chain.
 
-A tree carries full versions only: a delta goes down a chain (``cross_host="chain"``).
+Each half comes in full or as a delta (:mod:`~lightning_wsync._planes.relay.treedelta`),
+decided edge by edge from what the downstream side holds, as on a chain.
 
 A topology change mid-version ends both halves at once: a parent in the old topology may
 never finish this version (it left, or waits on one that did), and a wait on it would end
@@ -37,16 +38,20 @@ import xxhash
 from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.delta.wire import DeltaStats
+from lightning_wsync._planes.delta.codec import word_bytes_for
+from lightning_wsync._planes.delta.wire import DeltaStats, Held
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Superseded, error_text, join_hop
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
+from lightning_wsync._planes.relay.treedelta import DeltaHalf, HalfStats, chunk_layout
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.wire import (
+    DELTA,
     FULL,
     HEADER_WORDS,
+    OVERWRITTEN,
     Header,
     Interruptible,
     PeerGroup,
@@ -68,6 +73,8 @@ class TreeHop(HopReceiver):
     def __init__(self, layout: Manifest, ring: SnapshotRing | None = None) -> None:
         super().__init__(layout, ring)
         self.halves = [half(len(self._pieces), t) for t in range(TREES)]
+        self._cuts = chunk_layout(layout)  # what a tree's delta records are cut by
+        self._words = max(1, layout.total_bytes // word_bytes_for(layout))
         self._headers: list[torch.Tensor] = []
         self._header_works: list[Work] = []
 
@@ -94,18 +101,20 @@ class TreeHop(HopReceiver):
             Superseded: the topology changed before one tree's header came (its parent has
                 moved on and will never send it).
         """
+        held = self.held  # the base of a delta half
         self.draft = None if self._ring is None else self._ring.draft()
         self._target = self.staging if self.draft is None else self.draft.buffer
         if self._target.data_ptr() == self._base.data_ptr():
             self.held = self._accepted = None  # rewritten in place from here on
         landed = [threading.Event() for _ in self._pieces]
         heads: list[Header | None] = [None] * TREES
-        trailers: list[list[int] | None] = [None] * TREES
+        trailers: list[list[int]] = [[] for _ in range(TREES)]
+        stats = [HalfStats() for _ in range(TREES)]
         errors: list[BaseException] = []
 
         def stream(t: int) -> None:
             try:
-                heads[t], trailers[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current)
+                heads[t], trailers[t], stats[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current, held)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the receiving thread
                 errors.append(exc)
                 for event in landed:
@@ -135,29 +144,46 @@ class TreeHop(HopReceiver):
             raise Superseded("the topology changed mid-version")
         if errors:
             raise errors[0]
+        return self._message(heads, trailers, stats, sums)
+
+    def _message(
+        self, heads: list[Header | None], trailers: list[list[int]], stats: list[HalfStats], sums: list[int]
+    ) -> Message:
+        """Both halves as one version: they must carry the same version, sequence and trailer."""
         h0, h1 = heads
-        assert h0 is not None and h1 is not None and trailers[0] is not None
-        if (h0.version, h0.seq) != (h1.version, h1.seq) or trailers[0] != trailers[1]:
+        assert h0 is not None and h1 is not None
+        # A parent that could not rebuild its delta half marks the trailer it forwards (first word).
+        if (h0.version, h0.seq) != (h1.version, h1.seq) or trailers[0][1:] != trailers[1][1:]:
             raise RuntimeError(f"the trees are out of step: version {h0.version} (seq {h0.seq}) in tree 0, "
                                f"{h1.version} (seq {h1.seq}) in tree 1, or their trailers differ")  # fmt: skip
-        total = self.layout.total_bytes
-        stats = DeltaStats(changed_share=1.0, wire_bytes=total, full_bytes=total)
-        return Message(h0.version, h0.seq, False, trailers[0], sums, None, stats)
+        trailer = min(trailers, key=lambda words: words[0] != OVERWRITTEN)
+        error = next((s.error for s in stats if s.error is not None), None)
+        changed = sum(s.changed_words for s in stats)
+        delta = any(s.delta for s in stats)
+        total = DeltaStats(changed_share=changed / self._words if delta else 1.0, full_bytes=self.layout.total_bytes,
+                           wire_bytes=sum(s.wire_bytes for s in stats), decode_s=sum(s.decode_s for s in stats))
+        return Message(h0.version, h0.seq, delta, trailer, None if error else sums, error, total)  # fmt: skip
 
     def _receive_half(
         self, t: int, pg: Interruptible, downs: list[Downstream], landed: list[threading.Event],
-        still_current: Callable[[], bool],
-    ) -> tuple[Header, list[int]]:  # fmt: skip
-        """Tree ``t``'s half of the version: its header, then its pieces (each forwarded to
-        ``downs`` as it lands); the trailer."""
+        still_current: Callable[[], bool], held: Held | None,
+    ) -> tuple[Header, list[int], HalfStats]:  # fmt: skip
+        """Tree ``t``'s half of the version: its header, then its pieces in full or as a delta
+        (each forwarded to ``downs`` as it lands); the trailer, and how the half came."""
         self._await_header(t, still_current)
         head = Header.unpack(self._headers[t])
-        head.check(self.layout.total_bytes, len(self.halves[t]), len(self.layout.buckets))
-        if head.kind != FULL:
-            raise RuntimeError(f"tree {t}: version {head.version} came as a delta; trees carry full versions")
-        window = deque(self._post_piece(pg, i) for i in self.halves[t][:_WINDOW])
-        modes = [d.begin(head.version, head.seq, None, None) for d in downs]
-        return head, self._stream(pg, t, window, list(zip(downs, modes)), landed)
+        mine = self.halves[t]
+        head.check(self.layout.total_bytes, len(mine), len(mine))
+        if head.kind == DELTA:
+            delta = DeltaHalf(self._cuts, mine, held=held, base=self._base, target=self._target)
+            modes = delta.receive(pg, head.version, head.seq, downs, landed)
+            stats = delta.stats
+        else:
+            window = deque(self._post_piece(pg, i) for i in mine[:_WINDOW])
+            modes = [d.begin(head.version, head.seq, None, None) for d in downs]
+            self._stream(pg, t, window, list(zip(downs, modes)), landed)
+            stats = HalfStats(wire_bytes=sum(self._pieces[i][1] - self._pieces[i][0] for i in mine))
+        return head, self._trailer_half(pg, list(zip(downs, modes)), rebuilt=stats.error is None), stats
 
     def _await_header(self, t: int, still_current: Callable[[], bool]) -> None:
         next_check = time.monotonic() + CHAIN_POLL_S
@@ -177,8 +203,8 @@ class TreeHop(HopReceiver):
     def _stream(
         self, pg: PeerGroup, t: int, window: deque[Work], downs: list[tuple[Downstream, int | None]],
         landed: list[threading.Event],
-    ) -> list[int]:  # fmt: skip
-        """One tree's half: each chunk forwarded to this tree's children as it lands; its trailer."""
+    ) -> None:  # fmt: skip
+        """One tree's half in full: each chunk forwarded to this tree's children as it lands."""
         mine = self.halves[t]
         for k, i in enumerate(mine):
             window.popleft().wait()
@@ -189,11 +215,19 @@ class TreeHop(HopReceiver):
                 if mode is not None:
                     down.send(self._target[a:b])
             landed[i].set()
+
+    def _trailer_half(self, pg: PeerGroup, downs: list[tuple[Downstream, int | None]], *, rebuilt: bool) -> list[int]:
+        """The trainer's trailer, forwarded to the children; marked (first word) for a child sent
+        chunks this leader could not rebuild, so that it drops the version without a rejection."""
         trailer = torch.empty(trailer_words(len(self.layout.buckets)), dtype=torch.int64)
         pg.recv([trailer], 0, 0).wait()
         for down, mode in downs:
             if mode is not None:
-                down.send(trailer)
+                out = trailer
+                if mode == FULL and not rebuilt:
+                    out = trailer.clone()
+                    out[0] = OVERWRITTEN
+                down.send(out)
         return [int(x) for x in trailer.tolist()]
 
     def _hash_in_order(
