@@ -138,12 +138,15 @@ class _Run(NamedTuple):
     conns: dict[str, Connection]
     timeout_s: float
     bad: list[str]  # receivers that applied other bytes than pushed
+    idle_keys: Counter[str]  # requests in the idle window by command and key pattern
+    push_keys: list[Counter[str]]  # requests of each push by command and key pattern
 
     def push(self, version: int) -> tuple[Counter[str], float]:
         """Push ``version`` and wait until every receiver applied it: the requests meanwhile, and the time."""
         mutate(self.model, version)
         expected = digest(self.model)
         before, started = self.proxy.snapshot(), time.monotonic()
+        before_keys = self.proxy.snapshot_keys()
         self.sender.push(version)
         for conn in self.conns.values():
             conn.send(("await", version))
@@ -151,15 +154,17 @@ class _Run(NamedTuple):
             got = receive(conn, self.timeout_s, f"version {version} applied on {g}")
             self.bad.extend(f"{g}: version {version}" for d in got[2] if d != expected)  # type: ignore[attr-defined]
         took = time.monotonic() - started
+        self.push_keys.append(self.proxy.snapshot_keys() - before_keys)
         return self.proxy.snapshot() - before, took
 
 
 def _measure(run: _Run, args: argparse.Namespace) -> tuple[Counter[str], list[dict[str, object]]]:
     """Version 1, the idle window, then the timed pushes."""
     run.push(1)
-    before = run.proxy.snapshot()
+    before, before_keys = run.proxy.snapshot(), run.proxy.snapshot_keys()
     time.sleep(args.idle_s)  # the measuring window itself, not a wait for anything
     idle = run.proxy.snapshot() - before
+    run.idle_keys.update(run.proxy.snapshot_keys() - before_keys)
     idle_rate = sum(idle.values()) / args.idle_s
     pushes: list[dict[str, object]] = []
     for version in range(2, args.pushes + 2):
@@ -197,7 +202,7 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             for g, conn in conns.items():
                 receive(conn, startup_s, f"receivers of {g} to start")
             wait_registered(sender, [n for _, names in groups.values() for n in names], startup_s)
-            run = _Run(proxy, sender, model, conns, args.timeout_s, [])
+            run = _Run(proxy, sender, model, conns, args.timeout_s, [], Counter(), [])
             idle, pushes = _measure(run, args)
             for conn in conns.values():
                 conn.send(("close",))
@@ -209,18 +214,23 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             result["capacity_requests_per_s"] = round(measure_capacity(children, f"{_STORE_HOST}:{server.port}",
                                                                        args.capacity_clients))  # fmt: skip
         result["unparsed_connections"] = proxy.unparsed
-    return {**result, **_summary(idle, pushes, args, n_receivers), "ok": not run.bad, "problems": run.bad}
+    for push, keyed in zip(pushes, run.push_keys[1:]):
+        push["by_key"] = dict(sorted(keyed.items()))
+    summary = _summary(idle, run.idle_keys, pushes, args, n_receivers)
+    return {**result, **summary, "ok": not run.bad, "problems": run.bad}
 
 
 def _summary(
-    idle: Counter[str], pushes: list[dict[str, object]], args: argparse.Namespace, n_receivers: int
+    idle: Counter[str], idle_keys: Counter[str], pushes: list[dict[str, object]], args: argparse.Namespace,
+    n_receivers: int,
 ) -> dict[str, object]:
     hosts = args.store_hosts + 1  # the trainer's host too
     idle_rate = sum(idle.values()) / args.idle_s
     median = round(statistics.median(float(str(p["requests_less_idle"])) for p in pushes), 1)
     return {
         "idle": {"requests_per_s": round(idle_rate, 1), "per_receiver_per_s": round(idle_rate / n_receivers, 2),
-                 "per_host_per_s": round(idle_rate / hosts, 2), "by_command_per_s": _rates(idle, args.idle_s)},
+                 "per_host_per_s": round(idle_rate / hosts, 2), "by_command_per_s": _rates(idle, args.idle_s),
+                 "by_key_per_s": _rates(idle_keys, args.idle_s)},
         "per_push": {"median_requests_less_idle": median, "per_receiver": round(median / n_receivers, 2),
                      "per_host": round(median / hosts, 2), "pushes": pushes},
     }  # fmt: skip

@@ -58,12 +58,20 @@ class Election:
                 self._refused = raw
             return raw, None
 
-    def elect(self, ctl: Control) -> LeaderRecord | None:
-        """The host's leader after this poll: the current one, or this receiver if it took over."""
+    def elect(self, ctl: Control, *, suspect: tuple[int, str] | None = None) -> LeaderRecord | None:
+        """The host's leader after this poll: the current one, or this receiver if it took over.
+
+        ``suspect``: (rid, why) the host itself says that leader is gone (its board went silent).
+        """
         raw, record = self.read(ctl)
         if not self.standing:
             return record
-        reason = "no leader" if record is None else self._gone(ctl, record)
+        if record is None:
+            reason: str | None = "no leader"
+        elif suspect is not None and suspect[0] == record.rid != self._rid:
+            reason = suspect[1]
+        else:
+            reason = self._gone(ctl, record)
         if reason is None:
             return record
         mine = LeaderRecord(rid=self._rid, pid=os.getpid(), term=0 if record is None else record.term + 1,

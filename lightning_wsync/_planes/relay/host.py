@@ -17,11 +17,11 @@ from collections.abc import Callable
 import torch
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.manifest import Manifest, entry_views
-from lightning_wsync._control.records import Receipt, ReceiptsRecord, SenderRecord, VersionRecord
+from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.net.link import NetReceiveLink
-from lightning_wsync._planes.net.source import NetworkSource
+from lightning_wsync._planes.relay.board import Board, HostNews
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
@@ -34,7 +34,7 @@ from lightning_wsync._planes.relay.hops import (
     join_hop,
     read_chain,
 )
-from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
+from lightning_wsync._planes.relay.source import HostRingReader
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
@@ -83,6 +83,10 @@ class RelayMember:
         shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
+        self._board: Board | None = None  # while leading: what host-mates read instead of the store
+        self._leader: LeaderRecord | None = None  # as last read from the store, which is read again
+        self._store_due, self._pidns = 0.0, pid_namespace()  # at _store_due whatever the host says
+        self._suspect: tuple[int, str] | None = None  # (rid, why) the host itself says the leader is gone
         self._hop: TreeHop | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, Receipt] = {}
         self._notes = 0  # ready notes written on the current hop from upstream
@@ -91,7 +95,6 @@ class RelayMember:
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
         self._thread.start()
 
-    # -- election -----------------------------------------------------------------
     def _run(self) -> None:
         ctl = self._control.clone()
         while not self._stop.is_set() and self._election.standing:
@@ -109,8 +112,35 @@ class RelayMember:
         except Exception as exc:  # noqa: BLE001 - the store may be gone with the job
             log.debug("relay: receiver rid=%d left its keys: %s", self._rid, error_text(exc))
 
+    @property
+    def leading(self) -> bool:
+        return self._own is not None
+
+    def post(self, news: HostNews) -> None:
+        if (board := self._board) is not None:
+            board.post(news)
+
+    def _leader_live_here(self) -> bool:
+        """Whether the leader whose ring this host-mate reads looks live from the host (its board's
+        age; its PID, from its own PID namespace), asking the store nothing; when not, and every
+        ``heartbeat_timeout_s`` anyway, the member reads the leader's record from the store."""
+        record, self._suspect = self._leader, None
+        if (record is None or record.rid == self._rid or time.monotonic() >= self._store_due
+                or self.segment.following() != record.shm
+                or (record.pidns != 0 and record.pidns == self._pidns and not pid_alive(record.pid))):  # fmt: skip
+            return False
+        posted = self.segment.board()
+        if posted is not None and posted.age_s > self._heartbeat_timeout_s:
+            self._suspect = (record.rid, f"leader rid={record.rid} silent on the host for {posted.age_s:.1f} s "
+                                         f"(heartbeat_timeout_s={self._heartbeat_timeout_s})")  # fmt: skip
+        return posted is not None and self._suspect is None
+
     def _step(self, ctl: Control) -> None:
-        record = self._election.elect(ctl)
+        if self._own is None and self._leader_live_here():
+            self._stop.wait(CHAIN_POLL_S)
+            return
+        record = self._leader = self._election.elect(ctl, suspect=self._suspect)
+        self._store_due = time.monotonic() + self._heartbeat_timeout_s
         leading = record is not None and record.rid == self._rid
         if record is not None and leading and self._own is None:
             if not self._create_ring(ctl, record.shm):
@@ -137,6 +167,7 @@ class RelayMember:
             return False
         self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
                                  lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
+        self._board = Board(segment.pin_dir, max(0.05, self._heartbeat_timeout_s / 8), self._rid)
         self._hop = TreeHop(self.layout, self._own)  # a HopReceiver that also takes a tree's two halves
         return True
 
@@ -151,6 +182,9 @@ class RelayMember:
         self._fall_back(why)
 
     def _step_down(self) -> None:
+        if self._board is not None:
+            self._board.close()
+            self._board = None
         if self._own is not None:
             self.segment.follow(None)
             self._own.close()
@@ -264,36 +298,3 @@ class RelayMember:
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
-
-
-def open_relay_source(
-    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: SenderRecord, *, epoch: int,
-    rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
-    on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
-) -> RelaySource:  # fmt: skip
-    """The data plane of a receiver on a host other than the sender's, when the sender relays."""
-    backend = record.backend
-    ctl = control.clone()
-
-    def newest() -> int | None:  # read by the link only after timeout_s without an announcement
-        try:
-            latest = ctl.get_record(keys.LATEST, VersionRecord)
-        except WeightSyncError:  # unreadable: as if not announced yet (the watcher reports it)
-            return None
-        return None if latest is None else latest.version
-
-    def net() -> NetworkSource:
-        link = NetReceiveLink(control, layout, epoch=epoch, rid=rid, backend=backend, addr=addr, timeout_s=timeout_s,
-                              device=torch.device("cpu"), on_staged=on_published, on_rejected=on_rejected,
-                              newest=newest)  # fmt: skip
-        return NetworkSource(epoch, layout, ordered, link, swap=False)
-
-    segment = HostRingReader(epoch, layout, ordered, name)
-    source = RelaySource(epoch, segment, net)
-    source.member = RelayMember(
-        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
-        addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop, whatever this receiver's
-        heartbeat_timeout_s=record.heartbeat_timeout_s,
-        on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back,
-    )  # fmt: skip
-    return source
