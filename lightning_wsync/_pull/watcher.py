@@ -62,6 +62,7 @@ IDLE_POLL_S = 0.1  # following a sender: versions come through the plane itself,
 VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of each version
 SEEK_POLL_S = 0.05  # no sender followed yet
 BACKSTOP_S = 5.0  # every record is read at least this often, news or not
+RELAY_POLL_S = 1.0  # a relay host's leader, whose relayed versions kick it
 HOSTED_BACKSTOP_S = 30.0  # the same for a relay host-mate, whose leader reads news for the host
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
@@ -125,6 +126,8 @@ class Watcher:
         self._state = StateReport()
         self._beat = 0  # the heartbeat counter's last value
         self._applied: int | None = None  # the version update() last applied (for logs)
+        self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
+        self._sender_heartbeat_timeout_s = 0.0  # as the followed sender's record says
         self._latest_raw: str | None = None  # the `latest` record as last read (a relay leader passes it on)
         self.rid = -1
         self._register(ctl)
@@ -168,6 +171,7 @@ class Watcher:
         try:
             self._state.write(self._ctl)
             self._ctl.set_json(keys.member_gone(self.rid), True)
+            self._ctl.bump(keys.MEMBERS_GONE)  # the sender reads the gone keys when this moves
         except RuntimeError:
             pass  # store already gone: the sender sees the heartbeat stop instead
         with self._apply_lock:
@@ -189,12 +193,13 @@ class Watcher:
                     if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
                         self._rejoin(ctl)
                     self._beat = beat
-                    next_beat = now + self.config.heartbeat_s
+                    next_beat = now + self._beat_s()
                 self._state.write(ctl)
                 # The records are read when `news` moved (or is unreadable), when verify still
                 # lacks the newest version's checksums, and every BACKSTOP_S whatever happens.
                 relay = self.source if isinstance(self.source, RelaySource) else None
                 posted = None if relay is None else relay.host_news()
+                self._relay_lead = relay is not None and posted is None
                 seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
                 look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
                 if now >= next_all:
@@ -225,8 +230,21 @@ class Watcher:
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
-            pace = SEEK_POLL_S if self.source is None else VERIFY_POLL_S if self.config.verify else IDLE_POLL_S
-            self._kick.wait(min(pace, max(0.0, next_beat - time.monotonic())))  # an apply kicks it to acknowledge
+            self._kick.wait(min(self._pace(), max(0.0, next_beat - time.monotonic())))  # an apply kicks it
+
+    def _pace(self) -> float:
+        """How long the thread waits for a kick. A relay host's leader (or a receiver there served
+        over the network) is kicked by each version it receives, so it reads ``news`` slowly."""
+        if self.source is None:
+            return SEEK_POLL_S
+        return VERIFY_POLL_S if self.config.verify else RELAY_POLL_S if self._relay_lead else IDLE_POLL_S
+
+    def _beat_s(self) -> float:
+        """Between heartbeats: ``heartbeat_s``; on a relay host, a quarter of the sender's
+        ``heartbeat_timeout_s`` if longer (the host-mates judge their leader by its board)."""
+        if not isinstance(self.source, RelaySource):
+            return self.config.heartbeat_s
+        return max(self.config.heartbeat_s, self._sender_heartbeat_timeout_s / 4)
 
     def _read_news(self, ctl: Control, posted: HostNews | None, news: str | None) -> tuple[str | None, bool]:
         """The ``news`` counter as written (None when absent: then every record is read), and
@@ -416,6 +434,7 @@ class Watcher:
             self._refused_epochs[epoch] = None
             self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
+        self._sender_heartbeat_timeout_s = record.heartbeat_timeout_s
         with self._apply_lock:
             old, self.source = self.source, source
             self.sender_closed = self.sender_left = False
