@@ -63,7 +63,7 @@ VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of 
 SEEK_POLL_S = 0.05  # no sender followed yet
 BACKSTOP_S = 5.0  # every record is read at least this often, news or not
 RELAY_POLL_S = 1.0  # a relay host's leader, whose relayed versions kick it
-HOSTED_BACKSTOP_S = 30.0  # the same for a relay host-mate, whose leader reads news for the host
+HOSTED_BACKSTOP_S = 30.0  # the same on a relay host (a host-mate reads news off its leader's board)
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
@@ -203,7 +203,7 @@ class Watcher:
                 seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
                 look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
                 if now >= next_all:
-                    next_all = now + (BACKSTOP_S if posted is None else HOSTED_BACKSTOP_S)
+                    next_all = now + (BACKSTOP_S if relay is None else HOSTED_BACKSTOP_S)
                 steps = (self._follow_sender, self._follow_close, self._follow_versions, self._follow_sums)
                 for step in steps if look else ():
                     try:

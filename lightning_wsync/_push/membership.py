@@ -30,6 +30,7 @@ from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 log = logging.getLogger(__name__)
 
 _FORGET_AFTER = 30  # x heartbeat_timeout_s of silence: stop polling a receiver at all
+_BEATS_PER_READ = 256  # per multi_get: 32,768 keys took the store 3.3 s in one, 0.08 s in 256s
 _GONE_BACKSTOP_S = 30.0  # every gone key is read at least this often (members/gone says when else)
 
 
@@ -166,20 +167,22 @@ class Membership:
                 self._members[member.rid] = member
 
     def _heartbeats(self, members: list[Member]) -> dict[int, int]:
-        """Every member's heartbeat count, in two requests (a check that all exist, then one
-        ``multi_get``) whatever their number; one request each when some key is missing (a
-        ``multi_get`` of a missing key would wait for the store's timeout)."""
-        hb_keys = [keys.member_heartbeat(m.rid) for m in members]
-        if not hb_keys or not self._ctl.has_all(hb_keys):
-            return {m.rid: self._heartbeat(m) for m in members}
+        """Every member's heartbeat count, two requests per ``_BEATS_PER_READ`` members (a check that
+        all exist, one ``multi_get``), or one each where a key is missing (a multi_get would wait)."""
         beats: dict[int, int] = {}
-        for member, key, raw in zip(members, hb_keys, self._ctl.multi_get(hb_keys)):
-            count = parse_counter(raw)
-            if count is None:  # garbled: no beat (its owner rewrites it)
-                self._complaints.bad(key, WeightSyncRecordError(f"counter {key!r} holds {raw[:40]!r}"))
+        for at in range(0, len(members), _BEATS_PER_READ):
+            batch = members[at : at + _BEATS_PER_READ]
+            hb_keys = [keys.member_heartbeat(m.rid) for m in batch]
+            if not self._ctl.has_all(hb_keys):
+                beats.update((m.rid, self._heartbeat(m)) for m in batch)
                 continue
-            self._complaints.good(key)
-            beats[member.rid] = count
+            for member, key, raw in zip(batch, hb_keys, self._ctl.multi_get(hb_keys)):
+                count = parse_counter(raw)
+                if count is None:  # garbled: no beat (its owner rewrites it)
+                    self._complaints.bad(key, WeightSyncRecordError(f"counter {key!r} holds {raw[:40]!r}"))
+                    continue
+                self._complaints.good(key)
+                beats[member.rid] = count
         return beats
 
     def _closed(self, members: list[Member], now: float) -> set[int]:

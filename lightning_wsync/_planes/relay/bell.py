@@ -27,7 +27,7 @@ from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-BACKSTOP_S = 5.0  # what the bell's thread read is read again at least this often
+BACKSTOP_S = 15.0  # what the bell's thread read is read again at least this often
 _WAIT_S = 60.0  # a wait's own bound; the backstop's ring ends it much sooner
 
 

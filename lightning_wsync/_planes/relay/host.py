@@ -209,6 +209,7 @@ class RelayMember:
             # the old peer, maybe stalled: joining would block for timeout_s); its sender marked it
             # broken, so the chain is re-formed under a new number. One whose peer never came is.
             self._stop.wait(CHAIN_POLL_S)
+            bell.current(-1)  # (asking drives the bell's backstop ring)
             return
 
         def superseded() -> bool:
@@ -228,7 +229,7 @@ class RelayMember:
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
         down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s,
                           current=bell.current)  # fmt: skip
-        deaf, pg = bell.listen(down.nudge), None  # a ring makes its reader look at the chain at once
+        deaf, pg = bell.listen(down.nudge), None  # a ring makes its reader look at once
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
             self._serve(ctl, pg, up_prefix, superseded, down)
@@ -246,8 +247,7 @@ class RelayMember:
             close_group(pg, 0, self._backend)
             forget_hop(ctl, up_prefix, 1, spent=pg is not None, notes=(self._notes,))
 
-    def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, superseded: Callable[[], bool], down: Downstream
-               ) -> None:  # fmt: skip
+    def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, moved: Callable[[], bool], down: Downstream) -> None:
         hop = self._hop
         assert hop is not None
         n = self._notes = 0
@@ -257,7 +257,7 @@ class RelayMember:
             while not hop.arrived():
                 if down.missed and down.connected() and hop.resend(down):
                     down.finish()
-                if self._stop.wait(POLL_S) or superseded():  # a new chain or a lost election ends this hop
+                if self._stop.wait(POLL_S) or moved():  # a new chain or a lost election ends this hop
                     return
             msg = hop.receive(pg, down)
             n = self._notes = n + 1
