@@ -5,7 +5,7 @@
     lightning-wsync bench --store-load --receivers 2 --store-hosts 4 --receivers-per-host 2
     lightning-wsync bench --store-load --store-hosts 8 --receivers-per-host 4 --cross-host relay --json
 
-The bench hosts a TCPStore and puts a counting proxy (:mod:`._storeproxy`) in front of it;
+The bench hosts a TCPStore and puts a counting proxy (:mod:`lightning_wsync.testing.storeproxy`) in front of it;
 the sender (this process) and every receiver reach the store only through the proxy, so
 every request of every client is counted, by command. ``--receivers`` same-host receivers
 run one process each (shared memory); ``--store-hosts`` simulated hosts each run one
@@ -35,12 +35,12 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
+from lightning_wsync import WeightSender
 from lightning_wsync.bench._push import wait_registered
-from lightning_wsync.bench._storeproxy import CountingProxy
-from lightning_wsync.testing.hosts import assume_host
-from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate, spec_for_size
-from lightning_wsync.testing.procs import Children, init_child, receive, report_failure
+from lightning_wsync.testing.hostproc import HostArgs, host_main
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+from lightning_wsync.testing.procs import Children, init_child, receive
+from lightning_wsync.testing.storeproxy import CountingProxy
 
 _STORE_HOST = "127.0.0.1"
 
@@ -64,43 +64,6 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--idle-s={args.idle_s!r} must be > 0, e.g. --idle-s 5")
     if args.capacity_clients < 0:
         raise ValueError(f"--capacity-clients={args.capacity_clients!r} must be >= 0, e.g. --capacity-clients 8")
-
-
-class HostArgs(NamedTuple):
-    store: str
-    job: str
-    names: list[str]
-    host_id: str | None  # None: the trainer's host
-    spec: ModelSpec
-    timeout_s: float
-
-
-def host_main(conn: Connection, args: HostArgs) -> None:
-    """Receivers of one host in one process: apply each version the parent names, send digests."""
-    init_child()
-    if args.host_id is not None:
-        assume_host(args.host_id)
-    receivers: list[WeightReceiver] = []
-    try:
-        models = [build_model(args.spec, seed=None) for _ in args.names]
-        receivers = [WeightReceiver(m, store=args.store, job=args.job, name=n, timeout_s=args.timeout_s)
-                     for m, n in zip(models, args.names)]  # fmt: skip
-        conn.send(("ready", os.getpid()))
-        while conn.poll(args.timeout_s * 4):
-            msg = conn.recv()
-            if msg[0] != "await":
-                break
-            for receiver in receivers:
-                receiver.wait_for_version(msg[1], timeout_s=args.timeout_s)
-            conn.send(("applied", msg[1], [digest(m) for m in models]))
-    except WeightSyncClosedError:
-        pass
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        report_failure(conn, f"receivers {args.names}")
-    finally:
-        for receiver in receivers:
-            receiver.close()
-    conn.send(("closed",))
 
 
 def _hammer(conn: Connection, address: str, seconds: float) -> None:

@@ -3,7 +3,7 @@ almost nothing, at idle and per push, because their leader speaks for the host.
 
 One simulated host (``WSYNC_HOST_ID``) runs its leader in one process and three host-mates in
 another; each process reaches the store through a counting proxy of its own
-(:mod:`lightning_wsync.bench._storeproxy`), so the host-mates' requests are counted apart
+(:mod:`lightning_wsync.testing.storeproxy`), so the host-mates' requests are counted apart
 from the leader's and the sender's. Before: each host-mate read its leader's record and the
 chain every 50 ms and ``news`` every 0.1 s (~35 requests/s each at idle, ~6 per push).
 """
@@ -21,12 +21,12 @@ import torch.distributed as dist
 from lightning_wsync import WeightSender
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head import leader_record
-from lightning_wsync.bench._storeload import HostArgs, host_main
-from lightning_wsync.bench._storeproxy import CountingProxy
+from lightning_wsync.testing.hostproc import HostArgs, host_main
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import receive
+from lightning_wsync.testing.storeproxy import CountingProxy
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 HOST = "simhost-load"
 MATES = ["m1", "m2", "m3"]
