@@ -51,6 +51,7 @@ class Bell:
         self._lock = threading.Lock()
         self.chain: Chain | None = None
         self.leads = True
+        self._due = 0.0  # when current() rings the bell itself (a lost ring costs at most BACKSTOP_S)
         self._read()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-bell-r{rid}", daemon=True)
         self._thread.start()

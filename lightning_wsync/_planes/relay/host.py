@@ -140,9 +140,8 @@ class RelayMember:
         if self._own is None and self._leader_live_here():
             self._stop.wait(CHAIN_POLL_S)
             return
-        if self._bell is not None and self._bell.leads and self._leader is not None:
-            record = self._leader  # its bell reads the record again when rung, and every few seconds
-        else:
+        record = self._leader  # a leader's bell reads its record again when rung, and every few seconds
+        if self._bell is None or not self._bell.leads or record is None:
             record = self._leader = self._election.elect(ctl, suspect=self._suspect)
             self._store_due = time.monotonic() + max(_STORE_BACKSTOP_S, self._heartbeat_timeout_s)
         leading = record is not None and record.rid == self._rid
