@@ -98,9 +98,11 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
                 receive(conn, 30, "the receivers to close")
 
     # At idle the three host-mates only beat (a quarter of heartbeat_timeout_s apart): no polls
-    # of the leader's record, the chain or news (before: ~35 requests/s each).
-    assert set(_keys(idle)) <= {"member/#/hb"}, _keys(idle)
-    assert sum(idle.values()) <= len(MATES) * (IDLE_S / (HEARTBEAT_TIMEOUT_S / 4) + 1), _keys(idle)
+    # of the leader's record, the chain or news (before: ~35 requests/s each). An acknowledgement
+    # of version 1 written just after the window opened may be in it too.
+    assert set(_keys(idle)) <= {"member/#/hb", "member/#/state"}, _keys(idle)
+    beats = len(MATES) * (IDLE_S / (HEARTBEAT_TIMEOUT_S / 4) + 1)
+    assert sum(idle.values()) <= beats + len(MATES), _keys(idle)
     # Per push each acknowledges what it holds (1 request); it learns of the version from its
     # leader's board and ring, not from the store (before: news and four records, ~6 each).
     median = statistics.median(sum(c.values()) for c in per_push)
