@@ -30,6 +30,8 @@ closed/<epoch>                  JSON    ``{final}``, set by WeightSender.close()
                                         the sender left without finishing (exception, SIGTERM)
 members/next                    count   each WeightReceiver takes the next rid
 members/low                     JSON    every rid below it is gone and its keys deleted
+members/gone                    count   bumped by a receiver after it writes ``member/<rid>/gone``:
+                                        the sender reads the ``gone`` keys when it moves
 member/<rid>                    JSON    member record (name, host, pid, PID namespace, verify)
 member/<rid>/hb                 count   heartbeat
 member/<rid>/gone               JSON    ``true``, set by WeightReceiver.close()
@@ -52,6 +54,12 @@ relay/<epoch>/leader/<hostkey>  JSON    ``{rid, pid, pidns, term, shm, ready}`` 
 relay/<epoch>/chain             JSON    ``{number, rids, tree}``: the relay's number, leader rids, and
                                         whether they form two trees rather than a chain
 relay/<epoch>/broken/<rid>      text    ``1``: the hop into leader rid failed
+relay/<epoch>/moved             count   bumped when a host's leader changes or a hop breaks: the
+                                        sender reads the leader records and ``broken`` keys when it
+                                        moves (and every few seconds), not at every step
+relay/<epoch>/bell/<rid>        text    leader rid's doorbell: written by whoever changes what it
+                                        serves (a new chain, a takeover of its host, its own close);
+                                        it waits on it (one blocking wait) and deletes it on waking
 relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>`` (``1``: joining; ``taken``: the
                                         peer committed to the group; ``gone``: withdrawn), ``ready/<n>``
                                         (downstream leader: what it holds), gloo's keys;
@@ -68,8 +76,8 @@ is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves
 behind the current one. The relay's keys (see :mod:`lightning_wsync._planes.relay.tidy`):
 each side of a hop deletes its ``relay/<epoch>/pg/...`` keys when it leaves; a closing
 leader deletes its leader record and ``received`` key; the sender deletes the hops of
-chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago, the ``received`` and
-``broken`` keys of leaders that left the chain, the leader records of hosts with no live
+chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago, the ``received``,
+``broken`` and ``bell`` keys of leaders that left the chain, the leader records of hosts with no live
 leader for that long, and the ``chain`` key when it closes.
 
 Outside any job, the rendezvous backend keeps on the shared store
@@ -100,6 +108,7 @@ NEWS = "news"  # a counter: "look again" (see the table), read alone by idle wat
 LINKS_ASKED = "links/asked"  # a counter: some receiver asked for a new network link
 MEMBERS_NEXT = "members/next"
 MEMBERS_LOW = "members/low"
+MEMBERS_GONE = "members/gone"  # a counter: some receiver closed (wrote its gone key)
 RUN = "run"  # this run's random id, bound into every MAC (set once, by compare-and-set)
 
 
@@ -224,6 +233,14 @@ def relay_chain(epoch: int) -> str:
 
 def relay_broken(epoch: int, rid: int) -> str:
     return f"relay/{epoch}/broken/{rid}"
+
+
+def relay_moved(epoch: int) -> str:
+    return f"relay/{epoch}/moved"
+
+
+def relay_bell(epoch: int, rid: int) -> str:
+    return f"relay/{epoch}/bell/{rid}"
 
 
 def relay_hop_prefix(epoch: int, chain: int, rid: int, tree: int | None = None) -> str:

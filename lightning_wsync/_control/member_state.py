@@ -54,8 +54,8 @@ class StateReport:
                 version, err = self._queue.get_nowait()
             except queue.Empty:
                 break
-            changed = True
-            self._held = max(self._held, version)
+            changed = changed or version > self._held or err is not None  # the same version twice: once
+            self._held = max(self._held, version)  # (a relay leader holds it at publish, then at apply)
             error = err or error
         if changed:
             ctl.set_json(keys.member_state(self._rid), encode_state(self._held, error))

@@ -214,6 +214,10 @@ class Control:
     def has(self, key: str) -> bool:
         return self._call("check", key, lambda: bool(self.store.check([key])))
 
+    def has_all(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` exists, in one request."""
+        return self._call("check", keys[0] if keys else "", lambda: bool(self.store.check(keys)))
+
     def wait_for(self, key: str, timeout_s: float) -> bool:
         """Block until ``key`` exists (True) or ``timeout_s`` passes (False), in one request.
 

@@ -29,7 +29,7 @@ from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.relay.host import open_relay_source
+from lightning_wsync._planes.relay.receive import open_relay_source
 from lightning_wsync._planes.relay.send import RelaySendPlane
 from lightning_wsync._planes.shard.send import ShardSendPlane
 from lightning_wsync._planes.shard.source import ShardedSource

@@ -40,6 +40,8 @@ from lightning_wsync._control.records import (
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
+from lightning_wsync._planes.relay.board import HostNews
+from lightning_wsync._planes.relay.source import RelaySource
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -60,6 +62,8 @@ IDLE_POLL_S = 0.1  # following a sender: versions come through the plane itself,
 VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of each version
 SEEK_POLL_S = 0.05  # no sender followed yet
 BACKSTOP_S = 5.0  # every record is read at least this often, news or not
+RELAY_POLL_S = 1.0  # a relay host's leader, whose relayed versions kick it
+HOSTED_BACKSTOP_S = 30.0  # the same on a relay host (a host-mate reads news off its leader's board)
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
@@ -122,6 +126,9 @@ class Watcher:
         self._state = StateReport()
         self._beat = 0  # the heartbeat counter's last value
         self._applied: int | None = None  # the version update() last applied (for logs)
+        self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
+        self._sender_heartbeat_timeout_s = 0.0  # as the followed sender's record says
+        self._latest_raw: str | None = None  # the `latest` record as last read (a relay leader passes it on)
         self.rid = -1
         self._register(ctl)
         self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
@@ -164,6 +171,7 @@ class Watcher:
         try:
             self._state.write(self._ctl)
             self._ctl.set_json(keys.member_gone(self.rid), True)
+            self._ctl.bump(keys.MEMBERS_GONE)  # the sender reads the gone keys when this moves
         except RuntimeError:
             pass  # store already gone: the sender sees the heartbeat stop instead
         with self._apply_lock:
@@ -185,14 +193,17 @@ class Watcher:
                     if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
                         self._rejoin(ctl)
                     self._beat = beat
-                    next_beat = now + self.config.heartbeat_s
+                    next_beat = now + self._beat_s()
                 self._state.write(ctl)
                 # The records are read when `news` moved (or is unreadable), when verify still
                 # lacks the newest version's checksums, and every BACKSTOP_S whatever happens.
-                seen = self._read_news(ctl)
-                look = seen is None or seen != news or now >= next_all or self._sums_missing()
+                relay = self.source if isinstance(self.source, RelaySource) else None
+                posted = None if relay is None else relay.host_news()
+                self._relay_lead = relay is not None and posted is None
+                seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
+                look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
                 if now >= next_all:
-                    next_all = now + BACKSTOP_S
+                    next_all = now + (BACKSTOP_S if relay is None else HOSTED_BACKSTOP_S)
                 steps = (self._follow_sender, self._follow_close, self._follow_versions, self._follow_sums)
                 for step in steps if look else ():
                     try:
@@ -203,6 +214,8 @@ class Watcher:
                     except WeightSyncRecordError as exc:  # ignored until its writer replaces it
                         self._complaints.bad(step.__name__, exc)
                 news = seen  # only once read through: a lost store reads it all again
+                if relay is not None and posted is None:  # the host's leader tells its host-mates
+                    relay.share_news(HostNews(seen, self._latest_raw))
                 if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self.store_lost_since = None
@@ -217,12 +230,41 @@ class Watcher:
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
-            pace = SEEK_POLL_S if self.source is None else VERIFY_POLL_S if self.config.verify else IDLE_POLL_S
-            self._kick.wait(min(pace, max(0.0, next_beat - time.monotonic())))  # an apply kicks it to acknowledge
+            self._kick.wait(min(self._pace(), max(0.0, next_beat - time.monotonic())))  # an apply kicks it
 
-    def _read_news(self, ctl: Control) -> str | None:
-        """The ``news`` counter as written (None when absent: then every record is read)."""
-        return ctl.get_text(keys.NEWS)
+    def _pace(self) -> float:
+        """How long the thread waits for a kick. A relay host's leader (or a receiver there served
+        over the network) is kicked by each version it receives, so it reads ``news`` slowly."""
+        if self.source is None:
+            return SEEK_POLL_S
+        return VERIFY_POLL_S if self.config.verify else RELAY_POLL_S if self._relay_lead else IDLE_POLL_S
+
+    def _beat_s(self) -> float:
+        """Between heartbeats: ``heartbeat_s``; on a relay host, a quarter of the sender's
+        ``heartbeat_timeout_s`` if longer (the host-mates judge their leader by its board)."""
+        if not isinstance(self.source, RelaySource):
+            return self.config.heartbeat_s
+        return max(self.config.heartbeat_s, self._sender_heartbeat_timeout_s / 4)
+
+    def _read_news(self, ctl: Control, posted: HostNews | None, news: str | None) -> tuple[str | None, bool]:
+        """The ``news`` counter as written (None when absent: then every record is read), and
+        whether what moved was taken in already (then the records need not be read).
+
+        A relay host-mate reads it off its leader's board (``posted``), not the store. There,
+        one bump that came with a new ``latest`` record is a version: the record is taken from
+        the board (sealed: verified here). Anything else (a new sender, a close) has the
+        caller read the records from the store.
+        """
+        if posted is None:
+            return ctl.get_text(keys.NEWS), False
+        seen, raw = posted.news, posted.latest
+        if seen is None or raw is None or news is None or raw == self._latest_raw or not _one_bump(news, seen):
+            return seen, False
+        try:
+            self._take_latest(ctl.decode(keys.LATEST, raw, VersionRecord), raw)
+        except (WeightSyncAuthError, WeightSyncRecordError):
+            return seen, False  # read from the store instead, which reports it
+        return seen, True
 
     def _sums_missing(self) -> bool:
         latest, held = self.latest, self._sums
@@ -280,16 +322,17 @@ class Watcher:
         if source is None:
             return
         # `latest` is never deleted once written: after the first sighting, a plain get.
-        if self.latest is None:
-            latest = ctl.get_record(keys.LATEST, VersionRecord)
-        else:
-            latest = ctl.decode(keys.LATEST, ctl.get_raw(keys.LATEST), VersionRecord)
-        if latest is not None:
-            record = Published(latest.version, latest.epoch)
-            if record != self.latest and (self.latest is None or record.version > self.latest.version):
-                with self.cond:
-                    self.latest = record
-                    self.cond.notify_all()
+        raw = ctl.get_text(keys.LATEST) if self.latest is None else ctl.get_raw(keys.LATEST).decode("utf-8", "replace")
+        if raw is not None:
+            self._take_latest(ctl.decode(keys.LATEST, raw, VersionRecord), raw)
+
+    def _take_latest(self, latest: VersionRecord, raw: str) -> None:
+        self._latest_raw = raw
+        record = Published(latest.version, latest.epoch)
+        if record != self.latest and (self.latest is None or record.version > self.latest.version):
+            with self.cond:
+                self.latest = record
+                self.cond.notify_all()
 
     def _follow_sums(self, ctl: Control) -> None:
         """With ``verify``, fetch the checksums of the newest shared version for update()."""
@@ -391,6 +434,7 @@ class Watcher:
             self._refused_epochs[epoch] = None
             self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
+        self._sender_heartbeat_timeout_s = record.heartbeat_timeout_s
         with self._apply_lock:
             old, self.source = self.source, source
             self.sender_closed = self.sender_left = False
@@ -422,3 +466,11 @@ class Watcher:
         log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
         self._state.rejected(version, reason)
         self._kick.set()
+
+
+def _one_bump(before: str, after: str) -> bool:
+    """``after`` is the ``news`` counter one bump past ``before`` (a garbled counter is not)."""
+    try:
+        return int(after) == int(before) + 1
+    except ValueError:
+        return False

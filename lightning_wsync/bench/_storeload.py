@@ -5,7 +5,7 @@
     lightning-wsync bench --store-load --receivers 2 --store-hosts 4 --receivers-per-host 2
     lightning-wsync bench --store-load --store-hosts 8 --receivers-per-host 4 --cross-host relay --json
 
-The bench hosts a TCPStore and puts a counting proxy (:mod:`._storeproxy`) in front of it;
+The bench hosts a TCPStore and puts a counting proxy (:mod:`lightning_wsync.testing.storeproxy`) in front of it;
 the sender (this process) and every receiver reach the store only through the proxy, so
 every request of every client is counted, by command. ``--receivers`` same-host receivers
 run one process each (shared memory); ``--store-hosts`` simulated hosts each run one
@@ -35,12 +35,12 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError
+from lightning_wsync import WeightSender
 from lightning_wsync.bench._push import wait_registered
-from lightning_wsync.bench._storeproxy import CountingProxy
-from lightning_wsync.testing.hosts import assume_host
-from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutate, spec_for_size
-from lightning_wsync.testing.procs import Children, init_child, receive, report_failure
+from lightning_wsync.testing.hostproc import HostArgs, host_main
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+from lightning_wsync.testing.procs import Children, init_child, receive
+from lightning_wsync.testing.storeproxy import CountingProxy
 
 _STORE_HOST = "127.0.0.1"
 
@@ -64,43 +64,6 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--idle-s={args.idle_s!r} must be > 0, e.g. --idle-s 5")
     if args.capacity_clients < 0:
         raise ValueError(f"--capacity-clients={args.capacity_clients!r} must be >= 0, e.g. --capacity-clients 8")
-
-
-class HostArgs(NamedTuple):
-    store: str
-    job: str
-    names: list[str]
-    host_id: str | None  # None: the trainer's host
-    spec: ModelSpec
-    timeout_s: float
-
-
-def host_main(conn: Connection, args: HostArgs) -> None:
-    """Receivers of one host in one process: apply each version the parent names, send digests."""
-    init_child()
-    if args.host_id is not None:
-        assume_host(args.host_id)
-    receivers: list[WeightReceiver] = []
-    try:
-        models = [build_model(args.spec, seed=None) for _ in args.names]
-        receivers = [WeightReceiver(m, store=args.store, job=args.job, name=n, timeout_s=args.timeout_s)
-                     for m, n in zip(models, args.names)]  # fmt: skip
-        conn.send(("ready", os.getpid()))
-        while conn.poll(args.timeout_s * 4):
-            msg = conn.recv()
-            if msg[0] != "await":
-                break
-            for receiver in receivers:
-                receiver.wait_for_version(msg[1], timeout_s=args.timeout_s)
-            conn.send(("applied", msg[1], [digest(m) for m in models]))
-    except WeightSyncClosedError:
-        pass
-    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
-        report_failure(conn, f"receivers {args.names}")
-    finally:
-        for receiver in receivers:
-            receiver.close()
-    conn.send(("closed",))
 
 
 def _hammer(conn: Connection, address: str, seconds: float) -> None:
@@ -138,12 +101,15 @@ class _Run(NamedTuple):
     conns: dict[str, Connection]
     timeout_s: float
     bad: list[str]  # receivers that applied other bytes than pushed
+    idle_keys: Counter[str]  # requests in the idle window by command and key pattern
+    push_keys: list[Counter[str]]  # requests of each push by command and key pattern
 
     def push(self, version: int) -> tuple[Counter[str], float]:
         """Push ``version`` and wait until every receiver applied it: the requests meanwhile, and the time."""
         mutate(self.model, version)
         expected = digest(self.model)
         before, started = self.proxy.snapshot(), time.monotonic()
+        before_keys = self.proxy.snapshot_keys()
         self.sender.push(version)
         for conn in self.conns.values():
             conn.send(("await", version))
@@ -151,15 +117,17 @@ class _Run(NamedTuple):
             got = receive(conn, self.timeout_s, f"version {version} applied on {g}")
             self.bad.extend(f"{g}: version {version}" for d in got[2] if d != expected)  # type: ignore[attr-defined]
         took = time.monotonic() - started
+        self.push_keys.append(self.proxy.snapshot_keys() - before_keys)
         return self.proxy.snapshot() - before, took
 
 
 def _measure(run: _Run, args: argparse.Namespace) -> tuple[Counter[str], list[dict[str, object]]]:
     """Version 1, the idle window, then the timed pushes."""
     run.push(1)
-    before = run.proxy.snapshot()
+    before, before_keys = run.proxy.snapshot(), run.proxy.snapshot_keys()
     time.sleep(args.idle_s)  # the measuring window itself, not a wait for anything
     idle = run.proxy.snapshot() - before
+    run.idle_keys.update(run.proxy.snapshot_keys() - before_keys)
     idle_rate = sum(idle.values()) / args.idle_s
     pushes: list[dict[str, object]] = []
     for version in range(2, args.pushes + 2):
@@ -197,7 +165,7 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             for g, conn in conns.items():
                 receive(conn, startup_s, f"receivers of {g} to start")
             wait_registered(sender, [n for _, names in groups.values() for n in names], startup_s)
-            run = _Run(proxy, sender, model, conns, args.timeout_s, [])
+            run = _Run(proxy, sender, model, conns, args.timeout_s, [], Counter(), [])
             idle, pushes = _measure(run, args)
             for conn in conns.values():
                 conn.send(("close",))
@@ -209,18 +177,23 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
             result["capacity_requests_per_s"] = round(measure_capacity(children, f"{_STORE_HOST}:{server.port}",
                                                                        args.capacity_clients))  # fmt: skip
         result["unparsed_connections"] = proxy.unparsed
-    return {**result, **_summary(idle, pushes, args, n_receivers), "ok": not run.bad, "problems": run.bad}
+    for push, keyed in zip(pushes, run.push_keys[1:]):
+        push["by_key"] = dict(sorted(keyed.items()))
+    summary = _summary(idle, run.idle_keys, pushes, args, n_receivers)
+    return {**result, **summary, "ok": not run.bad, "problems": run.bad}
 
 
 def _summary(
-    idle: Counter[str], pushes: list[dict[str, object]], args: argparse.Namespace, n_receivers: int
+    idle: Counter[str], idle_keys: Counter[str], pushes: list[dict[str, object]], args: argparse.Namespace,
+    n_receivers: int,
 ) -> dict[str, object]:
     hosts = args.store_hosts + 1  # the trainer's host too
     idle_rate = sum(idle.values()) / args.idle_s
     median = round(statistics.median(float(str(p["requests_less_idle"])) for p in pushes), 1)
     return {
         "idle": {"requests_per_s": round(idle_rate, 1), "per_receiver_per_s": round(idle_rate / n_receivers, 2),
-                 "per_host_per_s": round(idle_rate / hosts, 2), "by_command_per_s": _rates(idle, args.idle_s)},
+                 "per_host_per_s": round(idle_rate / hosts, 2), "by_command_per_s": _rates(idle, args.idle_s),
+                 "by_key_per_s": _rates(idle_keys, args.idle_s)},
         "per_push": {"median_requests_less_idle": median, "per_receiver": round(median / n_receivers, 2),
                      "per_host": round(median / hosts, 2), "pushes": pushes},
     }  # fmt: skip

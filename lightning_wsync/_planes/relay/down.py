@@ -24,6 +24,7 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     hop_header,
     join_hop,
+    mark_broken,
     read_chain,
 )
 from lightning_wsync._planes.relay.tidy import forget_hop
@@ -38,6 +39,7 @@ _DOWNSTREAM_CONNECT_S = 2.0  # a version arriving before the next hop is connect
 # waits for it, else every CHAIN_POLL_S: fast polls throughout a push cost the store
 # thousands of requests a second at 8 hosts.
 _NOTE_HURRY_S = 0.5
+_IDLE_NOTE_S = 5.0  # the same when the leader's bell says when the chain changes (nudge())
 
 
 class Downstream:
@@ -46,9 +48,14 @@ class Downstream:
     def __init__(
         self, ctl: Control, epoch: int, chain: Chain, rid: int | None, layout: Manifest, backend: str, addr: str,
         timeout_s: float, *, tree: int | None = None, pieces: int | None = None,
+        current: Callable[[int], bool] | None = None,
     ) -> None:  # fmt: skip
         """The hop to leader ``rid`` (None: there is no next leader) in ``chain``, or in its
-        tree ``tree``, where a full version comes in ``pieces`` pieces (half of them)."""
+        tree ``tree``, where a full version comes in ``pieces`` pieces (half of them).
+
+        ``current(number)``: whether chain ``number`` is still served, known without a store
+        request (the leader's :class:`~lightning_wsync._planes.relay.bell.Bell`, which calls
+        :meth:`nudge` when it changes); without it the chain record is read every CHAIN_POLL_S."""
         self._ctl = ctl
         self._epoch = epoch
         self._layout = layout
@@ -70,6 +77,8 @@ class Downstream:
         self._hurry_until = time.monotonic() + _NOTE_HURRY_S  # poll the next note fast until then
         self._wake = threading.Event()  # cuts a slow poll short (begin() waits, or close())
         self._chain_number = chain.number
+        self._current = current
+        self._idle_s = CHAIN_POLL_S if current is None else _IDLE_NOTE_S
         self.missed = False  # a version went by while this hop was still connecting
         self._connector: threading.Thread | None = None
         if self._rid is not None:
@@ -83,6 +92,8 @@ class Downstream:
         ctl = self._ctl.clone()
 
         def superseded() -> bool:
+            if self._current is not None:
+                return self._closed.is_set() or not self._current(self._chain_number)
             current = read_chain(ctl, self._epoch)
             return self._closed.is_set() or current is None or current.number != self._chain_number
 
@@ -122,17 +133,21 @@ class Downstream:
                     n = self._notes_read = n + 1
                     continue
                 now = time.monotonic()
-                if now >= next_check:
+                if now >= next_check or self._current is not None:  # (asking the bell costs nothing)
                     next_check = now + CHAIN_POLL_S
                     if superseded():
                         break
-                self._wake.wait(POLL_S if now < self._hurry_until else CHAIN_POLL_S)
+                self._wake.wait(POLL_S if now < self._hurry_until else self._idle_s)
                 self._wake.clear()
         except Exception as exc:  # noqa: BLE001 - store trouble: the next begin() reports it
             end = exc
         with self._notes_cv:
             self._notes_end = end
             self._notes_cv.notify_all()
+
+    def nudge(self) -> None:
+        """Look at the chain (and the next note) now, not at the next idle poll."""
+        self._wake.set()
 
     def _next_note(self) -> Held | None:
         """What the next leader holds before message ``self._n``; raises past ``timeout_s``."""
@@ -160,7 +175,7 @@ class Downstream:
                     log.debug("relay: hop to leader rid=%d ended with its chain: %s", self._rid, error_text(exc))
                     return
                 log.warning("relay: hop to leader rid=%d failed: %s", self._rid, error_text(exc))
-                self._ctl.set_text(keys.relay_broken(self._epoch, self._rid), "1")
+                mark_broken(self._ctl, self._epoch, self._rid)
             except (RuntimeError, WeightSyncError):
                 pass
 

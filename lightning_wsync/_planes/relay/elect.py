@@ -19,7 +19,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.hops import CHAIN_POLL_S
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, ring
 from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
 
@@ -36,6 +36,7 @@ class Election:
     def __init__(self, *, epoch: int, host: str, rid: int, shm: str, heartbeat_timeout_s: float) -> None:
         self.key = keys.relay_leader(epoch, host)
         self.standing = True
+        self._epoch = epoch
         self._host = host
         self._rid = rid
         self._shm = shm
@@ -58,12 +59,20 @@ class Election:
                 self._refused = raw
             return raw, None
 
-    def elect(self, ctl: Control) -> LeaderRecord | None:
-        """The host's leader after this poll: the current one, or this receiver if it took over."""
+    def elect(self, ctl: Control, *, suspect: tuple[int, str] | None = None) -> LeaderRecord | None:
+        """The host's leader after this poll: the current one, or this receiver if it took over.
+
+        ``suspect``: (rid, why) the host itself says that leader is gone (its board went silent).
+        """
         raw, record = self.read(ctl)
         if not self.standing:
             return record
-        reason = "no leader" if record is None else self._gone(ctl, record)
+        if record is None:
+            reason: str | None = "no leader"
+        elif suspect is not None and suspect[0] == record.rid != self._rid:
+            reason = suspect[1]
+        else:
+            reason = self._gone(ctl, record)
         if reason is None:
             return record
         mine = LeaderRecord(rid=self._rid, pid=os.getpid(), term=0 if record is None else record.term + 1,
@@ -72,6 +81,9 @@ class Election:
         now = ctl.compare_set(self.key, raw or "", sealed).decode("utf-8", "replace")
         if now == sealed:
             log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, mine.term, reason)
+            if record is not None:  # the one replaced stops serving at once if it still can
+                ring(ctl, self._epoch, record.rid)
+            ctl.bump(keys.relay_moved(self._epoch))  # the sender reads the leader records again
             return mine
         return self.read(ctl)[1] if now else None
 
@@ -86,6 +98,7 @@ class Election:
         _, record = self.read(ctl)
         if record is not None and record.rid == self._rid:
             ctl.delete(self.key)
+            ctl.bump(keys.relay_moved(self._epoch))
 
     def leads(self, ctl: Control) -> bool:
         _, record = self.read(ctl)

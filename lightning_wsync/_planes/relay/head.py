@@ -80,7 +80,9 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     hop_header,
     join_hop,
+    mark_broken,
     next_lease,
+    ring,
     send_apart,
     wait_ready,
 )
@@ -94,7 +96,6 @@ from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightS
 log = logging.getLogger(__name__)
 
 
-# -- the sender's side -----------------------------------------------------------------
 class HopReceipt(NamedTuple):
     """How a leader got one version: the push report's delta figures for its host."""
 
@@ -139,11 +140,11 @@ class RelayHead:
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)
         self._thread.start()
 
-    def update_chain(self, leaders: dict[int, str]) -> None:
-        """Re-form the chain from the live leaders (rid -> host); called by the sender's background step."""
+    def update_chain(self, leaders: dict[int, str], *, look: bool = True) -> None:
+        """Re-form the chain from the live leaders (rid -> host), reading their broken keys if ``look``."""
         ctl, now = self._control, time.monotonic()
         self.leaders = dict(leaders)
-        for rid in leaders:
+        for rid in leaders if look else ():
             if rid not in self._excluded and ctl.has(keys.relay_broken(self._epoch, rid)):
                 ctl.delete(keys.relay_broken(self._epoch, rid))
                 self._excluded[rid] = now + self._heartbeat_timeout_s
@@ -161,8 +162,10 @@ class RelayHead:
             return
         if self.chain.number:
             self._sweeper.replaced(self.chain.number, self.chain.rids, self.chain.tree)
-        self.chain = Chain(self.chain.number + 1, rids, tree)
+        old, self.chain = self.chain, Chain(self.chain.number + 1, rids, tree)
         ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.number, tuple(rids), tree))
+        for rid in sorted({*old.rids, *rids, *leaders}):  # after the record: the woken read the new one
+            ring(ctl, self._epoch, rid)
         log.info("relay %s %d: %s", "trees" if tree else "chain", self.chain.number, list(rids))
         self._changed.set()
         # A send into the old chain's first leader ends: a group nobody serves blocks it for timeout_s.
@@ -212,7 +215,7 @@ class RelayHead:
             except Exception as exc:  # noqa: BLE001 - this hop only; the chain is re-formed
                 if not self._superseded():
                     log.warning("relay: hop to leader rid=%d failed: %s", first, error_text(exc))
-                    ctl.set_text(keys.relay_broken(self._epoch, first), "1")
+                    mark_broken(ctl, self._epoch, first)
                     self._changed.wait()  # the failed generation's hop cannot be joined again (close() sets it too)
             finally:
                 self._hop = None

@@ -66,6 +66,17 @@ def read_chain(ctl: Control, epoch: int) -> Chain | None:
     return None if value is None else Chain(value.number, value.rids, value.tree)
 
 
+def mark_broken(ctl: Control, epoch: int, rid: int) -> None:
+    """Say that the hop into leader ``rid`` failed (the sender drops it from the chain)."""
+    ctl.set_text(keys.relay_broken(epoch, rid), "1")
+    ctl.bump(keys.relay_moved(epoch))  # the sender reads the broken keys when this moves
+
+
+def ring(ctl: Control, epoch: int, rid: int) -> None:
+    """Ring leader ``rid``'s bell: it reads the chain and its leader record again (:mod:`.bell`)."""
+    ctl.set_text(keys.relay_bell(epoch, rid), "1")
+
+
 def hop_header(version: int, seq: int, layout: Manifest, kind: int, pieces: int | None = None) -> torch.Tensor:
     """``pieces``: how many of the version's chunks, or records of a delta, follow (a tree carries
     one per chunk of its half, either way; a chain's delta one per bucket)."""

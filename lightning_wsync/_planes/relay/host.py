@@ -17,24 +17,23 @@ from collections.abc import Callable
 import torch
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.manifest import Manifest, entry_views
-from lightning_wsync._control.records import Receipt, ReceiptsRecord, SenderRecord, VersionRecord
+from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.net.link import NetReceiveLink
-from lightning_wsync._planes.net.source import NetworkSource
+from lightning_wsync._planes.relay.bell import Bell
+from lightning_wsync._planes.relay.board import Board, HostNews
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
-    Chain,
     Superseded,
     error_text,
     join_hop,
-    read_chain,
 )
-from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
+from lightning_wsync._planes.relay.source import HostRingReader
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
@@ -45,6 +44,7 @@ from lightning_wsync.errors import WeightSyncError
 log = logging.getLogger(__name__)
 
 _RECEIPTS = 8  # versions a leader reports how it got (push reports read them)
+_STORE_BACKSTOP_S = 30.0  # a host-mate whose leader looks live from the host reads its record this often
 
 
 class RelayMember:
@@ -83,6 +83,11 @@ class RelayMember:
         shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
+        self._board: Board | None = None  # while leading: what host-mates read instead of the store
+        self._bell: Bell | None = None  # while leading: the chain and its leadership, without polls
+        self._leader: LeaderRecord | None = None  # as last read from the store, which is read again
+        self._store_due, self._pidns = 0.0, pid_namespace()  # at _store_due whatever the host says
+        self._suspect: tuple[int, str] | None = None  # (rid, why) the host itself says the leader is gone
         self._hop: TreeHop | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, Receipt] = {}
         self._notes = 0  # ready notes written on the current hop from upstream
@@ -91,7 +96,6 @@ class RelayMember:
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-r{rid}", daemon=True)
         self._thread.start()
 
-    # -- election -----------------------------------------------------------------
     def _run(self) -> None:
         ctl = self._control.clone()
         while not self._stop.is_set() and self._election.standing:
@@ -109,8 +113,37 @@ class RelayMember:
         except Exception as exc:  # noqa: BLE001 - the store may be gone with the job
             log.debug("relay: receiver rid=%d left its keys: %s", self._rid, error_text(exc))
 
+    @property
+    def leading(self) -> bool:
+        return self._own is not None
+
+    def post(self, news: HostNews) -> None:
+        if (board := self._board) is not None:
+            board.post(news)
+
+    def _leader_live_here(self) -> bool:
+        """Whether the leader whose ring this host-mate reads looks live from the host (its board's
+        age; its PID, from its own PID namespace), asking the store nothing; when not, and every
+        ``_STORE_BACKSTOP_S`` anyway, the member reads the leader's record from the store."""
+        record, self._suspect = self._leader, None
+        if (record is None or record.rid == self._rid or time.monotonic() >= self._store_due
+                or self.segment.following() != record.shm
+                or (record.pidns != 0 and record.pidns == self._pidns and not pid_alive(record.pid))):  # fmt: skip
+            return False
+        posted = self.segment.board()
+        if posted is not None and posted.age_s > self._heartbeat_timeout_s:
+            self._suspect = (record.rid, f"leader rid={record.rid} silent on the host for {posted.age_s:.1f} s "
+                                         f"(heartbeat_timeout_s={self._heartbeat_timeout_s})")  # fmt: skip
+        return posted is not None and self._suspect is None
+
     def _step(self, ctl: Control) -> None:
-        record = self._election.elect(ctl)
+        if self._own is None and self._leader_live_here():
+            self._stop.wait(CHAIN_POLL_S)
+            return
+        record = self._leader  # a leader's bell reads its record again when rung, and every few seconds
+        if self._bell is None or not self._bell.leads or record is None:
+            record = self._leader = self._election.elect(ctl, suspect=self._suspect)
+            self._store_due = time.monotonic() + max(_STORE_BACKSTOP_S, self._heartbeat_timeout_s)
         leading = record is not None and record.rid == self._rid
         if record is not None and leading and self._own is None:
             if not self._create_ring(ctl, record.shm):
@@ -137,6 +170,8 @@ class RelayMember:
             return False
         self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
                                  lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
+        self._board = Board(segment.pin_dir, max(0.05, self._heartbeat_timeout_s / 8), self._rid)
+        self._bell = Bell(self._control, self._election, epoch=self._epoch, rid=self._rid)
         self._hop = TreeHop(self.layout, self._own)  # a HopReceiver that also takes a tree's two halves
         return True
 
@@ -151,6 +186,10 @@ class RelayMember:
         self._fall_back(why)
 
     def _step_down(self) -> None:
+        for part in (self._board, self._bell):
+            if part is not None:
+                part.close()
+        self._board = self._bell = None
         if self._own is not None:
             self.segment.follow(None)
             self._own.close()
@@ -161,19 +200,19 @@ class RelayMember:
 
     # -- leading ------------------------------------------------------------------
     def _lead(self, ctl: Control) -> None:
-        chain = read_chain(ctl, self._epoch)
+        bell = self._bell
+        assert bell is not None
+        chain = bell.chain  # read when its bell rings (a new chain, a takeover) and every few seconds
         if chain is None or self._rid not in chain.rids or chain.number == self._failed_chain:
-            # A hop whose group was built and then failed cannot be joined again (its store
-            # keys name the old peer, which may be stalled: joining would block for timeout_s).
-            # The side that sent to it marked the failure, so the sender re-forms the chain
-            # under a new generation. A hop whose peer never came is simply joined again.
+            # A hop whose group was built and then failed cannot be joined again (its keys name
+            # the old peer, maybe stalled: joining would block for timeout_s); its sender marked it
+            # broken, so the chain is re-formed under a new number. One whose peer never came is.
             self._stop.wait(CHAIN_POLL_S)
+            bell.current(-1)  # (asking drives the bell's backstop ring)
             return
 
         def superseded() -> bool:
-            current = read_chain(ctl, self._epoch)
-            moved = current is None or current.number != chain.number
-            return self._stop.is_set() or moved or not self._election.leads(ctl)
+            return self._stop.is_set() or not bell.current(chain.number)
 
         if chain.tree:
             hop = self._hop
@@ -187,12 +226,12 @@ class RelayMember:
         self._notes = 0
         up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
-        down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s)
-        pg: PeerGroup | None = None
-
+        down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s,
+                          current=bell.current)  # fmt: skip
+        deaf, pg = bell.listen(down.nudge), None  # a ring makes its reader look at once
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
-            self._serve(ctl, pg, up_prefix, chain, down)
+            self._serve(ctl, pg, up_prefix, superseded, down)
         except Superseded:
             return
         except Exception as exc:  # noqa: BLE001 - rebuild with the next chain
@@ -202,29 +241,23 @@ class RelayMember:
                 log.info("relay: rid=%d hop from upstream ended (%s)", self._rid, error_text(exc)[:200])
                 self._stop.wait(CHAIN_POLL_S)
         finally:
+            deaf()
             down.close()
             close_group(pg, 0, self._backend)
             forget_hop(ctl, up_prefix, 1, spent=pg is not None, notes=(self._notes,))
 
-    def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, chain: Chain, down: Downstream) -> None:
+    def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, moved: Callable[[], bool], down: Downstream) -> None:
         hop = self._hop
         assert hop is not None
         n = self._notes = 0
-        next_check = 0.0
         while not self._stop.is_set():
             ctl.set_text(keys.ready(prefix, n), hop.ready_note())  # what a delta may be made against
             hop.expect(pg)
             while not hop.arrived():
                 if down.missed and down.connected() and hop.resend(down):
                     down.finish()
-                if self._stop.wait(POLL_S):
+                if self._stop.wait(POLL_S) or moved():  # a new chain or a lost election ends this hop
                     return
-                now = time.monotonic()
-                if now >= next_check:  # a new chain or a lost election ends this hop
-                    next_check = now + CHAIN_POLL_S
-                    current = read_chain(ctl, self._epoch)
-                    if current is None or current.number != chain.number or not self._election.leads(ctl):
-                        return
             msg = hop.receive(pg, down)
             n = self._notes = n + 1
             self._accept(ctl, hop, msg)
@@ -264,36 +297,3 @@ class RelayMember:
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
-
-
-def open_relay_source(
-    control: Control, layout: Manifest, ordered: list[torch.Tensor], record: SenderRecord, *, epoch: int,
-    rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
-    on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
-) -> RelaySource:  # fmt: skip
-    """The data plane of a receiver on a host other than the sender's, when the sender relays."""
-    backend = record.backend
-    ctl = control.clone()
-
-    def newest() -> int | None:  # read by the link only after timeout_s without an announcement
-        try:
-            latest = ctl.get_record(keys.LATEST, VersionRecord)
-        except WeightSyncError:  # unreadable: as if not announced yet (the watcher reports it)
-            return None
-        return None if latest is None else latest.version
-
-    def net() -> NetworkSource:
-        link = NetReceiveLink(control, layout, epoch=epoch, rid=rid, backend=backend, addr=addr, timeout_s=timeout_s,
-                              device=torch.device("cpu"), on_staged=on_published, on_rejected=on_rejected,
-                              newest=newest)  # fmt: skip
-        return NetworkSource(epoch, layout, ordered, link, swap=False)
-
-    segment = HostRingReader(epoch, layout, ordered, name)
-    source = RelaySource(epoch, segment, net)
-    source.member = RelayMember(
-        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
-        addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop, whatever this receiver's
-        heartbeat_timeout_s=record.heartbeat_timeout_s,
-        on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back,
-    )  # fmt: skip
-    return source

@@ -11,11 +11,14 @@ import threading
 import time
 from collections.abc import Sequence
 
+from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead, leader_record
 from lightning_wsync._planes.shm.ring import SnapshotRing
+
+_FOLLOW_ALL_S = 5.0  # the leader records and broken keys are read at least this often
 
 
 class RelaySendPlane:
@@ -32,19 +35,29 @@ class RelaySendPlane:
         self._epoch = epoch
         self._host = host
         self._delta = deltas is not None
+        self._moved: str | None = None  # relay/<epoch>/moved as last read through
+        self._live: set[int] = set()
+        self._next_all = 0.0
         self._head = RelayHead(
             control, ring, epoch=epoch, backend=backend, addr=addr, timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas, policy=policy, topology=topology,
         )  # fmt: skip
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
+        # The leader records and broken keys (a request per host each) are read when
+        # relay/<epoch>/moved moved, when the live receivers changed, and every _FOLLOW_ALL_S.
         by_rid = {p.rid: p for p in live}
+        moved, now = self._ctl.get_text(keys.relay_moved(self._epoch)), time.monotonic()
+        if moved is not None and moved == self._moved and set(by_rid) == self._live and now < self._next_all:
+            self._head.update_chain(self._head.leaders, look=False)
+            return
         leaders: dict[int, str] = {}
         for host in sorted({p.host for p in live if p.host != self._host}):
             record = leader_record(self._ctl, self._epoch, host)
             if record is not None and record.rid in by_rid:
                 leaders[record.rid] = host
         self._head.update_chain(leaders)
+        self._moved, self._live, self._next_all = moved, set(by_rid), now + _FOLLOW_ALL_S
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
         pass  # the head's thread waits on the ring for the next version itself

@@ -4,6 +4,7 @@ network when this receiver cannot share that ring (see :mod:`~lightning_wsync._p
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -13,6 +14,8 @@ import torch
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._planes.base import Reject, SumsLookup
 from lightning_wsync._planes.net.source import NetworkSource
+from lightning_wsync._planes.relay.board import HostNews, Posted, read_board
+from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
 from lightning_wsync._planes.shm.source import SharedMemorySource
 from lightning_wsync.errors import WeightSyncError
@@ -23,6 +26,11 @@ _SEGMENT_POLL_S = 0.005  # a waiting host-mate reads the segment header this oft
 
 
 class Member(Protocol):
+    @property
+    def leading(self) -> bool: ...
+
+    def post(self, news: HostNews) -> None: ...
+
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
@@ -66,6 +74,15 @@ class HostRingReader:
 
     def current(self) -> SharedMemorySource | None:
         return self._source
+
+    def following(self) -> str | None:
+        """The name of the ring read now (None: none is open)."""
+        return self._segment if self._source is not None else None
+
+    def board(self) -> Posted | None:
+        """The board of the leader whose ring is read now (:mod:`~lightning_wsync._planes.relay.board`)."""
+        segment = self.following()
+        return None if segment is None else read_board(pin_dir(os.path.join(SHM_DIR, segment)))
 
     def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
         with self._lock:  # follow() cannot close the ring under a copy
@@ -112,6 +129,20 @@ class RelaySource:
     def pending_above(self, held: int | None) -> bool:
         net = self._net
         return net.pending_above(held) if net is not None else self.segment.pending_above(held)
+
+    def host_news(self) -> Posted | None:
+        """For a host-mate reading its leader's ring: what the leader last read from the store
+        for the host (its watcher then need not ask the store); None otherwise."""
+        member = self.member
+        if self._net is not None or member is None or member.leading:
+            return None
+        return self.segment.board()
+
+    def share_news(self, news: HostNews) -> None:
+        """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
+        member = self.member
+        if self._net is None and member is not None and member.leading:
+            member.post(news)
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
         source = self.segment.current()

@@ -100,6 +100,7 @@ class RelaySweeper:
     def _forget_leader(self, ctl: Control, rid: int, host: str | None = None) -> None:
         ctl.delete(keys.relay_received(self._epoch, rid))
         ctl.delete(keys.relay_broken(self._epoch, rid))
+        ctl.delete(keys.relay_bell(self._epoch, rid))
         if host is not None:  # its host has had no live leader since: a record naming it is stale
             key = keys.relay_leader(self._epoch, host)
             raw = peek(ctl, key)

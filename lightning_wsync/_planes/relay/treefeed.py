@@ -35,6 +35,7 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     hop_header,
     join_hop,
+    mark_broken,
     next_lease,
     send_apart,
     wait_ready,
@@ -94,7 +95,7 @@ class TreeFeed:
                 return False
             rid = self.roots[self._blame]
             log.warning("relay: hop to tree %d's root rid=%d failed: %s", self._blame, rid, error_text(exc))
-            ctl.set_text(keys.relay_broken(self._epoch, rid), "1")
+            mark_broken(ctl, self._epoch, rid)
             return True
         finally:
             for t in range(TREES):

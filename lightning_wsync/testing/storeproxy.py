@@ -12,6 +12,7 @@ trip, so clients that poll in a loop poll a little slower through it than withou
 
 from __future__ import annotations
 
+import re
 import selectors
 import socket
 import struct
@@ -26,6 +27,8 @@ _NAMES = ("validate", "set", "compare_set", "get", "add", "check", "wait", "num_
 _ARGS = ("U", "SS", "SSS", "S", "SI", "N", "N", "", "S", "SS", "N", "M", "", "U", "SS", "S", "S")
 _U64 = struct.Struct("<Q")
 _CHUNK = 1 << 16
+_NUMBERS = re.compile(rb"[0-9]+")
+_HEX_TAIL = re.compile(rb"[0-9a-f]{8,}")
 
 
 class ProtocolError(Exception):
@@ -34,12 +37,24 @@ class ProtocolError(Exception):
 
 def parse_request(buf: bytes | bytearray, at: int) -> tuple[str, int] | None:
     """The request starting at ``buf[at]``: its command and where the next begins; None while incomplete."""
+    got = parse_request_key(buf, at)
+    return None if got is None else (got[0], got[1])
+
+
+def key_pattern(key: bytes) -> str:
+    """A key with its numbers (ids, epochs, versions) and hex tokens collapsed: ``member/#/hb``."""
+    return _NUMBERS.sub(b"#", _HEX_TAIL.sub(b"*", key)).decode("utf-8", "replace")
+
+
+def parse_request_key(buf: bytes | bytearray, at: int) -> tuple[str, int, bytes] | None:
+    """As :func:`parse_request`, with the request's first key (b"" for commands without one)."""
     if at >= len(buf):
         return None
     code = buf[at]
     if code >= len(_NAMES):
         raise ProtocolError(f"unknown TCPStore command byte {code} at offset {at}")
     pos = at + 1
+    key: bytes | None = None
     for arg in _ARGS[code]:
         if arg == "U":
             pos += 4
@@ -51,15 +66,20 @@ def parse_request(buf: bytes | bytearray, at: int) -> tuple[str, int] | None:
             (n,) = _U64.unpack_from(buf, pos)
             pos += 8
             if arg == "S":
+                if key is None:
+                    key = bytes(buf[pos : pos + n])
                 pos += n
             else:
                 for _ in range(n if arg == "N" else 2 * n):
                     if pos + 8 > len(buf):
                         return None
-                    pos += 8 + _U64.unpack_from(buf, pos)[0]
+                    size = _U64.unpack_from(buf, pos)[0]
+                    if key is None:
+                        key = bytes(buf[pos + 8 : pos + 8 + size])
+                    pos += 8 + size
         if pos > len(buf):
             return None
-    return _NAMES[code], pos
+    return _NAMES[code], pos, key or b""
 
 
 class _Pair:
@@ -91,6 +111,7 @@ class CountingProxy:
         self.address = f"{host}:{self.port}"
         self.unparsed = 0  # connections whose stream stopped parsing (still forwarded)
         self._counts: Counter[str] = Counter()
+        self._keys: Counter[str] = Counter()  # "command key-pattern" -> requests
         self._lock = threading.Lock()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -105,6 +126,11 @@ class CountingProxy:
         """Requests counted so far, by command."""
         with self._lock:
             return Counter(self._counts)
+
+    def snapshot_keys(self) -> Counter[str]:
+        """Requests counted so far, by command and key pattern (``"get member/#/hb"``)."""
+        with self._lock:
+            return Counter(self._keys)
 
     @property
     def connections(self) -> int:
@@ -193,17 +219,19 @@ class CountingProxy:
             return
         buf = pair.pending
         buf += data
-        at, seen = 0, Counter[str]()
+        at, seen, by_key = 0, Counter[str](), Counter[str]()
         try:
-            while (got := parse_request(buf, at)) is not None:
-                name, at = got
+            while (got := parse_request_key(buf, at)) is not None:
+                name, at, key = got
                 seen[name] += 1
+                by_key[f"{name} {key_pattern(key)}"] += 1
         except ProtocolError:
             pair.parsing = False
             self.unparsed += 1
         del buf[:at]
         with self._lock:
             self._counts.update(seen)
+            self._keys.update(by_key)
 
     def _drop(self, pair: _Pair) -> None:
         for sock in (pair.client, pair.upstream):

@@ -1,0 +1,116 @@
+"""A relay leader's doorbell: what it serves (the chain, its own leadership) without polling the store.
+
+A leader used to read the chain record and its leader record every ``CHAIN_POLL_S`` in
+each of its loops (its hop from upstream, its hop downstream, waiting to be in a chain):
+about 60 requests a second per host while idle. Instead one thread per leader waits on
+its bell key (``relay/<epoch>/bell/<rid>``, one blocking wait on a connection of its own)
+and reads both records when the bell rings; the loops look at what it read, in memory.
+Whoever changes what the leader serves rings it: the sender after each new chain number
+(every leader of the old and the new chain, and every leader it knows), a host-mate that
+takes over the host, and the leader itself when it steps down. The owner rings it again
+when it has not rung for ``BACKSTOP_S`` (a lost ring costs at most that long), so the
+blocking wait never reaches its own timeout (the store client logs one line when it does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.elect import Election
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+BACKSTOP_S = 15.0  # what the bell's thread read is read again at least this often
+_WAIT_S = 60.0  # a wait's own bound; the backstop's ring ends it much sooner
+
+
+class Bell:
+    """A leader's view of the chain and of its own leadership, kept current by its doorbell.
+
+    ``chain`` and ``leads`` are what the bell's thread last read; :meth:`current` says
+    whether a chain number is still the one to serve; listeners (``listen``) are called
+    after each read (a hop's reader, to look again at once).
+    """
+
+    def __init__(self, control: Control, election: Election, *, epoch: int, rid: int) -> None:
+        self._control = control
+        self._election = election
+        self._epoch = epoch
+        self._rid = rid
+        self._key = keys.relay_bell(epoch, rid)
+        self._ctl = control.clone()  # its waits block this connection
+        self._stop = threading.Event()
+        self._listeners: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self.chain: Chain | None = None
+        self.leads = True
+        self._due = 0.0  # when current() rings the bell itself (a lost ring costs at most BACKSTOP_S)
+        self._read()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-relay-bell-r{rid}", daemon=True)
+        self._thread.start()
+
+    def current(self, number: int) -> bool:
+        """Chain ``number`` is still the one to serve, and this receiver still leads (no request;
+        rings the bell when it has not rung for ``BACKSTOP_S``)."""
+        if time.monotonic() >= self._due:
+            self._due = time.monotonic() + BACKSTOP_S  # one backstop ring, whoever asks first
+            try:
+                ring(self._control, self._epoch, self._rid)
+            except WeightSyncError as exc:
+                log.debug("relay: bell of rid=%d not rung: %s", self._rid, exc)
+        chain = self.chain
+        return not self._stop.is_set() and self.leads and chain is not None and chain.number == number
+
+    def listen(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` after each read; returns the call that stops it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def stop() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return stop
+
+    def _read(self) -> None:
+        self.chain = read_chain(self._ctl, self._epoch)
+        self.leads = self._election.leads(self._ctl)
+        self._due = time.monotonic() + BACKSTOP_S
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rung = self._ctl.wait_for(self._key, _WAIT_S)
+                if rung:
+                    self._ctl.delete(self._key)  # before the reads: a ring after them is a new wake-up
+                if self._stop.is_set():
+                    break
+                self._read()
+            except Exception as exc:  # noqa: BLE001 - the bell must outlive a bad read; the store may come back
+                log.debug("relay: bell of rid=%d: %s", self._rid, error_text(exc))
+                self._stop.wait(CHAIN_POLL_S)
+            with self._lock:
+                listeners = list(self._listeners)
+            for listener in listeners:
+                listener()
+
+    def close(self) -> None:
+        """Stop the thread (its wait is ended by a ring; the key is deleted on the way out)."""
+        self._stop.set()
+        try:
+            ring(self._control, self._epoch, self._rid)
+        except WeightSyncError:
+            pass  # the store is gone: the wait fails by itself
+        self._thread.join(timeout=5)
+        try:
+            self._control.delete(self._key)
+        except WeightSyncError:
+            pass

@@ -1,0 +1,99 @@
+"""A relay host's board: what its leader tells the host-mates through the host, not the store.
+
+The leader keeps a small file, ``board``, in its host segment's pin directory
+(``/dev/shm/<segment>.pins/``, removed with the segment): the ``news`` counter as its own
+watcher last read it from the store, and the ``latest`` record as read with it. It
+rewrites the file when either moves and touches it every ``beat_s``, so the file's age
+is the leader's heartbeat on the host. A host-mate that reads the leader's ring reads the
+board instead of asking the store: it learns of new versions from it (the ring's wake-up
+brings the bytes), and judges its leader by the board's age (and by its PID, from the same
+PID namespace) instead of polling the leader's record and heartbeat on the store.
+
+Whoever reads the ring shares the leader's ``/dev/shm`` and user, so the board is readable
+wherever the ring is; a host-mate that cannot read it (no board yet, a stale one) asks the
+store as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+FILE = "board"
+
+
+class HostNews(NamedTuple):
+    """What the leader's watcher last read from the store for its host."""
+
+    news: str | None  # the ``news`` counter as written (None: absent)
+    latest: str | None  # the ``latest`` record as written (sealed; host-mates verify it)
+
+
+class Board:
+    """The leader's end: posts news and beats (touches the file) on a thread of its own."""
+
+    def __init__(self, directory: str, beat_s: float, rid: int) -> None:
+        self.path = os.path.join(directory, FILE)
+        self._beat_s = beat_s
+        self._posted: HostNews | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._write(HostNews(None, None))
+        self._thread = threading.Thread(target=self._beat, name=f"wsync-relay-board-r{rid}", daemon=True)
+        self._thread.start()
+
+    def post(self, news: HostNews) -> None:
+        """Tell the host-mates (rewrites the board when it changed)."""
+        if news != self._posted:
+            self._write(news)
+
+    def _write(self, news: HostNews) -> None:
+        tmp = f"{self.path}.{threading.get_ident()}"
+        with self._lock:
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(news._asdict(), f)
+                os.replace(tmp, self.path)  # a reader sees the old board or the new, never half of one
+                self._posted = news
+            except OSError as exc:  # the segment is being removed (stepping down): host-mates ask the store
+                log.debug("relay board %s not written: %s", self.path, exc)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._beat_s):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return  # the pin directory is gone with the segment
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Posted(NamedTuple):
+    """A board as a host-mate read it."""
+
+    news: HostNews
+    age_s: float  # since the leader last wrote or touched it
+
+
+def read_board(directory: str) -> Posted | None:
+    """The board in ``directory`` (a leader's segment's pin directory), or None when there is none."""
+    path = os.path.join(directory, FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            age_s = time.time() - os.fstat(f.fileno()).st_mtime
+            value = json.load(f)
+        return Posted(HostNews(_text(value.get("news")), _text(value.get("latest"))), max(0.0, age_s))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
