@@ -37,7 +37,6 @@ import torch
 from lightning_wsync.bench import _hostdelta
 from lightning_wsync.bench._push import PushRun
 from lightning_wsync.bench._receivers import Placement
-from lightning_wsync.bench._storeproxy import CountingProxy
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.hosts import (
     SimHosts,
@@ -50,6 +49,7 @@ from lightning_wsync.testing.hosts import (
 from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
 from lightning_wsync.testing.procs import BenchError
 from lightning_wsync.testing.pushmodel import prefer_tree, tree_depth
+from lightning_wsync.testing.storeproxy import CountingProxy
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _TOPOLOGIES = ("relay", "star")  # measured when --topology is not given

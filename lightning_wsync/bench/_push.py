@@ -24,10 +24,10 @@ from torch import nn
 from lightning_wsync import WeightSender
 from lightning_wsync.bench._memory import MemGrowth, growth, reset_peak
 from lightning_wsync.bench._receivers import Placement, ReceiverArgs, receiver_main, receiver_on_host
-from lightning_wsync.bench._storeproxy import CountingProxy
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.testing.models import ModelSpec, digest, mutate
 from lightning_wsync.testing.procs import BenchError, Children, receive
+from lightning_wsync.testing.storeproxy import CountingProxy
 
 log = logging.getLogger(__name__)
 
