@@ -26,15 +26,21 @@ class ShardSendPlane:
     """Rank 0's view of every rank's share; receivers read the rings themselves."""
 
     def __init__(
-        self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, shares: Sequence[Manifest], *, timeout_s: float
+        self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, shares: Sequence[Manifest], *, host: str,
+        timeout_s: float,
     ) -> None:  # fmt: skip
+        """Only the rings of ranks on this host (``host``) are read; with ranks on other hosts, no checksums
+        are published (their receivers rely on each relay hop's check of every rank's signed trailer)."""
         self._ctl = ctl
         self._ring = ring
         self._timeout_s = timeout_s
+        hosts = plan.rank_hosts(host)
+        self._ranks = [rank for rank in range(1, plan.world) if hosts[rank] == host]  # read here, in order
+        self._everyone_here = len(self._ranks) == plan.world - 1
         self._others: list[ShmReader] = []
         try:
-            for segment, share in zip(plan.segments[1:], shares[1:]):
-                self._others.append(ShmReader(segment, share))
+            for rank in self._ranks:
+                self._others.append(ShmReader(plan.segments[rank], shares[rank]))
         except BaseException:
             self.close(0.0)
             raise
@@ -45,8 +51,8 @@ class ShardSendPlane:
         pass  # readers pin slots themselves; a dead reader's pin expires
 
     def _missing_ranks(self, version: int) -> list[int]:
-        """Ranks (>= 1) whose ring holds neither ``version`` nor a newer version complete."""
-        return [rank for rank, reader in enumerate(self._others, start=1)
+        """Ranks (>= 1, on this host) whose ring holds neither ``version`` nor a newer version complete."""
+        return [rank for rank, reader in zip(self._ranks, self._others)
                 if not any(ref.version >= version for ref in reader.complete())]  # fmt: skip
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
@@ -61,7 +67,7 @@ class ShardSendPlane:
                         "applies that version (all shares or none)", missing[0], version, self._timeout_s)  # fmt: skip
             return
         self._missing = None
-        if any(p.verify for p in live):
+        if self._everyone_here and any(p.verify for p in live):
             sums = self._checksums(version)
             if sums is not None:
                 self._ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
