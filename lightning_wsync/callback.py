@@ -391,8 +391,8 @@ class WeightSyncCallback(Callback):
     def _close(self, trainer: pl.Trainer, *, flush: bool, final: bool) -> None:
         sender, reports, writer = self._sender, self._reports, self._writer
         self._sender, self._reports, self._mirror, self._writer, self._shares = None, None, {}, None, None
-        if writer is not None:
-            writer.close()
+        if writer is not None:  # flushing waits (bounded) for rank 0's close: the last push may need this share
+            writer.close(flush_timeout_s=2 * self.config.timeout_s if flush else 0.0)
         if reports is not None:
             reports.close(flush=flush)  # flushing waits (bounded) for the last push's report
             metrics = self._report_metrics(reports.take())

@@ -31,6 +31,7 @@ from lightning_wsync._planes.relay.streams import StreamHead
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync.config import SenderConfig
+from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ShareWriter:
                                   lease_s=lease_s)  # fmt: skip
         self.stall_s: float | None = None  # the last write's
         self._stream: StreamHead | None = None  # across hosts: this rank's relay of its share
+        self._closed_key: str | None = None  # rank 0's sender's, once relaying
         log.info("trainer rank %d writes its share of each version (%.1f MiB of %.1f MiB) into %s", shares.rank,
                  shares.share.total_bytes / 2**20, shares.layout.total_bytes / 2**20, self.segment.name)  # fmt: skip
 
@@ -113,6 +115,7 @@ class ShareWriter:
         handle = connect_store(store, serve=False, timeout_s=config.timeout_s, owner="WeightSyncCallback")
         ctl = Control(handle.store, resolve_job(config.job, "WeightSyncCallback"),
                       resolve_secret(config.secret, "WeightSyncCallback"))  # fmt: skip
+        self._closed_key = keys.closed(epoch)
         self._stream = StreamHead(
             ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank), backend="gloo",
             addr=local_address(handle.address), timeout_s=config.timeout_s,
@@ -120,9 +123,16 @@ class ShareWriter:
         )  # fmt: skip
         log.info("trainer rank %d relays its share of sender epoch %d to other hosts", self._shares.rank, epoch)
 
-    def close(self) -> None:
+    def close(self, flush_timeout_s: float = 0.0) -> None:
+        """Stop relaying and free the ring; with ``flush_timeout_s``, first wait (at most that long) for
+        rank 0's sender to close: it waits for the last push's delivery, which may still need this share."""
         stream, self._stream = self._stream, None
         if stream is not None:
+            if flush_timeout_s > 0 and self._closed_key is not None:
+                try:
+                    stream.ctl.clone().wait_for(self._closed_key, flush_timeout_s)
+                except WeightSyncError as exc:  # the store went with rank 0: nothing left to wait for
+                    log.debug("trainer rank %d: %s", self._shares.rank, exc)
             stream.close()
         self._ring.close()
         self.segment.close()

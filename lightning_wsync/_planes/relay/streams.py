@@ -83,7 +83,7 @@ class StreamHead:
         self, ctl: Control, ring: SnapshotRing, *, stream: int, backend: str, addr: str, timeout_s: float,
         heartbeat_timeout_s: float,
     ) -> None:  # fmt: skip
-        self._ctl = ctl
+        self.ctl = ctl
         self._stream = stream
         self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timeout_s=timeout_s,
                                heartbeat_timeout_s=heartbeat_timeout_s, topology="chain")  # fmt: skip
@@ -92,7 +92,7 @@ class StreamHead:
         self._thread.start()
 
     def _run(self) -> None:
-        ctl = self._ctl.clone()
+        ctl = self.ctl.clone()
         key = keys.relay_stream_leaders(self._stream)
         while not self._stop.is_set():
             try:
