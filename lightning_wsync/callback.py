@@ -215,8 +215,12 @@ class WeightSyncCallback(Callback):
         if error is not None:
             raise WeightSyncError(f"WeightSyncCallback: global rank 0 could not start its WeightSender: {error}")
         if self._writer is not None:  # a Store object is this rank's own; an address is rank 0's (port 0 resolved)
-            self._writer.relay(self._store if isinstance(self._store, dist.Store) else store, epoch,
-                               self.sender_config)  # fmt: skip
+            try:
+                self._writer.relay(self._store if isinstance(self._store, dist.Store) else store, epoch,
+                                   self.sender_config)  # fmt: skip
+            except (WeightSyncError, ValueError, OSError) as exc:  # raising here alone would hang the other ranks
+                log.error("WeightSyncCallback: trainer rank %d cannot relay its share to other hosts (%s): "
+                          "receivers there apply no version of this run", trainer.global_rank, exc)  # fmt: skip
         self._published = latest
         floors = [v for v in (self._last_pushed, latest) if v is not None]
         self._floor = max(floors) if floors else None

@@ -125,6 +125,10 @@ class SendSide:
         planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host,
                                                   timeout_s=spec.timeout_s)]  # fmt: skip
         relay = relays_streams(spec.transport, spec.cross_host)
+        if spec.cross_host == "tree" or spec.delta == "always":
+            log.warning("WeightSender: a sharded push relays each rank's share down a chain of full versions; "
+                        "cross_host=%r and delta=%r are not used for it (docs/sharded.md)", spec.cross_host,
+                        spec.delta)  # fmt: skip
         if relay:  # every rank relays its own share to the other hosts (docs/sharded.md)
             planes.append(ShardStreamsPlane(
                 ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
