@@ -7,10 +7,10 @@ applied version's digest is checked against the trainer's.
 
 - ``egress``: pushes 1-4; the bytes each host sent and received over pushes 2-4 (push 1 sets
   up the hops), read from each namespace's ``eth0`` counters.
-- ``kill``: pushes 1-2, then rank 1 is SIGKILLed while its share of version 3 is on the wire
-  (host 1's link is shaped so that it takes a while), rank 0 pushes 3 and 4 alone; then the
-  trainer is relaunched (a new sender epoch, a new rank 1) and pushes 5. No receiver may
-  apply 3 or 4, and every receiver must apply 5, bit-exact.
+- ``kill`` (``stop``): pushes 1-2, then rank 1 is SIGKILLed (SIGSTOPped) while its share of
+  version 3 is on the wire (host 1's link is shaped so that it takes a while), rank 0 pushes
+  3 and 4 alone; then the trainer is relaunched (a new sender epoch, a new rank 1) and pushes
+  5. No receiver may apply 3 or 4, and every receiver must apply 5, bit-exact.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
     out, mode, size_mb = Path(argv[0]), argv[1], float(argv[2])
     events = out / "events.jsonl"
     with SimHosts(2 + len(ROLLOUT)) as hosts:
-        if mode == "kill":
+        if mode != "egress":
             hosts.shape(1, "100mbit")  # rank 1's share of a version takes ~0.7 s on its link
         os.environ["WSYNC_HOST_ID"] = hosts.name(0)
         hosts.enter(0)
@@ -145,13 +145,16 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             result["tx_per_push"] = [(a[0] - b[0]) / 3 for a, b in zip(after, before)]
             result["rx_per_push"] = [(a[1] - b[1]) / 3 for a, b in zip(after, before)]
         else:
-            result["killed"] = kill_rank1_mid_share(hosts, trainer, push, shares, procs)
+            sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+            result["killed"] = stop_rank1_mid_share(hosts, trainer, push, shares, procs, sig)
             # Rank 0 alone pushes 4: its share reaches every host, rank 1's never does.
             rx = [hosts.counters(h)[1] for h in ROLLOUT]
             push(4, rank1=False)
             wait_until("rank 0's share of version 4 to reach every rollout host",
                        lambda: all(hosts.counters(h)[1] >= b + shares[0] for h, b in zip(ROLLOUT, rx)), 30, procs)
-            sender.close(0, final=False)  # the trainer is relaunched (as after a crash): a new epoch, a new rank 1
+            os.kill(int(trainer.rank1["pid"]), signal.SIGKILL)  # a stalled rank 1 too: the trainer is relaunched
+            procs.wait(f"rank1-l{trainer.launch}", 30)
+            sender.close(0, final=False)  # as after a crash: a new sender epoch, a new rank 1
             sender = trainer.start()
             wait_until("both streams' chains of the new epoch to take in every rollout host", chains_formed, 60, procs)
             everyone(5)
@@ -164,18 +167,16 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         return result
 
 
-def kill_rank1_mid_share(
-    hosts: SimHosts, trainer: Trainer, push: Any, shares: list[int], procs: Procs
+def stop_rank1_mid_share(
+    hosts: SimHosts, trainer: Trainer, push: Any, shares: list[int], procs: Procs, sig: signal.Signals
 ) -> dict[str, Any]:
-    """Version 3: rank 1 SIGKILLed once 30% of its share has left its host."""
+    """Version 3: rank 1 SIGKILLed (or SIGSTOPped) once 30% of its share has left its host."""
     tx = hosts.counters(1)[0]
     push(3)
     goal = tx + 0.3 * shares[1]
     wait_until("30% of rank 1's share of version 3 to leave host 1", lambda: hosts.counters(1)[0] >= goal, 30, procs)
-    os.kill(int(trainer.rank1["pid"]), signal.SIGKILL)
-    sent = hosts.counters(1)[0] - tx
-    procs.wait(f"rank1-l{trainer.launch}", 30)
-    return {"sent_bytes": sent, "share_bytes": shares[1]}
+    os.kill(int(trainer.rank1["pid"]), sig)
+    return {"sent_bytes": hosts.counters(1)[0] - tx, "share_bytes": shares[1], "signal": sig.name}
 
 
 if __name__ == "__main__":

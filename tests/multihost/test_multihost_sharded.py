@@ -40,11 +40,14 @@ def test_each_trainer_host_sends_only_its_share_and_every_receiver_is_bit_exact(
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path: Path) -> None:
-    result = run_scenario("sharded_across_hosts.py", str(tmp_path), "kill", "16", timeout_s=110)
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path: Path, mode) -> None:
+    """Rank 1 SIGKILLed, or SIGSTOPped (a stall past every timeout), while its share of version 3 is on the wire."""
+    result = run_scenario("sharded_across_hosts.py", str(tmp_path), mode, "16", timeout_s=110)
     print(json.dumps({k: result[k] for k in ("killed", "partial_applied")}))
     killed = result["killed"]
-    assert 0.3 * killed["share_bytes"] <= killed["sent_bytes"] < killed["share_bytes"], killed  # killed mid-share
+    assert killed["signal"] == {"kill": "SIGKILL", "stop": "SIGSTOP"}[mode]
+    assert 0.3 * killed["share_bytes"] <= killed["sent_bytes"] < killed["share_bytes"], killed  # mid-share
     assert result["partial_applied"] == []  # neither rank 0's share of 3 nor of 4 was applied anywhere, nor a mix
     _exact(result)
     assert {a["version"] for a in result["applied"]} == {1, 2, 5}
