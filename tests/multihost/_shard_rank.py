@@ -36,7 +36,7 @@ def main() -> int:
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
     prefix = f"xs/{args.launch}/"
     model = build_model(spec_for_size(args.size_mb), seed=0)
-    cfg = SenderConfig(job=args.job, timeout_s=args.timeout_s, heartbeat_timeout_s=3.0)
+    cfg = SenderConfig(job=args.job, timeout_s=args.timeout_s, heartbeat_timeout_s=6.0)
     writer = ShareWriter(prepare_shares(model, cfg, 1, 2), cfg)
     try:
         store.set(prefix + "rank1", json.dumps({"name": writer.name, "host": host_id(), "pid": os.getpid()}))

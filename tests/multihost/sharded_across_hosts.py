@@ -50,7 +50,8 @@ class Trainer:
     def __init__(self, hosts: SimHosts, procs: Procs, store: dist.TCPStore, address: str, size_mb: float) -> None:
         self.hosts, self.procs, self.store, self.address, self.size_mb = hosts, procs, store, address, size_mb
         self.model = build_model(spec_for_size(size_mb), seed=0)
-        self.cfg = SenderConfig(job=JOB, timeout_s=10.0, heartbeat_timeout_s=3.0)
+        # A leader silent this long leaves its chains (a resend would skew the byte counts): ample on 2 busy cores.
+        self.cfg = SenderConfig(job=JOB, timeout_s=10.0, heartbeat_timeout_s=6.0)
         self.mutated = 0
         self.launch = 0
         self.rank1: dict[str, Any] = {}
