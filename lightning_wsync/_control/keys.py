@@ -19,6 +19,8 @@ sender/<epoch>                  JSON    sender record (host, pid, transport, bac
 layout/<epoch>                  JSON    the manifest: tensor table and buckets of that epoch
 shards/<epoch>                  JSON    a sharded sender's plan: each trainer rank's pieces and the
                                         shared-memory segment of its ring
+shards/<epoch>/wrote/<rank>     text    the newest version trainer rank <rank> (relaying, rank > 0)
+                                        wrote its share of (overwritten; read by value by rank 0)
 latest                          JSON    ``{version, epoch}`` of the newest published version
 news                            count   bumped by the sender after each change receivers follow (a
                                         version, a sender epoch, closed): an idle watcher reads it alone
@@ -124,6 +126,10 @@ def manifest(epoch: int) -> str:
 
 def shards(epoch: int) -> str:
     return f"shards/{epoch}"
+
+
+def shard_written(epoch: int, rank: int) -> str:
+    return f"shards/{epoch}/wrote/{rank}"
 
 
 def closed(epoch: int) -> str:

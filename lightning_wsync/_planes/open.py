@@ -122,9 +122,9 @@ class SendSide:
         self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2, lease_s=lease_s)
         self.deltas = None
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
-        planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host,
-                                                  timeout_s=spec.timeout_s)]  # fmt: skip
         relay = relays_streams(spec.transport, spec.cross_host)
+        planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
+                                                  timeout_s=spec.timeout_s, relayed=relay)]  # fmt: skip
         if spec.cross_host == "tree" or spec.delta == "always":
             log.warning("WeightSender: a sharded push relays each rank's share down a chain of full versions; "
                         "cross_host=%r and delta=%r are not used for it (docs/sharded.md)", spec.cross_host,

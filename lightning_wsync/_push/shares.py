@@ -102,6 +102,8 @@ class ShareWriter:
         self.stall_s = time.perf_counter() - started
         if written is not None:
             self._ring.wake_readers()
+            if self._stream is not None:
+                self._stream.wrote(version)
         return written is not None
 
     def relay(self, store: dist.Store | str | None, epoch: int, config: SenderConfig) -> None:
@@ -117,7 +119,8 @@ class ShareWriter:
                       resolve_secret(config.secret, "WeightSyncCallback"))  # fmt: skip
         self._closed_key = keys.closed(epoch)
         self._stream = StreamHead(
-            ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank), backend="gloo",
+            ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank),
+            written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
             addr=local_address(handle.address), timeout_s=config.timeout_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )  # fmt: skip

@@ -62,7 +62,9 @@ def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(s
     monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
     address = f"127.0.0.1:{port}"
     model = _model()
-    cfg = SenderConfig(job="xshard", timeout_s=5, heartbeat_timeout_s=3)
+    # heartbeat_timeout_s above timeout_s: rank 0 waits up to timeout_s for a missing share in its background
+    # thread, which meanwhile reads no heartbeats (as on one host).
+    cfg = SenderConfig(job="xshard", timeout_s=3, heartbeat_timeout_s=10)
     mine = prepare_shares(model, cfg, 0, 2)
     theirs = dataclasses.replace(prepare_shares(model, cfg, 1, 2), host="trainer-b")
     writer = ShareWriter(theirs, cfg)
@@ -87,12 +89,16 @@ def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(s
                 held = digest(model, None)
 
                 mutate(model, 3)  # rank 1 never writes its share of 3: rank 0's share arrives, nobody applies it
-                sender.push(3)
+                handle = sender.push(3)
                 for receiver, module in receivers[:3]:
                     _until(f"{receiver.name}'s ring of rank 0's stream to hold version 3",
                            lambda r=receiver: _stream_holds(r, 0, 3))  # fmt: skip
                     assert receiver.update() is None and receiver.version == 2
                     assert digest(module, None) == held
+                report = handle.wait(timeout_s=_WAIT_S)  # rank 0 reads rank 1's notes on the store: it names rank 1
+                assert report.delivered == () and sorted(report.failed) == sorted(r.name for r, _ in receivers)
+                for why in report.failed.values():
+                    assert "trainer rank 1 did not complete its share of version 3 within timeout_s=3" in why, report
 
                 mutate(model, 4)  # both write 4: the next whole version is applied everywhere
                 assert writer.write(4)

@@ -80,11 +80,15 @@ class StreamHead:
     """A trainer rank's (other than 0) relay of its share: a chain headed here, its leaders named by rank 0."""
 
     def __init__(
-        self, ctl: Control, ring: SnapshotRing, *, stream: int, backend: str, addr: str, timeout_s: float,
-        heartbeat_timeout_s: float,
+        self, ctl: Control, ring: SnapshotRing, *, stream: int, written_key: str, backend: str, addr: str,
+        timeout_s: float, heartbeat_timeout_s: float,
     ) -> None:  # fmt: skip
+        """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports."""
         self.ctl = ctl
         self._stream = stream
+        self._written_key = written_key
+        self._written: int | None = None  # the newest version written, as noted by :meth:`wrote`
+        self._noted: int | None = None  # as last set on the store
         self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timeout_s=timeout_s,
                                heartbeat_timeout_s=heartbeat_timeout_s, topology="chain")  # fmt: skip
         self._stop = threading.Event()
@@ -96,13 +100,24 @@ class StreamHead:
         key = keys.relay_stream_leaders(self._stream)
         while not self._stop.is_set():
             try:
+                if (written := self._written) is not None and written != self._noted:
+                    ctl.set_text(self._written_key, str(written))
+                    self._noted = written
                 record = ctl.get_record(key, StreamLeadersRecord)
                 self._head.update_chain({} if record is None else record.leaders)
             except WeightSyncError as exc:  # an unreadable record or a lost store: the chain stays as it is
                 log.debug("relay stream %d: %s", self._stream, error_text(exc))
             self._stop.wait(CHAIN_POLL_S)
 
+    def wrote(self, version: int) -> None:
+        """This rank's share of ``version`` is in its ring (noted on the store from this head's thread)."""
+        self._written = version
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
         self._head.close(timeout_s=timeout_s)
+        try:
+            self.ctl.delete(self._written_key)
+        except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
+            log.debug("relay stream %d: %s", self._stream, error_text(exc))

@@ -1,6 +1,7 @@
 """The sharded plane's send side, on trainer rank 0: it watches the other ranks' rings (read
-only, on this host) to tell push reports which rank's share of a version is missing, and
-publishes every share's checksums for receivers that verify."""
+only, on this host; a relaying rank on another host by its note on the store) to tell push
+reports which rank's share of a version is missing, and publishes every share's checksums for
+receivers that verify (all ranks on this host)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.001
+_AWAY_POLL_S = 0.02  # a rank on another host is read from the store, not its ring: less often
 
 
 class ShardSendPlane:
@@ -27,16 +29,21 @@ class ShardSendPlane:
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, shares: Sequence[Manifest], *, host: str,
-        timeout_s: float,
+        timeout_s: float, epoch: int, relayed: bool,
     ) -> None:  # fmt: skip
-        """Only the rings of ranks on this host (``host``) are read; with ranks on other hosts, no checksums
-        are published (their receivers rely on each relay hop's check of every rank's signed trailer)."""
+        """The rings of ranks on this host (``host``) are read; a rank on another host notes each version it
+        wrote on the store when it relays (``relayed``), else it is not watched. With ranks on other hosts no
+        checksums are published (their receivers rely on each relay hop's check of every rank's signed trailer)."""
         self._ctl = ctl
         self._ring = ring
         self._timeout_s = timeout_s
         hosts = plan.rank_hosts(host)
         self._ranks = [rank for rank in range(1, plan.world) if hosts[rank] == host]  # read here, in order
         self._everyone_here = len(self._ranks) == plan.world - 1
+        away = [rank for rank in range(1, plan.world) if hosts[rank] != host] if relayed else []
+        self._away = {rank: keys.shard_written(epoch, rank) for rank in away}
+        self._away_wrote: dict[int, int] = {}  # rank -> the newest version it noted
+        self._away_read_at = 0.0
         self._others: list[ShmReader] = []
         try:
             for rank in self._ranks:
@@ -51,9 +58,18 @@ class ShardSendPlane:
         pass  # readers pin slots themselves; a dead reader's pin expires
 
     def _missing_ranks(self, version: int) -> list[int]:
-        """Ranks (>= 1, on this host) whose ring holds neither ``version`` nor a newer version complete."""
-        return [rank for rank, reader in zip(self._ranks, self._others)
+        """Ranks (>= 1) that have written neither ``version`` nor a newer version: by their ring on this host,
+        by their note on the store (read every ``_AWAY_POLL_S``) on another."""
+        here = [rank for rank, reader in zip(self._ranks, self._others)
                 if not any(ref.version >= version for ref in reader.complete())]  # fmt: skip
+        if self._away and time.monotonic() >= self._away_read_at:
+            self._away_read_at = time.monotonic() + _AWAY_POLL_S
+            for rank, key in self._away.items():
+                text = self._ctl.get_text(key)
+                if text is not None and text.isdigit():
+                    self._away_wrote[rank] = int(text)
+        away = [rank for rank in self._away if self._away_wrote.get(rank, -1) < version]
+        return sorted(here + away)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
         """Wait (at most ``timeout_s``) for every rank's share of ``version``, then publish checksums."""
