@@ -17,7 +17,7 @@ the module's own tensors; the other ranks never talk to rollout workers. FSDP
 push every rank takes part in gathering the full weights
 (``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``), and rank 0 copies
 them into a CPU mirror that it sends. Other strategies (DeepSpeed, XLA) are refused.
-With ``sharded=True`` (DDP and FSDP2, several ranks; receivers on the trainer's host)
+With ``sharded=True`` (DDP and FSDP2, several ranks, on one host or several)
 there is no gather and no funnel: every rank snapshots its own share (FSDP2: its local
 shards; replicated tensors: ~1/world of their bytes) into a shared-memory ring of its own,
 and receivers apply a version only once every rank's share of it is complete
@@ -104,7 +104,8 @@ class WeightSyncCallback(Callback):
             far the slowest receiver may fall behind (see the module docs).
         sharded: with several ranks (DDP, FSDP2), every rank snapshots its own share
             into shared memory instead of rank 0 sending everything (after a gather
-            under FSDP2); receivers on the trainer's host only. See docs/sharded.md.
+            under FSDP2); other hosts get each rank's share relayed (a chain per rank). See
+            docs/sharded.md.
         sender: a whole :class:`~lightning_wsync.SenderConfig` instead of the flat options
             (``job``, when given, overrides its ``job``).
         options: the :class:`~lightning_wsync.SenderConfig` fields (``dtype``, ``include``,
@@ -197,21 +198,29 @@ class WeightSyncCallback(Callback):
         full = self._gather(trainer) if self._sharded and self._shares is None else None
         latest: int | None = None
         error: str | None = None
+        epoch, store = 0, None  # a sharded push's other ranks relay their shares under rank 0's epoch and store
         if trainer.is_global_zero:
             try:
                 source = self._target if full is None else _mirror(self._target, full, self._mirror)
                 self._sender = WeightSender(source, store=self._store, config=self.sender_config, shares=self._shares)
-                latest = self._sender.latest_version
+                latest, epoch, store = self._sender.latest_version, self._sender.epoch, self._sender.store_address
                 self._reports = ReportWaiter(self._sender.config.timeout_s)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 if trainer.world_size > 1:  # let the other ranks leave the broadcast below
-                    trainer.strategy.broadcast((None, error), src=0)
+                    trainer.strategy.broadcast((None, error, 0, None), src=0)
                 raise
         # Every rank must agree on the floor: under FSDP each push is a collective.
-        latest, error = trainer.strategy.broadcast((latest, error), src=0)
+        latest, error, epoch, store = trainer.strategy.broadcast((latest, error, epoch, store), src=0)
         if error is not None:
             raise WeightSyncError(f"WeightSyncCallback: global rank 0 could not start its WeightSender: {error}")
+        if self._writer is not None:  # a Store object is this rank's own; an address is rank 0's (port 0 resolved)
+            try:
+                self._writer.relay(self._store if isinstance(self._store, dist.Store) else store, epoch,
+                                   self.sender_config)  # fmt: skip
+            except (WeightSyncError, ValueError, OSError) as exc:  # raising here alone would hang the other ranks
+                log.error("WeightSyncCallback: trainer rank %d cannot relay its share to other hosts (%s): "
+                          "receivers there apply no version of this run", trainer.global_rank, exc)  # fmt: skip
         self._published = latest
         floors = [v for v in (self._last_pushed, latest) if v is not None]
         self._floor = max(floors) if floors else None
@@ -228,21 +237,23 @@ class WeightSyncCallback(Callback):
         assert self._target is not None
         rank, world = trainer.global_rank, trainer.world_size
         error: str | None = None
-        name = ""
+        name = host = ""
         try:
             shares = prepare_shares(self._target, self.sender_config, rank, world)
+            host = shares.host
             if rank != 0:
                 self._writer = ShareWriter(shares, self.sender_config)
                 name = self._writer.name
         except Exception as exc:  # every rank must reach the gather below, or the others hang in it
             error = f"{type(exc).__name__}: {exc}"
-        gathered: list[tuple[str, str | None]] = [("", None)] * world
-        dist.all_gather_object(gathered, (name, error))
-        failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        gathered: list[tuple[str, str, str | None]] = [("", "", None)] * world
+        dist.all_gather_object(gathered, (name, host, error))
+        failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e is not None]
         if failed:
             raise WeightSyncError(f"WeightSyncCallback: sharded push: trainer rank {failed[0][0]} could not "
                                   f"prepare its share: {failed[0][1]}")  # fmt: skip
-        return dataclasses.replace(shares, plan=shares.plan.with_segments([n for n, _ in gathered]))
+        plan = shares.plan.with_segments([n for n, _, _ in gathered], [h for _, h, _ in gathered])
+        return dataclasses.replace(shares, plan=plan)
 
     @override
     def on_train_batch_end(
@@ -384,8 +395,8 @@ class WeightSyncCallback(Callback):
     def _close(self, trainer: pl.Trainer, *, flush: bool, final: bool) -> None:
         sender, reports, writer = self._sender, self._reports, self._writer
         self._sender, self._reports, self._mirror, self._writer, self._shares = None, None, {}, None, None
-        if writer is not None:
-            writer.close()
+        if writer is not None:  # flushing waits (bounded) for rank 0's close: the last push may need this share
+            writer.close(flush_timeout_s=2 * self.config.timeout_s if flush else 0.0)
         if reports is not None:
             reports.close(flush=flush)  # flushing waits (bounded) for the last push's report
             metrics = self._report_metrics(reports.take())

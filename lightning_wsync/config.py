@@ -273,8 +273,9 @@ class CallbackConfig(SenderConfig):
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
         sharded: with several trainer ranks (DDP, FSDP2), every rank snapshots its own
-            share (~1/world of the bytes) into shared memory, with no gather; receivers
-            on the trainer's host only (see docs/sharded.md). Default False.
+            share (~1/world of the bytes) into shared memory, with no gather; other hosts
+            get each rank's share down a relay chain of its own (see docs/sharded.md).
+            Default False.
 
     The sender's fields are as in :class:`SenderConfig`. Leave ``secret`` unset in YAML
     (Hydra writes configs to its output folder) and set ``$WSYNC_SECRET`` instead.

@@ -19,6 +19,8 @@ sender/<epoch>                  JSON    sender record (host, pid, transport, bac
 layout/<epoch>                  JSON    the manifest: tensor table and buckets of that epoch
 shards/<epoch>                  JSON    a sharded sender's plan: each trainer rank's pieces and the
                                         shared-memory segment of its ring
+shards/<epoch>/wrote/<rank>     text    the newest version trainer rank <rank> (relaying, rank > 0)
+                                        wrote its share of (overwritten; read by value by rank 0)
 latest                          JSON    ``{version, epoch}`` of the newest published version
 news                            count   bumped by the sender after each change receivers follow (a
                                         version, a sender epoch, closed): an idle watcher reads it alone
@@ -66,8 +68,15 @@ relay/<epoch>/pg/<chain>/<rid>/ prefix  one relay hop: ``joined/<rank>`` (``1``:
                                         ``.../pg/<chain>/t<k>/<rid>/`` in tree k of a tree topology
 relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions (delta or full,
                                         bytes, decode seconds), for push reports
+relay/<stream>/leaders          JSON    ``{leaders: {rid: host}}``: the live host leaders of a sharded
+                                        sender's stream (below), written by trainer rank 0 for the
+                                        stream of each rank > 0 (overwritten; read by value)
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
 ==============================  ======  =========================================================
+
+A sharded sender's trainer rank r relays its share as a relay of its own (a *stream*): every
+``relay/<epoch>/`` key above, under the stream number 2**40 + epoch * 4096 + r
+(:func:`relay_stream`) in place of the epoch.
 
 Deleted so the store stays bounded (see :mod:`lightning_wsync._push.membership`): a gone
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
@@ -126,6 +135,10 @@ def manifest(epoch: int) -> str:
 
 def shards(epoch: int) -> str:
     return f"shards/{epoch}"
+
+
+def shard_written(epoch: int, rank: int) -> str:
+    return f"shards/{epoch}/wrote/{rank}"
 
 
 def closed(epoch: int) -> str:
@@ -247,6 +260,22 @@ def relay_hop_prefix(epoch: int, chain: int, rid: int, tree: int | None = None) 
     """Prefix of the relay hop into leader ``rid`` (``chain``: the chain number; ``tree``: which
     of a tree topology's two trees, None for a chain)."""
     return f"relay/{epoch}/pg/{chain}/{rid}/" if tree is None else f"relay/{epoch}/pg/{chain}/t{tree}/{rid}/"
+
+
+STREAM_RANKS = 4096  # trainer ranks a sharded sender may relay from (each its own stream)
+_STREAM_BASE = 1 << 40  # above any sender epoch: a stream's relay keys never meet an epoch's
+
+
+def relay_stream(epoch: int, rank: int) -> int:
+    """The relay namespace of trainer rank ``rank``'s share in sender epoch ``epoch`` (a sharded push):
+    used wherever the relay takes an epoch (keys, the trailer's MAC, segment names)."""
+    if not 0 <= rank < STREAM_RANKS:
+        raise ValueError(f"relay_stream: rank={rank!r} must be in [0, {STREAM_RANKS})")
+    return _STREAM_BASE + epoch * STREAM_RANKS + rank
+
+
+def relay_stream_leaders(stream: int) -> str:
+    return f"relay/{stream}/leaders"
 
 
 def relay_received(epoch: int, rid: int) -> str:

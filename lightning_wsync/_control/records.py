@@ -8,7 +8,7 @@ expected. Reads go through :meth:`Control.get_record
 <lightning_wsync._control.store.Control.get_record>`, which turns any failure into a
 :class:`~lightning_wsync.errors.WeightSyncRecordError` naming the key.
 
-Longer than 300 lines: a catalogue of fifteen small types (thirteen stored records, two parts of them);
+Longer than 300 lines: a catalogue of sixteen small types (fourteen stored records, two parts of them);
 split further, a record's format would no longer be found next to the others'.
 """
 
@@ -139,8 +139,8 @@ class ShardsRecord:
             plan = ShardPlan.from_json(as_str(value, "shards"))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise RecordShape(f"not a shard plan ({type(exc).__name__}: {str(exc)[:80]})") from exc
-        if len(plan.segments) != plan.world:
-            raise RecordShape(f"{len(plan.segments)} segment names for {plan.world} shares")
+        if len(plan.segments) != plan.world or len(plan.hosts) not in (0, plan.world):
+            raise RecordShape(f"{len(plan.segments)} segment names and {len(plan.hosts)} hosts for {plan.world} shares")
         return cls(plan)
 
 
@@ -319,6 +319,29 @@ class ChainRecord:
         v = fields(value, "number", "rids")
         rids = tuple(as_int(r, "rids[]") for r in as_list(v["rids"], "rids"))
         return cls(as_int(v["number"], "number"), rids, as_bool(v.get("tree", False), "tree"))
+
+
+@dataclass(frozen=True)
+class StreamLeadersRecord:
+    """``relay/<stream>/leaders``: the live host leaders of one trainer rank's relay stream (rid -> host)."""
+
+    EXPECTED: ClassVar[str] = '{"leaders": {"<rid>": "<host id>", ...}}'
+    leaders: dict[int, str]
+
+    def encode(self) -> object:
+        return {"leaders": {str(rid): host for rid, host in self.leaders.items()}}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        raw = fields(value, "leaders")["leaders"]
+        if not isinstance(raw, dict):
+            raise RecordShape(f"leaders={raw!r:.40} is not an object")
+        leaders: dict[int, str] = {}
+        for rid, host in raw.items():
+            if not str(rid).isdigit():
+                raise RecordShape(f"leader rid {rid!r:.20} is not a number")
+            leaders[int(rid)] = as_str(host, "leaders[]")
+        return cls(leaders)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,12 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Each trainer rank's pieces (``shares[rank]``) and the segment its ring lives in."""
+    """Each trainer rank's pieces (``shares[rank]``), the segment its ring lives in and its host."""
 
     shares: tuple[tuple[Piece, ...], ...]
     bucket_bytes: int
     segments: tuple[str, ...] = ()  # one per rank, filled in once every rank made its ring
+    hosts: tuple[str, ...] = ()  # each rank's host id (empty: every rank on the sender's host)
 
     @property
     def world(self) -> int:
@@ -54,21 +55,28 @@ class ShardPlan:
     def share_layouts(self, layout: Manifest) -> list[Manifest]:
         return [self.share_layout(rank, layout) for rank in range(self.world)]
 
-    def with_segments(self, segments: Sequence[str]) -> ShardPlan:
-        if len(segments) != self.world:
-            raise ValueError(f"ShardPlan: {len(segments)} segment names for {self.world} ranks")
-        return ShardPlan(self.shares, self.bucket_bytes, tuple(segments))
+    def with_segments(self, segments: Sequence[str], hosts: Sequence[str] | None = None) -> ShardPlan:
+        """The plan with each rank's ring named (and, given ``hosts``, each rank's host id)."""
+        hosts = self.hosts if hosts is None else tuple(hosts)
+        if len(segments) != self.world or len(hosts) not in (0, self.world):
+            raise ValueError(f"ShardPlan: {len(segments)} segment names and {len(hosts)} hosts for {self.world} ranks")
+        return ShardPlan(self.shares, self.bucket_bytes, tuple(segments), tuple(hosts))
+
+    def rank_hosts(self, default: str) -> tuple[str, ...]:
+        """Each rank's host id; ``default`` (the sender's host) for a plan that names none."""
+        return self.hosts or (default,) * self.world
 
     def to_json(self) -> str:
         shares = [[list(p) for p in share] for share in self.shares]
-        return json.dumps({"shares": shares, "bucket_bytes": self.bucket_bytes, "segments": list(self.segments)},
-                          separators=(",", ":"))  # fmt: skip
+        return json.dumps({"shares": shares, "bucket_bytes": self.bucket_bytes, "segments": list(self.segments),
+                           "hosts": list(self.hosts)}, separators=(",", ":"))  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ShardPlan:
         raw = json.loads(text)
         shares = tuple(tuple(Piece(int(e), int(a), int(b)) for e, a, b in share) for share in raw["shares"])
-        return cls(shares, int(raw["bucket_bytes"]), tuple(str(s) for s in raw["segments"]))
+        hosts = tuple(str(h) for h in raw.get("hosts", ()))
+        return cls(shares, int(raw["bucket_bytes"]), tuple(str(s) for s in raw["segments"]), hosts)
 
     def check(self, layout: Manifest) -> None:
         """Every element of every entry in exactly one piece (a plan from the store: checked)."""

@@ -31,8 +31,10 @@ from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.receive import open_relay_source
 from lightning_wsync._planes.relay.send import RelaySendPlane
+from lightning_wsync._planes.relay.sharded import open_sharded_relay
+from lightning_wsync._planes.relay.streams import ShardStreamsPlane
 from lightning_wsync._planes.shard.send import ShardSendPlane
-from lightning_wsync._planes.shard.source import ShardedSource
+from lightning_wsync._planes.shard.source import open_rank_rings
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.shm.send import ShmSendPlane
@@ -123,11 +125,23 @@ class SendSide:
                                  mirror=spec.device if spec.cuda_ipc else None)  # fmt: skip
         self.deltas = None
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
-        self.planes = (ShardSendPlane(ctl, self.ring, plan, shares, timeout_s=spec.timeout_s),)
+        relay = relays_streams(spec.transport, spec.cross_host)
+        planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
+                                                  timeout_s=spec.timeout_s, relayed=relay)]  # fmt: skip
+        if spec.cross_host == "tree" or spec.delta == "always":
+            log.warning("WeightSender: a sharded push relays each rank's share down a chain of full versions; "
+                        "cross_host=%r and delta=%r are not used for it (docs/sharded.md)", spec.cross_host,
+                        spec.delta)  # fmt: skip
+        if relay:  # every rank relays its own share to the other hosts (docs/sharded.md)
+            planes.append(ShardStreamsPlane(
+                ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
+                timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
+            ))  # fmt: skip
+        self.planes = tuple(planes)
         self.record = SenderRecord(
             epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
             heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s, transport=spec.transport,
-            backend=self.backend, relay=False, shm=segment.name, sharded=True,
+            backend=self.backend, relay=relay, shm=segment.name, sharded=True,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -228,16 +242,15 @@ def open_source(
     return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
 
 
+def relays_streams(transport: str, cross_host: str) -> bool:
+    """A sharded sender with these settings relays each rank's share to other hosts (a chain per rank)."""
+    return transport == "auto" and cross_host != "star"
+
+
 def _open_sharded(
     epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec
 ) -> ReceiveSource:
-    """Every trainer rank's ring of a sharded sender (same host only, for now)."""
-    if record.host != me.host:
-        raise WeightSyncConfigError(
-            f"WeightReceiver {me.name!r}: the trainer pushes sharded (each rank writes its share into shared "
-            f"memory on host {record.host!r}), which reaches receivers on that host only, not here ({me.host!r}); "
-            f"run the trainer with sharded=False to serve other hosts"
-        )
+    """Every trainer rank's ring of a sharded sender: its own on this host, else its relayed stream's."""
     shards = me.ctl.get_record(keys.shards(epoch), ShardsRecord)
     if shards is None:
         raise WeightSyncConfigError(
@@ -254,7 +267,22 @@ def _open_sharded(
                 f"WeightReceiver {me.name!r}: a sharded push is written into contiguous tensors, but a tensor of "
                 f"shape {tuple(t.shape)} is not; make the rollout module's tensors contiguous"
             )
-    return ShardedSource(epoch, layout, plan, plan.share_layouts(layout), ordered, me.name)
+    hosts = plan.rank_hosts(record.host)
+    if all(h == me.host for h in hosts):
+        return open_rank_rings(epoch, layout, plan, ordered, me.name)
+    if not record.relay:
+        away = sorted({h for h in hosts if h != me.host})
+        raise WeightSyncConfigError(
+            f"WeightReceiver {me.name!r}: the trainer pushes sharded with no relay (transport={record.transport!r}, "
+            f"cross_host='star' or transport='shm'), which reaches receivers on the trainer ranks' hosts only: ranks "
+            f"run on {away!r}, not here "
+            f"({me.host!r}); use transport='auto' with cross_host='relay' or 'chain' on the trainer (each rank "
+            f"then relays its share to every host), or sharded=False"
+        )
+    return open_sharded_relay(
+        me.ctl, layout, plan, ordered, record, epoch=epoch, rid=me.rid, host=me.host, job=me.ctl.job, name=me.name,
+        addr=me.addr, on_published=me.on_staged, on_rejected=me.on_rejected,
+    )  # fmt: skip
 
 
 def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, backend: str) -> None:

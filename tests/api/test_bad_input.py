@@ -3,11 +3,13 @@ it, and nothing left behind (no thread, no shared-memory segment, no half-open s
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 from typing import Any
 
 import pytest
 import torch
+from _sharded import sharded_model, zeroed_sharded_model
 from _workers import mixed_model
 
 from lightning_wsync import (
@@ -18,7 +20,9 @@ from lightning_wsync import (
     WeightReceiver,
     WeightSender,
     WeightSyncCallback,
+    WeightSyncConfigError,
 )
+from lightning_wsync._push.shares import ShareWriter, prepare_shares
 from lightning_wsync.rendezvous import parse_rdzv_conf
 
 S = "127.0.0.1:1"  # never contacted: validation comes first
@@ -108,3 +112,28 @@ def test_bad_push_versions_leave_the_published_version_intact(port):
         assert sender.latest_version == 5
         with WeightReceiver(mixed_model(1), store=f"127.0.0.1:{port}", job="v") as receiver:
             assert receiver.wait_for_version(5, timeout_s=10) == 5
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_sender_with_no_relay_refuses_a_receiver_on_another_host(port, monkeypatch):
+    """cross_host='star' (or transport='shm'): the ranks' shares reach their own host only."""
+    address, model = f"127.0.0.1:{port}", sharded_model()
+    cfg = SenderConfig(job="xs", cross_host="star", timeout_s=5)
+    monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    try:
+        plan = mine.plan.with_segments(["", writer.name], ["trainer-a", "trainer-a"])
+        with WeightSender(model, store=address, config=cfg, shares=dataclasses.replace(mine, plan=plan)) as sender:
+            assert writer.write(1)
+            sender.push(1)
+            monkeypatch.setenv("WSYNC_HOST_ID", "rollout-1")
+            with WeightReceiver(zeroed_sharded_model(), store=address, job="xs", timeout_s=5) as receiver:
+                with pytest.raises(WeightSyncConfigError, match=(
+                    r"the trainer pushes sharded with no relay \(transport='auto', cross_host='star' or "
+                    r"transport='shm'\), which reaches receivers on the trainer ranks' hosts only: ranks run on "
+                    r"\['trainer-a'\], not here \('rollout-1'\); use "
+                    r"transport='auto' with cross_host='relay' or 'chain' on the trainer")):  # fmt: skip
+                    receiver.wait_for_version(1, timeout_s=10)
+    finally:
+        writer.close()

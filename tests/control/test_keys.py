@@ -38,6 +38,7 @@ def _built() -> dict[str, str]:
         "sender_record": keys.sender_record(3),
         "manifest": keys.manifest(3),
         "shards": keys.shards(3),
+        "shard_written": keys.shard_written(3, 1),
         "closed": keys.closed(3),
         "version_record": keys.version_record(12),
         "version_sums": keys.version_sums(12),
@@ -57,13 +58,14 @@ def _built() -> dict[str, str]:
         "relay_bell": keys.relay_bell(3, 7),
         "relay_hop_prefix": hop,
         "relay_received": keys.relay_received(3, 7),
+        "relay_stream_leaders": keys.relay_stream_leaders(keys.relay_stream(3, 1)),
         "channel_queue": keys.channel_queue("experience"),
     }
 
 
 def test_every_key_built_has_a_row_in_the_table_and_every_row_a_builder():
     rows = _table_rows()
-    assert len(rows) == 32, [r.pattern for r in rows]
+    assert len(rows) == 33, [r.pattern for r in rows]
     unmatched_rows = set(range(len(rows)))
     for name, key in _built().items():
         hits = [i for i, row in enumerate(rows) if row.fullmatch(key)]
@@ -82,6 +84,14 @@ def test_keys_carry_their_arguments_and_never_collide():
     assert keys.ready("pg/1/2/3/", 5) == "pg/1/2/3/ready/5"
     assert keys.announcement("pg/1/2/3/", 5) == "pg/1/2/3/ann/5"
     assert keys.joined(keys.relay_hop_prefix(1, 2, 3), 0) == "relay/1/pg/2/3/joined/0"
+
+
+def test_relay_streams_never_meet_an_epoch_or_each_other():
+    streams = {keys.relay_stream(e, r) for e in (1, 2, 10**6) for r in (0, 1, keys.STREAM_RANKS - 1)}
+    assert len(streams) == 9 and min(streams) > 10**9
+    assert keys.relay_chain(keys.relay_stream(3, 1)) == f"relay/{2**40 + 3 * 4096 + 1}/chain"
+    with pytest.raises(ValueError, match=r"rank=4096 must be in \[0, 4096\)"):
+        keys.relay_stream(3, keys.STREAM_RANKS)
 
 
 def test_grouped_keys_are_the_single_keys():

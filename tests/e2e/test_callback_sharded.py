@@ -1,5 +1,6 @@
 """WeightSyncCallback(sharded=True) under 2-rank DDP and FSDP2 (CPU, gloo): every rank writes
-its own share; receivers apply whole versions only, bit-exact with the full weights."""
+its own share (and relays it to other hosts); receivers apply whole versions only, bit-exact
+with the full weights."""
 
 from __future__ import annotations
 
@@ -44,14 +45,20 @@ def _finish(trainer: subprocess.Popen[str], timeout_s: float) -> str:
 # torch gloo worker freeing the probe's last gather during interpreter finalization, not the
 # sharded push; the trainer script now ends its ranks without finalizing (_lightning_workers.py).
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(tmp_path, port, children, strategy):
+def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
+    tmp_path, port, children, strategy, monkeypatch
+):
+    """r0 on the trainer's host reads both ranks' rings; r1, on another host id, gets both shares relayed."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
     receivers = []
     for name in ("r0", "r1"):
         receiver = CTX.Process(target=receiver_main, args=(store, strategy, name, results), daemon=True)
+        if name == "r1":  # a spawned child takes the environment as it is at start()
+            monkeypatch.setenv("WSYNC_HOST_ID", "another-host")
         receiver.start()
+        monkeypatch.delenv("WSYNC_HOST_ID", raising=False)
         children.track(receiver.pid)
         receivers.append(receiver)
     for _ in receivers:

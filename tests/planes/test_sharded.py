@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from _sharded import sharded_model, zeroed_sharded_model
 
 from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest, select_tensors
@@ -21,18 +21,7 @@ from lightning_wsync.testing.models import digest, mutate
 pytestmark = pytest.mark.timeout(120)
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 8))  # 2 MiB weight: cut across ranks
-    model.register_buffer("steps", torch.arange(5, dtype=torch.int64))
-    return model
-
-
-def _zeroed() -> nn.Module:
-    model = _model()
-    for t in model.state_dict().values():
-        t.zero_()
-    return model
+_model, _zeroed = sharded_model, zeroed_sharded_model
 
 
 def test_plan_covers_every_element_once_and_balances_the_bytes():
@@ -140,5 +129,5 @@ def test_the_shard_plan_record_round_trips_and_refuses_a_plan_without_segments()
     layout = build_manifest(tensors, None, 1 << 20)
     plan = plan_shards(tensors, layout, 2, 1 << 20).with_segments(["wsync-1-2-a", "wsync-1-3-a"])
     assert ShardsRecord.decode(ShardsRecord(plan).encode()).plan == plan
-    with pytest.raises(RecordShape, match="0 segment names for 2 shares"):
+    with pytest.raises(RecordShape, match="0 segment names and 0 hosts for 2 shares"):
         ShardsRecord.decode(dataclasses.replace(plan, segments=()).to_json())

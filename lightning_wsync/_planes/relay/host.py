@@ -33,7 +33,7 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     join_hop,
 )
-from lightning_wsync._planes.relay.source import HostRingReader
+from lightning_wsync._planes.relay.source import RingFollower
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
@@ -59,7 +59,7 @@ class RelayMember:
     """
 
     def __init__(
-        self, control: Control, layout: Manifest, segment: HostRingReader, *, epoch: int, rid: int, host: str, job: str,
+        self, control: Control, layout: Manifest, segment: RingFollower, *, epoch: int, rid: int, host: str, job: str,
         backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
         fall_back: Callable[[str], None],

@@ -51,12 +51,7 @@ class RelaySendPlane:
         if moved is not None and moved == self._moved and set(by_rid) == self._live and now < self._next_all:
             self._head.update_chain(self._head.leaders, look=False)
             return
-        leaders: dict[int, str] = {}
-        for host in sorted({p.host for p in live if p.host != self._host}):
-            record = leader_record(self._ctl, self._epoch, host)
-            if record is not None and record.rid in by_rid:
-                leaders[record.rid] = host
-        self._head.update_chain(leaders)
+        self._head.update_chain(live_leaders(self._ctl, self._epoch, live, self._host))
         self._moved, self._live, self._next_all = moved, set(by_rid), now + _FOLLOW_ALL_S
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
@@ -87,3 +82,14 @@ class RelaySendPlane:
     def close(self, deadline: float) -> list[str]:
         self._head.close(timeout_s=max(0.0, deadline - time.monotonic()))
         return []
+
+
+def live_leaders(ctl: Control, epoch: int, live: Sequence[Peer], own_host: str) -> dict[int, str]:
+    """rid -> host of the live receivers that lead a host other than ``own_host`` (the sending side's)."""
+    by_rid = {p.rid for p in live}
+    leaders: dict[int, str] = {}
+    for host in sorted({p.host for p in live if p.host != own_host}):
+        record = leader_record(ctl, epoch, host)
+        if record is not None and record.rid in by_rid:
+            leaders[record.rid] = host
+    return leaders

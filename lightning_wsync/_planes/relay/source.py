@@ -34,6 +34,32 @@ class Member(Protocol):
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
+class RingFollower(Protocol):
+    """What a relay member points at its host leader's ring (:class:`HostRingReader`, or a stream's ring)."""
+
+    def follow(self, segment: str | None, *, ready: bool = False) -> str | None: ...
+
+    def following(self) -> str | None:
+        """The name of the ring read now (None: none is open)."""
+        ...
+
+    def board(self) -> Posted | None:
+        """The board of the leader whose ring is read now (None: no ring, or no board yet)."""
+        ...
+
+
+def open_leader_ring(segment: str, layout: Manifest, *, ready: bool) -> tuple[ShmReader | None, str | None]:
+    """A reader of the leader's ring ``segment``; else None, and why when the leader says it exists
+    (``ready``): this process does not share /dev/shm or a user with the leader, and never will."""
+    try:
+        return ShmReader(segment, layout), None
+    except (OSError, ValueError, WeightSyncError) as exc:
+        if ready:
+            return None, (exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc))
+        log.debug("host ring %s not readable yet: %s", segment, exc)  # its leader is creating it
+        return None, None
+
+
 class HostRingReader:
     """The host's ring of verified versions, read as same-host receivers read the trainer's."""
 
@@ -61,14 +87,10 @@ class HostRingReader:
             self._segment = segment
             if segment is None:
                 return None
-            try:
-                reader = ShmReader(segment, self.layout)
-            except (OSError, ValueError, WeightSyncError) as exc:
+            reader, why = open_leader_ring(segment, self.layout, ready=ready)
+            if reader is None:
                 self._segment = None
-                if ready:
-                    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
-                log.debug("host ring %s not readable yet: %s", segment, exc)  # its leader is creating it
-                return None
+                return why
             self._source = SharedMemorySource(self.epoch, self.layout, self._ordered, reader, self._name)
             return None
 

@@ -1,6 +1,7 @@
 """The sharded plane's send side, on trainer rank 0: it watches the other ranks' rings (read
-only, on this host) to tell push reports which rank's share of a version is missing, and
-publishes every share's checksums for receivers that verify."""
+only, on this host; a relaying rank on another host by its note on the store) to tell push
+reports which rank's share of a version is missing, and publishes every share's checksums for
+receivers that verify (all ranks on this host)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,33 @@ from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.001
+_AWAY_POLL_S = 0.02  # a rank on another host is read from the store, not its ring: less often
 
 
 class ShardSendPlane:
     """Rank 0's view of every rank's share; receivers read the rings themselves."""
 
     def __init__(
-        self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, shares: Sequence[Manifest], *, timeout_s: float
+        self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, shares: Sequence[Manifest], *, host: str,
+        timeout_s: float, epoch: int, relayed: bool,
     ) -> None:  # fmt: skip
+        """The rings of ranks on this host (``host``) are read; a rank on another host notes each version it
+        wrote on the store when it relays (``relayed``), else it is not watched. With ranks on other hosts no
+        checksums are published (their receivers rely on each relay hop's check of every rank's signed trailer)."""
         self._ctl = ctl
         self._ring = ring
         self._timeout_s = timeout_s
+        hosts = plan.rank_hosts(host)
+        self._ranks = [rank for rank in range(1, plan.world) if hosts[rank] == host]  # read here, in order
+        self._everyone_here = len(self._ranks) == plan.world - 1
+        away = [rank for rank in range(1, plan.world) if hosts[rank] != host] if relayed else []
+        self._away = {rank: keys.shard_written(epoch, rank) for rank in away}
+        self._away_wrote: dict[int, int] = {}  # rank -> the newest version it noted
+        self._away_read_at = 0.0
         self._others: list[ShmReader] = []
         try:
-            for segment, share in zip(plan.segments[1:], shares[1:]):
-                self._others.append(ShmReader(segment, share))
+            for rank in self._ranks:
+                self._others.append(ShmReader(plan.segments[rank], shares[rank]))
         except BaseException:
             self.close(0.0)
             raise
@@ -45,9 +58,18 @@ class ShardSendPlane:
         pass  # readers pin slots themselves; a dead reader's pin expires
 
     def _missing_ranks(self, version: int) -> list[int]:
-        """Ranks (>= 1) whose ring holds neither ``version`` nor a newer version complete."""
-        return [rank for rank, reader in enumerate(self._others, start=1)
+        """Ranks (>= 1) that have written neither ``version`` nor a newer version: by their ring on this host,
+        by their note on the store (read every ``_AWAY_POLL_S``) on another."""
+        here = [rank for rank, reader in zip(self._ranks, self._others)
                 if not any(ref.version >= version for ref in reader.complete())]  # fmt: skip
+        if self._away and time.monotonic() >= self._away_read_at:
+            self._away_read_at = time.monotonic() + _AWAY_POLL_S
+            for rank, key in self._away.items():
+                text = self._ctl.get_text(key)
+                if text is not None and text.isdigit():
+                    self._away_wrote[rank] = int(text)
+        away = [rank for rank in self._away if self._away_wrote.get(rank, -1) < version]
+        return sorted(here + away)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
         """Wait (at most ``timeout_s``) for every rank's share of ``version``, then publish checksums."""
@@ -61,7 +83,7 @@ class ShardSendPlane:
                         "applies that version (all shares or none)", missing[0], version, self._timeout_s)  # fmt: skip
             return
         self._missing = None
-        if any(p.verify for p in live):
+        if self._everyone_here and any(p.verify for p in live):
             sums = self._checksums(version)
             if sums is not None:
                 self._ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})

@@ -1,11 +1,19 @@
-"""The sharded plane's receive side: one reader per trainer rank's ring, a version applied
-only when every ring holds it complete, pinned in all of them while it is copied."""
+"""The sharded plane's receive side: one ring per trainer rank's share, a version applied only
+when every ring holds it complete, pinned in all of them while it is copied.
+
+A ring is a trainer rank's own (same host, :class:`FixedRing`) or, across hosts, the host
+ring its stream's leader fills (:mod:`~lightning_wsync._planes.relay.sharded`); either way a
+:class:`ShareRing`, held while a copy reads it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -22,31 +30,66 @@ _COPIES = 8  # copies torn in a row (this process stalled past the pin lease eac
 _POLL_S = 0.005  # ranks finish their shares at different times; each rank's writer wakes only its own readers
 
 
+class ShareRing(Protocol):
+    """One trainer rank's share as this receiver reads it."""
+
+    def held(self) -> contextlib.AbstractContextManager[ShmReader | None]:
+        """The ring's reader (None: not readable yet), kept open until the context ends."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class FixedRing:
+    """A trainer rank's own ring, on this host."""
+
+    def __init__(self, segment: str, share: Manifest) -> None:
+        self._reader: ShmReader | None = ShmReader(segment, share)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[ShmReader | None]:
+        yield self._reader
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
+
 class ShardedSource:
     """Trainer ranks' rings on this host, applied version by version, all shares or none."""
 
     def __init__(
         self, epoch: int, layout: Manifest, plan: ShardPlan, shares: list[Manifest], ordered: list[torch.Tensor],
-        name: str,
+        name: str, rings: Sequence[ShareRing], *, owned: Sequence[Callable[[], None]] = (), describe: str = "",
+        verify: bool = True,
     ) -> None:  # fmt: skip
+        """``rings``: one per rank, closed with this source, after the ``owned`` closers (the relay's members);
+        ``verify``: check published checksums (False: each share was verified on its way here)."""
         self.epoch = epoch
         self.layout = layout
         self._name = name
         self._shares = shares
         self._dst = [piece_views(plan, rank, layout, ordered) for rank in range(plan.world)]
-        self._readers: list[ShmReader] = []
-        try:
-            for segment, share in zip(plan.segments, shares):
-                self._readers.append(ShmReader(segment, share))
-        except BaseException:
-            self.close()
-            raise
+        self._rings = list(rings)
+        self._owned = list(owned)
+        self._verify = verify
+        self._describe = describe or f"shared memory, sharded over {len(self._rings)} trainer ranks"
+        self._idle = threading.Event()  # set by close(): a waiter leaves at once
         self._rejected: int | None = None
 
-    def _common(self) -> dict[int, list[SlotRef]]:
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[list[ShmReader] | None]:
+        """Every rank's reader, held (a stream's leader cannot swap it) until the context ends; None
+        while any is not readable."""
+        with contextlib.ExitStack() as stack:
+            readers = [stack.enter_context(ring.held()) for ring in self._rings]
+            yield None if any(r is None for r in readers) or not readers else [r for r in readers if r is not None]
+
+    def _common(self, readers: list[ShmReader]) -> dict[int, list[SlotRef]]:
         """version -> its slot in every rank's ring, for the versions complete in all of them."""
         found: dict[int, list[SlotRef]] = {}
-        for rank, reader in enumerate(self._readers):
+        for rank, reader in enumerate(readers):
             refs = {ref.version: ref for ref in reader.complete()}
             if rank == 0:
                 found = {v: [ref] for v, ref in refs.items()}
@@ -54,8 +97,8 @@ class ShardedSource:
                 found = {v: [*got, refs[v]] for v, got in found.items() if v in refs}
         return found
 
-    def _newest(self, held: int | None, torn: bool) -> tuple[int, list[SlotRef]] | None:
-        common = self._common()
+    def _newest(self, readers: list[ShmReader], held: int | None, torn: bool) -> tuple[int, list[SlotRef]] | None:
+        common = self._common(readers)
         if not common:
             return None
         version = max(common)
@@ -64,26 +107,30 @@ class ShardedSource:
         return version, common[version]
 
     def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        with self._held() as readers:
+            return None if readers is None else self._apply(readers, held, sums if self._verify else None, reject)
+
+    def _apply(self, readers: list[ShmReader], held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
         torn = False
         copies = 0
         for _ in range(_ATTEMPTS):
-            found = None if copies == _COPIES else self._newest(held, torn)
+            found = None if copies == _COPIES else self._newest(readers, held, torn)
             if found is None:
                 break
             version, refs = found
             expected = sums(version) if sums is not None else None
             if sums is not None and expected is None:
                 break  # its checksums are not published yet; a later update() applies it
-            pinned = self._pin(refs)
+            pinned = self._pin(readers, refs)
             if pinned is None:
                 continue
-            if expected is not None and not self._verified(version, refs, expected, reject):
-                self._unpin(refs)
+            if expected is not None and not self._verified(readers, version, refs, expected, reject):
+                self._unpin(readers, refs)
                 break
-            for reader, ref, dst in zip(self._readers, refs, self._dst):
+            for reader, ref, dst in zip(readers, refs, self._dst):
                 reader.copy_to(ref, dst)
             copies += 1
-            if self._unpin(refs):
+            if self._unpin(readers, refs):
                 return version
             torn = True  # a share was overwritten under us after a stall past the lease: copy the newest again
         if torn:
@@ -94,20 +141,23 @@ class ShardedSource:
             )
         return None
 
-    def _pin(self, refs: list[SlotRef]) -> list[SlotRef] | None:
-        for i, (reader, ref) in enumerate(zip(self._readers, refs)):
+    def _pin(self, readers: list[ShmReader], refs: list[SlotRef]) -> list[SlotRef] | None:
+        for i, (reader, ref) in enumerate(zip(readers, refs)):
             if not reader.pin(ref):
-                self._unpin(refs[:i])
+                self._unpin(readers[:i], refs[:i])
                 return None
         return refs
 
-    def _unpin(self, refs: list[SlotRef]) -> bool:
+    @staticmethod
+    def _unpin(readers: list[ShmReader], refs: list[SlotRef]) -> bool:
         """Let go of every pin; True when all of them stayed intact."""
-        return all([reader.unpin(ref) for reader, ref in zip(self._readers, refs)])
+        return all([reader.unpin(ref) for reader, ref in zip(readers, refs)])
 
-    def _verified(self, version: int, refs: list[SlotRef], expected: list[int], reject: Reject) -> bool:
+    def _verified(
+        self, readers: list[ShmReader], version: int, refs: list[SlotRef], expected: list[int], reject: Reject
+    ) -> bool:
         at = 0
-        for rank, (reader, ref, share) in enumerate(zip(self._readers, refs, self._shares)):
+        for rank, (reader, ref, share) in enumerate(zip(readers, refs, self._shares)):
             count = len(share.buckets)
             bad = reader.mismatch(ref, expected[at : at + count]) if len(expected) >= at + count else 0
             if bad is not None:
@@ -118,28 +168,70 @@ class ShardedSource:
             at += count
         return True
 
+    def newest_complete(self) -> int | None:
+        """The newest version every ring holds complete (None: none, or a ring not readable yet)."""
+        with self._held() as readers:
+            common = {} if readers is None else self._common(readers)
+        return max(common) if common else None
+
     def pending_above(self, held: int | None) -> bool:
-        return self._newest(held, False) is not None
+        with self._held() as readers:
+            return readers is not None and self._newest(readers, held, False) is not None
+
+    def _markers(self) -> list[tuple[int, ...] | None]:
+        with self._held() as readers:
+            return [None] if readers is None else [r.change_marker() for r in readers]
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
-        """Until any rank's ring moves (rank 0's writer wakes this reader; the others are read every _POLL_S)."""
+        """Until any rank's ring moves (each ring's header is read every _POLL_S)."""
         try:
-            seen = [r.change_marker() for r in self._readers]
+            seen = self._markers()
             while time.monotonic() < until and not give_up():
-                self._readers[0].wait(min(_POLL_S, max(0.0, until - time.monotonic())))
-                if [r.change_marker() for r in self._readers] != seen:
+                self._wait(min(_POLL_S, max(0.0, until - time.monotonic())))
+                if self._markers() != seen or self._idle.is_set():
                     break
         except (AttributeError, ValueError, IndexError):
             pass  # closed under us (a new sender epoch): the caller looks again
         return True
 
+    def _wait(self, timeout_s: float) -> None:
+        """Rank 0's writer wakes its ring's readers; the other rings are read after it."""
+        with self._held() as readers:
+            if readers is not None:
+                readers[0].wait(timeout_s)
+                return
+        self._idle.wait(timeout_s)
+
     def describe(self) -> str:
-        ipc = sum(r.device_copies for r in self._readers)
+        ipc = 0
+        for ring in self._rings:
+            with ring.held() as reader:
+                ipc += reader is not None and reader.device_copies
         how = f", {ipc} copied from the trainer's GPUs (CUDA IPC)" if ipc else ""
-        return f"shared memory, sharded over {len(self._readers)} trainer ranks{how}"
+        return self._describe + how
 
     def close(self) -> None:
-        readers, self._readers = self._readers, []
-        for reader in readers:
-            reader.close()
+        self._idle.set()
+        owned, self._owned = self._owned, []
+        for closer in owned:
+            closer()
+        rings, self._rings = self._rings, []
+        for ring in rings:
+            ring.close()
         remove_stale_segments()  # a trainer rank SIGKILLed leaves its ring behind
+
+
+def open_rank_rings(
+    epoch: int, layout: Manifest, plan: ShardPlan, ordered: list[torch.Tensor], name: str
+) -> ShardedSource:
+    """Every trainer rank's own ring, all on this host."""
+    shares = plan.share_layouts(layout)
+    rings: list[ShareRing] = []
+    try:
+        for segment, share in zip(plan.segments, shares):
+            rings.append(FixedRing(segment, share))
+    except BaseException:
+        for ring in rings:
+            ring.close()
+        raise
+    return ShardedSource(epoch, layout, plan, shares, ordered, name, rings)

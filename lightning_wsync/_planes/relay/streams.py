@@ -1,0 +1,123 @@
+"""A sharded push across hosts, send side: every trainer rank relays its own share (a *stream*).
+
+::
+
+    rank 0 (host A) ──share 0──► leader of host X ──► leader of host Y ──► ...
+    rank 1 (host B) ──share 1──► leader of host X ──► leader of host Y ──► ...
+
+Each trainer rank heads a relay chain of its own (:class:`~lightning_wsync._planes.relay.head.RelayHead`
+over its share's ring) under the stream number :func:`~lightning_wsync._control.keys.relay_stream`
+in place of the epoch: its own elections, chain, hops and trailer MACs, so a share can never
+pass for another rank's. A rollout host receives each stream once, into a host ring per
+stream, and its receivers assemble whole versions from them
+(:mod:`~lightning_wsync._planes.relay.sharded`). A trainer host sends only its ranks' shares.
+
+Membership stays on rank 0: at each refresh :class:`ShardStreamsPlane` works out every
+stream's live leaders (the hosts other than that rank's own) and writes them to
+``relay/<stream>/leaders`` for the other ranks, whose :class:`StreamHead` reads them every
+``CHAIN_POLL_S`` and re-forms its chain from them. Chains only: no trees, no deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from typing_extensions import override
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.records import StreamLeadersRecord
+from lightning_wsync._control.shards import ShardPlan
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import Peer
+from lightning_wsync._planes.delta.encode import AutoPolicy
+from lightning_wsync._planes.relay.head import RelayHead
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, error_text
+from lightning_wsync._planes.relay.send import RelaySendPlane, live_leaders
+from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+class ShardStreamsPlane(RelaySendPlane):
+    """Trainer rank 0's relay plane of a sharded push: it heads stream 0 (as the unsharded relay heads
+    the epoch's chain) and names every other stream's live leaders for its rank."""
+
+    def __init__(
+        self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, *, epoch: int, host: str, backend: str, addr: str,
+        timeout_s: float, heartbeat_timeout_s: float,
+    ) -> None:  # fmt: skip
+        self._hosts = plan.rank_hosts(host)
+        self._streams = [keys.relay_stream(epoch, rank) for rank in range(plan.world)]
+        self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
+        super().__init__(ctl, ring, epoch=self._streams[0], host=self._hosts[0], backend=backend, addr=addr,
+                         timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, deltas=None,
+                         policy=AutoPolicy("off"), topology="chain")  # fmt: skip
+
+    @override
+    def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
+        super().sync(live, gone, retired)
+        for stream, host in zip(self._streams[1:], self._hosts[1:]):
+            leaders = live_leaders(self._ctl, stream, live, host)
+            if leaders != self._written.get(stream):
+                self._ctl.put(keys.relay_stream_leaders(stream), StreamLeadersRecord(leaders))
+                self._written[stream] = leaders
+
+    @override
+    def close(self, deadline: float) -> list[str]:
+        stuck = super().close(deadline)
+        try:
+            for stream in self._written:
+                self._ctl.delete(keys.relay_stream_leaders(stream))
+        except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
+            log.debug("relay streams: leaders keys left on the store: %s", exc)
+        return stuck
+
+
+class StreamHead:
+    """A trainer rank's (other than 0) relay of its share: a chain headed here, its leaders named by rank 0."""
+
+    def __init__(
+        self, ctl: Control, ring: SnapshotRing, *, stream: int, written_key: str, backend: str, addr: str,
+        timeout_s: float, heartbeat_timeout_s: float,
+    ) -> None:  # fmt: skip
+        """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports."""
+        self.ctl = ctl
+        self._stream = stream
+        self._written_key = written_key
+        self._written: int | None = None  # the newest version written, as noted by :meth:`wrote`
+        self._noted: int | None = None  # as last set on the store
+        self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timeout_s=timeout_s,
+                               heartbeat_timeout_s=heartbeat_timeout_s, topology="chain")  # fmt: skip
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-relay-stream-{stream}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctl = self.ctl.clone()
+        key = keys.relay_stream_leaders(self._stream)
+        while not self._stop.is_set():
+            try:
+                if (written := self._written) is not None and written != self._noted:
+                    ctl.set_text(self._written_key, str(written))
+                    self._noted = written
+                record = ctl.get_record(key, StreamLeadersRecord)
+                self._head.update_chain({} if record is None else record.leaders)
+            except WeightSyncError as exc:  # an unreadable record or a lost store: the chain stays as it is
+                log.debug("relay stream %d: %s", self._stream, error_text(exc))
+            self._stop.wait(CHAIN_POLL_S)
+
+    def wrote(self, version: int) -> None:
+        """This rank's share of ``version`` is in its ring (noted on the store from this head's thread)."""
+        self._written = version
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+        self._head.close(timeout_s=timeout_s)
+        try:
+            self.ctl.delete(self._written_key)
+        except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
+            log.debug("relay stream %d: %s", self._stream, error_text(exc))

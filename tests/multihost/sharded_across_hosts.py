@@ -1,0 +1,184 @@
+"""Scenario: a sharded push from a trainer of 2 ranks on 2 simulated hosts to receivers on 4 others.
+
+Hosts 0 and 1 run trainer ranks 0 and 1 (rank 0: this process, the WeightSender with the
+store; rank 1: ``_shard_rank.py``), each holding the whole model as DDP replicas do and
+relaying only its share; hosts 2-5 run one receiver each (``_relay_receiver.py``). Every
+applied version's digest is checked against the trainer's.
+
+- ``egress``: pushes 1-4; the bytes each host sent and received over pushes 2-4 (push 1 sets
+  up the hops), read from each namespace's ``eth0`` counters.
+- ``kill`` (``stop``): pushes 1-2, then rank 1 is SIGKILLed (SIGSTOPped) while its share of
+  version 3 is on the wire (host 1's link is shaped so that it takes a while), rank 0 pushes
+  3 and 4 alone; then the trainer is relaunched (a new sender epoch, a new rank 1) and pushes
+  5. No receiver may apply 3 or 4, and every receiver must apply 5, bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from _scenario import Procs, main, wait_until
+
+from lightning_wsync import SenderConfig, WeightSender
+from lightning_wsync._control import keys
+from lightning_wsync._control.records import ChainRecord
+from lightning_wsync._control.store import Control
+from lightning_wsync._push.shares import prepare_shares
+from lightning_wsync.testing.hosts import SimHosts
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+
+HERE = Path(__file__).resolve().parent
+JOB = "xshard"
+ROLLOUT = (2, 3, 4, 5)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+class Trainer:
+    """Rank 0 here, rank 1 on host 1; one launch is one sender epoch."""
+
+    def __init__(self, hosts: SimHosts, procs: Procs, store: dist.TCPStore, address: str, size_mb: float) -> None:
+        self.hosts, self.procs, self.store, self.address, self.size_mb = hosts, procs, store, address, size_mb
+        self.model = build_model(spec_for_size(size_mb), seed=0)
+        # A leader silent this long leaves its chains (a resend would skew the byte counts): ample on 2 busy cores.
+        self.cfg = SenderConfig(job=JOB, timeout_s=10.0, heartbeat_timeout_s=6.0)
+        self.mutated = 0
+        self.launch = 0
+        self.rank1: dict[str, Any] = {}
+        self.asked = 0  # push keys set for the current rank 1
+
+    def start(self) -> WeightSender:
+        self.launch += 1
+        self.asked = 0
+        argv = [sys.executable, str(HERE / "_shard_rank.py"), "--store", self.address, "--job", JOB,
+                "--launch", str(self.launch), "--size-mb", str(self.size_mb), "--timeout-s", str(self.cfg.timeout_s)]
+        self.procs.start(f"rank1-l{self.launch}", 1, argv)  # fmt: skip
+        self.rank1 = json.loads(self.store.get(f"xs/{self.launch}/rank1"))
+        mine = prepare_shares(self.model, self.cfg, 0, 2)
+        plan = mine.plan.with_segments(["", self.rank1["name"]], [self.hosts.name(0), self.rank1["host"]])
+        shares = dataclasses.replace(mine, plan=plan)
+        sender = WeightSender(self.model, store=self.store, config=self.cfg, shares=shares)
+        self.store.set(f"xs/{self.launch}/epoch", str(sender.epoch))
+        return sender
+
+    def step(self, version: int) -> str:
+        """Both replicas take the optimizer steps up to ``version``; its digest."""
+        for step in range(self.mutated + 1, version + 1):
+            mutate(self.model, step)
+        self.mutated = version
+        return digest(self.model, None)
+
+    def ask_rank1(self, version: int) -> None:
+        self.asked += 1
+        self.store.set(f"xs/{self.launch}/push/{self.asked}", str(version))
+
+    def rank1_wrote(self, version: int) -> bool:
+        key = f"xs/{self.launch}/wrote/{version}"
+        return self.store.check([key]) and self.store.get(key) == b"1"
+
+    def stop_rank1(self) -> None:
+        self.ask_rank1(0)
+        self.procs.wait(f"rank1-l{self.launch}", 30)
+
+
+def scenario(argv: list[str]) -> dict[str, Any]:
+    out, mode, size_mb = Path(argv[0]), argv[1], float(argv[2])
+    events = out / "events.jsonl"
+    with SimHosts(2 + len(ROLLOUT)) as hosts:
+        if mode != "egress":
+            hosts.shape(1, "100mbit")  # rank 1's share of a version takes ~0.7 s on its link
+        os.environ["WSYNC_HOST_ID"] = hosts.name(0)
+        hosts.enter(0)
+        store = dist.TCPStore(hosts.address(0), 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))  # fmt: skip
+        address = f"{hosts.address(0)}:{store.port}"
+        procs = Procs(hosts, out)
+        trainer = Trainer(hosts, procs, store, address, size_mb)
+        sender = trainer.start()
+        names = [f"h{h}r0" for h in ROLLOUT]
+        for name, h in zip(names, ROLLOUT):
+            procs.start(name, h, [sys.executable, str(HERE / "_relay_receiver.py"), "--store", address, "--job", JOB,
+                                  "--name", name, "--size-mb", str(size_mb), "--events", str(events)])  # fmt: skip
+        wait_until("every receiver to register", lambda: set(names) <= set(sender.receivers()), 120, procs)
+        ctl = Control(store, JOB)
+
+        def chains_formed() -> bool:  # pushing while the chains grow makes hops wait out timeout_s
+            streams = [keys.relay_stream(sender.epoch, rank) for rank in (0, 1)]
+            records = [ctl.get_record(keys.relay_chain(stream), ChainRecord) for stream in streams]
+            return all(c is not None and len(c.rids) == len(ROLLOUT) for c in records)
+
+        wait_until("both streams' chains to take in every rollout host", chains_formed, 60, procs)
+        expected: dict[int, str] = {}
+
+        def applied(version: int) -> set[str]:
+            return {r["name"] for r in read(events) if r["event"] == "applied" and r["version"] == version}
+
+        def push(version: int, *, rank1: bool = True) -> None:
+            expected[version] = trainer.step(version)
+            if rank1:
+                trainer.ask_rank1(version)
+                wait_until(f"rank 1 to write version {version}", lambda: trainer.rank1_wrote(version), 30, procs)
+            sender.push(version)
+
+        def everyone(version: int) -> None:
+            push(version)
+            wait_until(f"every receiver to apply version {version}", lambda: applied(version) >= set(names), 60, procs)
+
+        shares = [prepare_shares(trainer.model, trainer.cfg, r, 2).share.total_bytes for r in (0, 1)]
+        result: dict[str, Any] = {"names": names, "share_bytes": shares, "model_bytes": sender.layout.total_bytes}
+        everyone(1)
+        before = [hosts.counters(i) for i in range(hosts.n)]
+        everyone(2)
+        if mode == "egress":
+            everyone(3)
+            everyone(4)
+            after = [hosts.counters(i) for i in range(hosts.n)]
+            result["tx_per_push"] = [(a[0] - b[0]) / 3 for a, b in zip(after, before)]
+            result["rx_per_push"] = [(a[1] - b[1]) / 3 for a, b in zip(after, before)]
+        else:
+            sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+            result["killed"] = stop_rank1_mid_share(hosts, trainer, push, shares, procs, sig)
+            # Rank 0 alone pushes 4: its share reaches every host, rank 1's never does.
+            rx = [hosts.counters(h)[1] for h in ROLLOUT]
+            push(4, rank1=False)
+            wait_until("rank 0's share of version 4 to reach every rollout host",
+                       lambda: all(hosts.counters(h)[1] >= b + shares[0] for h, b in zip(ROLLOUT, rx)), 30, procs)
+            os.kill(int(trainer.rank1["pid"]), signal.SIGKILL)  # a stalled rank 1 too: the trainer is relaunched
+            procs.wait(f"rank1-l{trainer.launch}", 30)
+            sender.close(0, final=False)  # as after a crash: a new sender epoch, a new rank 1
+            sender = trainer.start()
+            wait_until("both streams' chains of the new epoch to take in every rollout host", chains_formed, 60, procs)
+            everyone(5)
+            result["partial_applied"] = sorted(applied(3) | applied(4))
+        sender.close()
+        trainer.stop_rank1()
+        result["applied"] = [{"name": r["name"], "version": r["version"],
+                              "exact": r["digest"] == expected.get(r["version"])}
+                             for r in read(events) if r["event"] == "applied"]  # fmt: skip
+        return result
+
+
+def stop_rank1_mid_share(
+    hosts: SimHosts, trainer: Trainer, push: Any, shares: list[int], procs: Procs, sig: signal.Signals
+) -> dict[str, Any]:
+    """Version 3: rank 1 SIGKILLed (or SIGSTOPped) once 30% of its share has left its host."""
+    tx = hosts.counters(1)[0]
+    push(3)
+    goal = tx + 0.3 * shares[1]
+    wait_until("30% of rank 1's share of version 3 to leave host 1", lambda: hosts.counters(1)[0] >= goal, 30, procs)
+    os.kill(int(trainer.rank1["pid"]), sig)
+    return {"sent_bytes": hosts.counters(1)[0] - tx, "share_bytes": shares[1], "signal": sig.name}
+
+
+if __name__ == "__main__":
+    main(scenario)

@@ -1,0 +1,111 @@
+"""A sharded push relayed across hosts, in one process: trainer ranks 0 and 1 on two host ids,
+each relaying its own share; receivers on two rollout host ids (one with two host-mates) and
+on rank 1's host. Real TCPStore, real gloo hops on loopback; hosts are told apart by
+``WSYNC_HOST_ID``. All shares of a version or none of it, on every host."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+from _sharded import sharded_model, zeroed_sharded_model
+from torch import nn
+
+from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
+from lightning_wsync._push.shares import ShareWriter, prepare_shares
+from lightning_wsync.testing.models import digest, mutate
+
+pytestmark = pytest.mark.timeout(120)
+
+_WAIT_S = 30.0
+
+
+_model, _zeroed = sharded_model, zeroed_sharded_model
+
+
+def _stream_holds(receiver: WeightReceiver, rank: int, version: int) -> bool:
+    """Rank ``rank``'s ring as ``receiver`` reads it holds ``version`` complete (test-only look inside)."""
+    source = receiver._watcher.source
+    rings = getattr(source, "_rings", None)
+    if not rings:
+        return False
+    with rings[rank].held() as reader:
+        return reader is not None and any(ref.version == version for ref in reader.complete())
+
+
+def _until(what: str, condition: object) -> None:
+    deadline = time.monotonic() + _WAIT_S
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _receivers(
+    monkeypatch: pytest.MonkeyPatch, address: str, hosts: list[str]
+) -> Iterator[list[tuple[WeightReceiver, nn.Module]]]:
+    with contextlib.ExitStack() as stack:
+        out = []
+        for i, host in enumerate(hosts):
+            monkeypatch.setenv("WSYNC_HOST_ID", host)
+            module = _zeroed()
+            receiver = WeightReceiver(module, store=address, job="xshard", name=f"r{i}-{host}", timeout_s=10)
+            out.append((stack.enter_context(receiver), module))
+        monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
+        yield out
+
+
+def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(server, port, monkeypatch):
+    monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
+    address = f"127.0.0.1:{port}"
+    model = _model()
+    # heartbeat_timeout_s above timeout_s: rank 0 waits up to timeout_s for a missing share in its background
+    # thread, which meanwhile reads no heartbeats (as on one host).
+    cfg = SenderConfig(job="xshard", timeout_s=3, heartbeat_timeout_s=10)
+    mine = prepare_shares(model, cfg, 0, 2)
+    theirs = dataclasses.replace(prepare_shares(model, cfg, 1, 2), host="trainer-b")
+    writer = ShareWriter(theirs, cfg)
+    plan = mine.plan.with_segments(["", writer.name], ["trainer-a", "trainer-b"])
+    try:
+        with WeightSender(model, store=address, config=cfg, shares=dataclasses.replace(mine, plan=plan)) as sender:
+            writer.relay(address, sender.epoch, cfg)
+            hosts = ["rollout-1", "rollout-2", "rollout-2", "trainer-b"]
+            with _receivers(monkeypatch, address, hosts) as receivers:
+                for version in (1, 2):
+                    mutate(model, version)
+                    assert writer.write(version)
+                    handle = sender.push(version)
+                    for receiver, module in receivers:
+                        assert receiver.wait_for_version(version, timeout_s=_WAIT_S) == version
+                        assert digest(module, None) == digest(model, None), receiver.name
+                    report = handle.wait(timeout_s=_WAIT_S)
+                    assert sorted(report.delivered) == sorted(r.name for r, _ in receivers), report
+                described = [r._watcher.source.describe() for r, _ in receivers]  # type: ignore[union-attr]
+                assert described == ["relay across hosts, sharded over 2 trainer ranks (2 streams relayed)"] * 3 + [
+                    "relay across hosts, sharded over 2 trainer ranks (1 streams relayed)"]
+                held = digest(model, None)
+
+                mutate(model, 3)  # rank 1 never writes its share of 3: rank 0's share arrives, nobody applies it
+                handle = sender.push(3)
+                for receiver, module in receivers[:3]:
+                    _until(f"{receiver.name}'s ring of rank 0's stream to hold version 3",
+                           lambda r=receiver: _stream_holds(r, 0, 3))  # fmt: skip
+                    assert receiver.update() is None and receiver.version == 2
+                    assert digest(module, None) == held
+                report = handle.wait(timeout_s=_WAIT_S)  # rank 0 reads rank 1's notes on the store: it names rank 1
+                assert report.delivered == () and sorted(report.failed) == sorted(r.name for r, _ in receivers)
+                for why in report.failed.values():
+                    assert "trainer rank 1 did not complete its share of version 3 within timeout_s=3" in why, report
+
+                mutate(model, 4)  # both write 4: the next whole version is applied everywhere
+                assert writer.write(4)
+                handle = sender.push(4)
+                for receiver, module in receivers:
+                    assert receiver.wait_for_version(3, timeout_s=_WAIT_S) == 4
+                    assert digest(module, None) == digest(model, None), receiver.name
+                assert sorted(handle.wait(timeout_s=_WAIT_S).delivered) == sorted(r.name for r, _ in receivers)
+    finally:
+        writer.close()
