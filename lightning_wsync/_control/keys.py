@@ -8,6 +8,8 @@ another. Only ``latest``, ``sender/current``, the fleet's ``round`` and ``switch
 records are signed with the job's secret when one is set;
 counters and ``1`` markers cannot be, and only say "look again", never what to trust.
 
+Longer than 300 lines: the table below is the one list of every key, kept beside its builders.
+
 ==============================  ======  =========================================================
 key (under ``wsync/<job>/``)    kind    what
 ==============================  ======  =========================================================
