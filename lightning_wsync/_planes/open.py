@@ -125,19 +125,19 @@ class SendSide:
         lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
         self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2, lease_s=lease_s,
                                  mirror=spec.device if spec.cuda_ipc else None)  # fmt: skip
-        self.deltas = None
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
         relay = relays_streams(spec.transport, spec.cross_host)
+        self.deltas = DeltaStreams(shares[0]) if relay and spec.delta != "off" else None  # rank 0's share's
         planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
                                                   timeout_s=spec.timeout_s, relayed=relay)]  # fmt: skip
-        if spec.cross_host == "tree" or spec.delta == "always":
-            log.warning("WeightSender: a sharded push relays each rank's share down a chain of full versions; "
-                        "cross_host=%r and delta=%r are not used for it (docs/sharded.md)", spec.cross_host,
-                        spec.delta)  # fmt: skip
+        if spec.cross_host == "tree":
+            log.warning("WeightSender: a sharded push relays each rank's share down a chain; cross_host='tree' "
+                        "is not used for it (docs/sharded.md)")  # fmt: skip
         if relay:  # every rank relays its own share to the other hosts (docs/sharded.md)
             planes.append(ShardStreamsPlane(
                 ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
-                timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
+                timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
+                policy=AutoPolicy(spec.delta),
             ))  # fmt: skip
         self.planes = tuple(planes)
         self.record = SenderRecord(

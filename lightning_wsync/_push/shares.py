@@ -124,7 +124,7 @@ class ShareWriter:
             ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank),
             written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
             addr=local_address(handle.address), timeout_s=config.timeout_s,
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s, delta=config.delta,
         )  # fmt: skip
         log.info("trainer rank %d relays its share of sender epoch %d to other hosts", self._shares.rank, epoch)
 

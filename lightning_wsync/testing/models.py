@@ -109,6 +109,16 @@ def mutate(model: nn.Module, version: int) -> None:
             t.add_(0.01 * version if t.is_floating_point() else version)
 
 
+def touch(model: nn.Module, version: int, share: float = 0.02) -> None:
+    """Change the first ``share`` of every floating tensor's elements (a sparse step: what a delta
+    push sends little of), deterministically."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                flat = t.view(-1)
+                flat[: max(1, int(flat.numel() * share))].add_(0.01 * version)
+
+
 def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
     flat = t.detach().reshape(-1)
     for start in range(0, flat.numel(), _DIGEST_CHUNK_ELEMS):

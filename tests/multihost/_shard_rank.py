@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning_wsync import SenderConfig
 from lightning_wsync._control.host import host_id
 from lightning_wsync._push.shares import ShareWriter, prepare_shares
-from lightning_wsync.testing.models import build_model, mutate, spec_for_size
+from lightning_wsync.testing.models import build_model, mutate, spec_for_size, touch
 
 
 def main() -> int:
@@ -30,13 +30,15 @@ def main() -> int:
     parser.add_argument("--launch", required=True)
     parser.add_argument("--size-mb", type=float, required=True)
     parser.add_argument("--timeout-s", type=float, required=True)
+    parser.add_argument("--delta", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
     host, port = args.store.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
     prefix = f"xs/{args.launch}/"
     model = build_model(spec_for_size(args.size_mb), seed=0)
-    cfg = SenderConfig(job=args.job, timeout_s=args.timeout_s, heartbeat_timeout_s=6.0)
+    cfg = SenderConfig(job=args.job, timeout_s=args.timeout_s, heartbeat_timeout_s=6.0, delta=args.delta)
+    change = touch if args.delta == "always" else mutate  # a sparse step where the test wants deltas
     writer = ShareWriter(prepare_shares(model, cfg, 1, 2), cfg)
     try:
         store.set(prefix + "rank1", json.dumps({"name": writer.name, "host": host_id(), "pid": os.getpid()}))
@@ -45,7 +47,7 @@ def main() -> int:
         while (version := int(store.get(f"{prefix}push/{asked + 1}"))) > 0:
             asked += 1
             for step in range(mutated + 1, version + 1):  # the same steps as rank 0's replica
-                mutate(model, step)
+                change(model, step)
             mutated = version
             store.set(f"{prefix}wrote/{version}", "1" if writer.write(version) else "0")
     finally:

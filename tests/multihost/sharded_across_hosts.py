@@ -7,6 +7,8 @@ applied version's digest is checked against the trainer's.
 
 - ``egress``: pushes 1-4; the bytes each host sent and received over pushes 2-4 (push 1 sets
   up the hops), read from each namespace's ``eth0`` counters.
+- ``delta``: as ``egress``, with ``delta="always"`` on both ranks and sparse steps (2% of
+  each tensor): each rank encodes its own share's delta, so pushes 2-4 move a few percent.
 - ``kill`` (``stop``): pushes 1-2, then rank 1 is SIGKILLed (SIGSTOPped) while its share of
   version 3 is on the wire (host 1's link is shaped so that it takes a while), rank 0 pushes
   3 and 4 alone; then the trainer is relaunched (a new sender epoch, a new rank 1) and pushes
@@ -33,7 +35,7 @@ from lightning_wsync._control.records import ChainRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.hosts import SimHosts
-from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size, touch
 
 HERE = Path(__file__).resolve().parent
 JOB = "xshard"
@@ -47,11 +49,14 @@ def read(path: Path) -> list[dict[str, Any]]:
 class Trainer:
     """Rank 0 here, rank 1 on host 1; one launch is one sender epoch."""
 
-    def __init__(self, hosts: SimHosts, procs: Procs, store: dist.TCPStore, address: str, size_mb: float) -> None:
+    def __init__(
+        self, hosts: SimHosts, procs: Procs, store: dist.TCPStore, address: str, size_mb: float, delta: str = "auto"
+    ) -> None:  # fmt: skip
         self.hosts, self.procs, self.store, self.address, self.size_mb = hosts, procs, store, address, size_mb
         self.model = build_model(spec_for_size(size_mb), seed=0)
         # A leader silent this long leaves its chains (a resend would skew the byte counts): ample on 2 busy cores.
-        self.cfg = SenderConfig(job=JOB, timeout_s=10.0, heartbeat_timeout_s=6.0)
+        self.cfg = SenderConfig(job=JOB, timeout_s=10.0, heartbeat_timeout_s=6.0, delta=delta)
+        self.change = touch if delta == "always" else mutate  # a sparse step where the test wants deltas
         self.mutated = 0
         self.launch = 0
         self.rank1: dict[str, Any] = {}
@@ -61,7 +66,8 @@ class Trainer:
         self.launch += 1
         self.asked = 0
         argv = [sys.executable, str(HERE / "_shard_rank.py"), "--store", self.address, "--job", JOB,
-                "--launch", str(self.launch), "--size-mb", str(self.size_mb), "--timeout-s", str(self.cfg.timeout_s)]
+                "--launch", str(self.launch), "--size-mb", str(self.size_mb), "--timeout-s", str(self.cfg.timeout_s),
+                "--delta", self.cfg.delta]
         self.procs.start(f"rank1-l{self.launch}", 1, argv)  # fmt: skip
         self.rank1 = json.loads(self.store.get(f"xs/{self.launch}/rank1"))
         mine = prepare_shares(self.model, self.cfg, 0, 2)
@@ -74,7 +80,7 @@ class Trainer:
     def step(self, version: int) -> str:
         """Both replicas take the optimizer steps up to ``version``; its digest."""
         for step in range(self.mutated + 1, version + 1):
-            mutate(self.model, step)
+            self.change(self.model, step)
         self.mutated = version
         return digest(self.model, None)
 
@@ -103,7 +109,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                               timeout=timedelta(seconds=60))  # fmt: skip
         address = f"{hosts.address(0)}:{store.port}"
         procs = Procs(hosts, out)
-        trainer = Trainer(hosts, procs, store, address, size_mb)
+        trainer = Trainer(hosts, procs, store, address, size_mb, delta="always" if mode == "delta" else "auto")
         sender = trainer.start()
         names = [f"h{h}r0" for h in ROLLOUT]
         for name, h in zip(names, ROLLOUT):
@@ -139,7 +145,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         everyone(1)
         before = [hosts.counters(i) for i in range(hosts.n)]
         everyone(2)
-        if mode == "egress":
+        if mode in ("egress", "delta"):
             everyone(3)
             everyone(4)
             after = [hosts.counters(i) for i in range(hosts.n)]

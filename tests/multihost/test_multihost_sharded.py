@@ -40,6 +40,23 @@ def test_each_trainer_host_sends_only_its_share_and_every_receiver_is_bit_exact(
 
 
 @pytest.mark.timeout(120)
+def test_each_rank_sends_its_shares_delta_and_every_receiver_is_bit_exact(tmp_path: Path) -> None:
+    """delta="always" on both ranks, a sparse step per version: every stream carries its share as a delta."""
+    result = run_scenario("sharded_across_hosts.py", str(tmp_path), "delta", "16", timeout_s=110)
+    print(json.dumps({k: result[k] for k in ("share_bytes", "model_bytes", "tx_per_push", "rx_per_push")}))
+    _exact(result)
+    for version in (1, 2, 3, 4):
+        assert {a["name"] for a in result["applied"] if a["version"] == version} == set(result["names"]), version
+    model, tx, rx = result["model_bytes"], result["tx_per_push"], result["rx_per_push"]
+    # 2% of every tensor changed: each trainer host sends a delta of its share, well under the share
+    # itself (the full push sends each share whole, see the test above); each rollout host receives
+    # both shares' deltas once.
+    assert tx[0] < 0.25 * model and tx[1] < 0.25 * model, tx
+    for host in (2, 3, 4, 5):
+        assert rx[host] < 0.25 * model, rx
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["kill", "stop"])
 def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path: Path, mode) -> None:
     """Rank 1 SIGKILLed, or SIGSTOPped (a stall past every timeout), while its share of version 3 is on the wire."""

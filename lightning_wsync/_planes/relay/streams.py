@@ -15,7 +15,8 @@ stream, and its receivers assemble whole versions from them
 Membership stays on rank 0: at each refresh :class:`ShardStreamsPlane` works out every
 stream's live leaders (the hosts other than that rank's own) and writes them to
 ``relay/<stream>/leaders`` for the other ranks, whose :class:`StreamHead` reads them every
-``CHAIN_POLL_S`` and re-forms its chain from them. Chains only: no trees, no deltas.
+``CHAIN_POLL_S`` and re-forms its chain from them. Chains only, no trees; with ``delta`` on,
+each rank encodes its own share's deltas against the version each next leader holds.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning_wsync._control.records import StreamLeadersRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Peer
-from lightning_wsync._planes.delta.encode import AutoPolicy
+from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, error_text
 from lightning_wsync._planes.relay.send import RelaySendPlane, live_leaders
@@ -47,14 +48,14 @@ class ShardStreamsPlane(RelaySendPlane):
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, *, epoch: int, host: str, backend: str, addr: str,
-        timeout_s: float, heartbeat_timeout_s: float,
+        timeout_s: float, heartbeat_timeout_s: float, deltas: DeltaStreams | None, policy: AutoPolicy,
     ) -> None:  # fmt: skip
         self._hosts = plan.rank_hosts(host)
         self._streams = [keys.relay_stream(epoch, rank) for rank in range(plan.world)]
         self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
         super().__init__(ctl, ring, epoch=self._streams[0], host=self._hosts[0], backend=backend, addr=addr,
-                         timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, deltas=None,
-                         policy=AutoPolicy("off"), topology="chain")  # fmt: skip
+                         timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas,
+                         policy=policy, topology="chain")  # fmt: skip
 
     @override
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
@@ -81,16 +82,19 @@ class StreamHead:
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, *, stream: int, written_key: str, backend: str, addr: str,
-        timeout_s: float, heartbeat_timeout_s: float,
+        timeout_s: float, heartbeat_timeout_s: float, delta: str = "off",
     ) -> None:  # fmt: skip
-        """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports."""
+        """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports;
+        ``delta``: the sender's setting, applied to this stream (this rank encodes its own share)."""
         self.ctl = ctl
         self._stream = stream
         self._written_key = written_key
         self._written: int | None = None  # the newest version written, as noted by :meth:`wrote`
         self._noted: int | None = None  # as last set on the store
+        self._deltas = DeltaStreams(ring.layout) if delta != "off" else None
         self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timeout_s=timeout_s,
-                               heartbeat_timeout_s=heartbeat_timeout_s, topology="chain")  # fmt: skip
+                               heartbeat_timeout_s=heartbeat_timeout_s, deltas=self._deltas,
+                               policy=AutoPolicy(delta), topology="chain")  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-stream-{stream}", daemon=True)
         self._thread.start()
@@ -117,6 +121,8 @@ class StreamHead:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
         self._head.close(timeout_s=timeout_s)
+        if self._deltas is not None:
+            self._deltas.close(timeout_s=timeout_s)
         try:
             self.ctl.delete(self._written_key)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
