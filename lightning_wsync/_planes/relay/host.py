@@ -4,6 +4,9 @@ Election is in :mod:`~lightning_wsync._planes.relay.elect`, the host ring (and t
 network fallback) in :mod:`~lightning_wsync._planes.relay.source`, the chain in
 :mod:`~lightning_wsync._planes.relay.head`; the leader's hops (receive, rebuild, verify,
 forward) are in :mod:`~lightning_wsync._planes.relay.hop` and :mod:`~lightning_wsync._planes.relay.down`.
+
+Longer than 300 lines: one member's whole life on its host (standing, leading a chain or the
+trees, following a leader) in one thread, whose steps share its state.
 """
 
 from __future__ import annotations
@@ -217,10 +220,14 @@ class RelayMember:
         if chain.tree:
             hop = self._hop
             assert hop is not None
-            lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend,
-                            addr=self._addr, timeout_s=self._timeout_s, stop=self._stop)  # fmt: skip
-            if lead.serve(superseded, lambda msg: self._accept(ctl, hop, msg)):
-                self._failed_chain = chain.number
+            lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend, addr=self._addr,
+                            timeout_s=self._timeout_s, stop=self._stop, current=bell.current)  # fmt: skip
+            deaf = bell.listen(lead.nudge)
+            try:
+                if lead.serve(superseded, lambda msg: self._accept(ctl, hop, msg)):
+                    self._failed_chain = chain.number
+            finally:
+                deaf()
             return
         pos = chain.rids.index(self._rid)
         self._notes = 0

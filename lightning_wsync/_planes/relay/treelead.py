@@ -269,8 +269,10 @@ class TreeLead:
 
     def __init__(
         self, ctl: Control, hop: TreeHop, chain: Chain, *, epoch: int, rid: int, backend: str, addr: str,
-        timeout_s: float, stop: threading.Event,
+        timeout_s: float, stop: threading.Event, current: Callable[[int], bool] | None = None,
     ) -> None:  # fmt: skip
+        """``current``: the leader's bell (whether a chain number is still served, without a store
+        request); the hops downstream then read their children's notes without polling the chain."""
         links = tree_links(chain.rids, rid)
         self._ctl = ctl
         self._hop = hop
@@ -282,7 +284,7 @@ class TreeLead:
         self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, rid, t) for t in range(TREES)]
         self.downs = [
             [Downstream(ctl, epoch, chain, child, hop.layout, backend, addr, timeout_s, tree=t,
-                        pieces=len(hop.halves[t])) for child in links.children[t]]
+                        pieces=len(hop.halves[t]), current=current) for child in links.children[t]]
             for t in range(TREES)
         ]  # fmt: skip
         self.pgs: list[Interruptible] = []
@@ -332,6 +334,12 @@ class TreeLead:
             accept(msg)
             for _, down in every:
                 down.finish()
+
+    def nudge(self) -> None:
+        """The bell rang: every hop downstream looks at the chain (and its next note) now."""
+        for downs in self.downs:
+            for down in downs:
+                down.nudge()
 
     def close(self) -> None:
         for downs in self.downs:
