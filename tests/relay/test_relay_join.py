@@ -161,6 +161,9 @@ def test_leaving_a_hop_ends_the_peers_wait_at_once_even_with_a_send_still_refere
     close_group(pg, 1, "gloo")
     receiver.join(timeout=2 * TIMEOUT_S)
     shutdown_group(peer.pg)
-    assert waited["error"] is not None and "closed" in str(waited["error"]).lower(), waited
+    # gloo reports the peer's close as "Connection closed by peer" or, when the close races its
+    # own read, "Connection reset": either way the wait ended because the peer left.
+    error = str(waited["error"]).lower()
+    assert waited["error"] is not None and ("closed" in error or "connection reset" in error), waited
     assert float(waited["s"]) < TIMEOUT_S / 2, waited  # type: ignore[arg-type]
 
