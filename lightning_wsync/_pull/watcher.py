@@ -129,6 +129,7 @@ class Watcher:
         self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
         self._sender_heartbeat_timeout_s = 0.0  # as the followed sender's record says
         self._latest_raw: str | None = None  # the `latest` record as last read (a relay leader passes it on)
+        self._pointer_raw: str | None = None  # the sender pointer as last read (likewise)
         self.rid = -1
         self._register(ctl)
         self._thread = threading.Thread(target=self._watch, name=f"wsync-receiver-r{self.rid}", daemon=True)
@@ -215,7 +216,8 @@ class Watcher:
                         self._complaints.bad(step.__name__, exc)
                 news = seen  # only once read through: a lost store reads it all again
                 if relay is not None and posted is None:  # the host's leader tells its host-mates
-                    relay.share_news(HostNews(seen, self._latest_raw))
+                    relay.share_news(HostNews(seen, self._latest_raw, self._pointer_raw,
+                                              self.sender_closed or self.sender_left))  # fmt: skip
                 if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self.store_lost_since = None
@@ -251,20 +253,34 @@ class Watcher:
         whether what moved was taken in already (then the records need not be read).
 
         A relay host-mate reads it off its leader's board (``posted``), not the store. There,
-        one bump that came with a new ``latest`` record is a version: the record is taken from
-        the board (sealed: verified here). Anything else (a new sender, a close) has the
-        caller read the records from the store.
+        bumps are versions only when the leader read the same sender, not closed, at or after
+        them (or, from an older board, when one bump came with a new ``latest``): the ``latest``
+        record is then taken from the board (sealed: verified here). Anything else (a new
+        sender, a close) has the caller read the records from the store.
         """
         if posted is None:
             return ctl.get_text(keys.NEWS), False
         seen, raw = posted.news, posted.latest
-        if seen is None or raw is None or news is None or raw == self._latest_raw or not _one_bump(news, seen):
+        if seen is None or raw is None or news is None or seen == news:
+            return seen, False
+        if not self._same_sender(ctl, posted) and (raw == self._latest_raw or not _one_bump(news, seen)):
             return seen, False
         try:
-            self._take_latest(ctl.decode(keys.LATEST, raw, VersionRecord), raw)
+            if raw != self._latest_raw:
+                self._take_latest(ctl.decode(keys.LATEST, raw, VersionRecord), raw)
         except (WeightSyncAuthError, WeightSyncRecordError):
             return seen, False  # read from the store instead, which reports it
         return seen, True
+
+    def _same_sender(self, ctl: Control, posted: HostNews) -> bool:
+        """The leader's board says the sender followed here is still current and has not closed."""
+        source = self.source
+        if posted.closed or posted.sender is None or source is None:
+            return False
+        try:
+            return ctl.decode(keys.SENDER_CURRENT, posted.sender, SenderPointer).epoch == source.epoch
+        except (WeightSyncAuthError, WeightSyncRecordError):
+            return False  # the store's reading reports it
 
     def _sums_missing(self) -> bool:
         latest, held = self.latest, self._sums
@@ -377,9 +393,11 @@ class Watcher:
 
     def _follow_sender(self, ctl: Control) -> None:
         """Switch to the newest sender epoch whose records verify (a forged pointer is skipped)."""
-        pointer = ctl.get_record(keys.SENDER_CURRENT, SenderPointer)  # signed with a secret: a forged one raises
-        if pointer is None:
+        raw = ctl.get_text(keys.SENDER_CURRENT)
+        if raw is None:
             return
+        pointer = ctl.decode(keys.SENDER_CURRENT, raw, SenderPointer)  # signed with a secret: a forged one raises
+        self._pointer_raw = raw  # a relay leader posts it for its host-mates
         current = pointer.epoch
         floor = self.source.epoch if self.source is not None else 0
         if current <= floor:

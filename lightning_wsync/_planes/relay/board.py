@@ -33,6 +33,11 @@ class HostNews(NamedTuple):
 
     news: str | None  # the ``news`` counter as written (None: absent)
     latest: str | None  # the ``latest`` record as written (sealed; host-mates verify it)
+    # As the leader read them at or after that ``news``: the sender pointer (sealed) and whether
+    # the sender it follows has closed or left. With them a host-mate that missed a bump or two
+    # (pushes faster than it reads the board) still knows they were versions only.
+    sender: str | None = None
+    closed: bool = False
 
 
 class Board:
@@ -90,7 +95,9 @@ def read_board(directory: str) -> Posted | None:
         with open(path, encoding="utf-8") as f:
             age_s = time.time() - os.fstat(f.fileno()).st_mtime
             value = json.load(f)
-        return Posted(HostNews(_text(value.get("news")), _text(value.get("latest"))), max(0.0, age_s))
+        news = HostNews(_text(value.get("news")), _text(value.get("latest")), _text(value.get("sender")),
+                        value.get("closed") is not False)  # fmt: skip
+        return Posted(news, max(0.0, age_s))
     except (OSError, ValueError, AttributeError):
         return None
 
