@@ -21,9 +21,10 @@ import torch.distributed as dist
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import RecordShape, parse_counter
 from lightning_wsync._control.keys import ENV_JOB, ENV_STORE
-from lightning_wsync._control.records import R, Record
+from lightning_wsync._control.records import R, Record, ShardsRecord
 from lightning_wsync._control.signing import Signer, derive_key, short
 from lightning_wsync.errors import (
+    WeightSyncAuthError,
     WeightSyncError,
     WeightSyncRecordError,
     WeightSyncStoreError,
@@ -127,8 +128,19 @@ def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> N
             ctl.delete(key)
     newest_old = epoch - _KEEP_EPOCHS
     for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
+        _retire_shares(ctl, old)
         for key in keys.epoch_keys(old):
             ctl.delete(key)
+
+
+def _retire_shares(ctl: Control, epoch: int) -> None:
+    """A sharded epoch's notes of each rank (one SIGKILLed mid-run never deleted its own)."""
+    try:
+        record = ctl.get_record(keys.shards(epoch), ShardsRecord)
+    except (WeightSyncRecordError, WeightSyncAuthError):
+        return  # not a plan this sender can read: its notes stay (bounded by the ranks of one epoch)
+    for rank in range(0 if record is None else record.plan.world):
+        ctl.delete(keys.shard_written(epoch, rank))
 
 
 class Control:

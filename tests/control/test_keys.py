@@ -121,3 +121,21 @@ def test_rendezvous_keys():
     assert keys.rdzv_launch("exp1", "trainer") == "wsync.rdzv/exp1/trainer/launch"
     assert keys.rdzv_agents("exp1") == "wsync.rdzv/exp1/agents"
     assert keys.rdzv_state("exp1.trainer.e0") == "torch.rendezvous.exp1.trainer.e0"
+
+
+def test_retiring_an_old_sharded_epoch_takes_every_ranks_note_with_it():
+    """A rank SIGKILLed mid-run never deletes ``shards/<epoch>/wrote/<rank>``: the sender two
+    epochs later retires it with the epoch's records (the plan says how many ranks there were)."""
+    from lightning_wsync._control.records import ShardsRecord
+    from lightning_wsync._control.shards import Piece, ShardPlan
+    from lightning_wsync._control.store import retire_old_epochs
+
+    ctl = Control(dist.HashStore(), "j")
+    plan = ShardPlan(((Piece(0, 0, 4),), (Piece(0, 4, 8),), (Piece(1, 0, 4),)), bucket_bytes=1 << 20).with_segments(["s0", "s1", "s2"])
+    ctl.put(keys.shards(1), ShardsRecord(plan))
+    for rank in range(3):
+        ctl.set_text(keys.shard_written(1, rank), "7")
+    ctl.set_text(keys.shard_written(2, 0), "9")  # the epoch before the current one stays
+    retire_old_epochs(ctl, 3, None)
+    assert [ctl.has(keys.shard_written(1, r)) for r in range(3)] == [False, False, False]
+    assert not ctl.has(keys.shards(1)) and ctl.get_text(keys.shard_written(2, 0)) == "9"
