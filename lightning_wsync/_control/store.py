@@ -259,6 +259,13 @@ class Control:
         """The bytes at each of ``keys`` (all must exist), in one round trip."""
         return self._call("multi_get", keys[0] if keys else "", lambda: [bytes(v) for v in self.store.multi_get(keys)])
 
+    def get_present(self, keys: list[str]) -> dict[str, bytes]:
+        """The bytes at each of ``keys`` that exists: a check and one multi_get when all do, else
+        one non-waiting read each (a multi_get would wait the store's timeout on a missing key)."""
+        if keys and self.has_all(keys):
+            return dict(zip(keys, self.multi_get(keys)))
+        return {key: raw.encode() for key in keys if (raw := self.get_text(key)) is not None}
+
     def get_json(self, key: str) -> object:
         """The JSON value at ``key`` (verified when a secret is set), or None when absent."""
         text = self.get_text(key)

@@ -168,10 +168,12 @@ class FleetCoordinator:
         """What each fleet member last said (its key is written before it registers)."""
         if not live:
             return {}
-        raws = self._ctl.multi_get([keys.member_fleet(m.rid) for m in live])
+        raws = self._ctl.get_present([keys.member_fleet(m.rid) for m in live])  # one retired since: no key
         out: dict[int, FleetAck] = {}
-        for m, raw in zip(live, raws):
+        for m in live:
             key = keys.member_fleet(m.rid)
+            if (raw := raws.get(key)) is None:
+                continue
             try:
                 out[m.rid] = self._ctl.decode(key, raw, FleetAck)
                 self._complaints.good(key)

@@ -252,16 +252,13 @@ class Membership:
         return None
 
     def read_states(self, ctl: Control, rids: list[int]) -> list[bytes]:  # decoded by the report
-        """The raw ``member/<rid>/state`` of each of ``rids`` in one round trip; a retired
-        receiver's keys are deleted, so it reads as holding nothing (its gone reason stands),
-        and so does one already forgotten (no longer a member: retired before that)."""
+        """The raw ``member/<rid>/state`` of each of ``rids`` (a check and a multi_get): a retired or
+        forgotten receiver, or one whose key is gone, reads as holding nothing (its gone reason stands)."""
         with self._retire_lock:
-            retired = {rid for rid in rids if (m := self.get(rid)) is None or m.retired}
-            raws = iter(ctl.multi_get([keys.member_state(rid) for rid in rids if rid not in retired]))
-        return [
-            ctl.seal(keys.member_state(rid), MemberState(-1).encode()).encode() if rid in retired else next(raws)
-            for rid in rids
-        ]
+            read = [keys.member_state(rid) for rid in rids if (m := self.get(rid)) is not None and not m.retired]
+            found = ctl.get_present(read)  # a key gone since the refresh must not hold a multi_get
+        held_none = MemberState(-1).encode()
+        return [found.get(key) or ctl.seal(key, held_none).encode() for key in map(keys.member_state, rids)]
 
     def members(self) -> list[Member]:
         with self._lock:

@@ -169,3 +169,24 @@ def test_a_receiver_retired_and_forgotten_still_reads_as_holding_nothing(monkeyp
     (raw,) = members.read_states(ctl, [rid])
     assert decode_state(ctl, rid, raw) == MemberState(acked=-1, rejected=None)
     assert time.monotonic() - started < 5.0
+
+
+def test_a_live_receiver_whose_state_key_went_reads_as_holding_nothing_at_once():
+    """A receiver whose keys went between the sender's refresh and a push report's read (deleted
+    as an id that never registered, under load) must not hold the report for the store's
+    timeout (seen in ci-fresh's test_link_churn: WeightSyncStoreError from wait()); the others'
+    states read as written."""
+    ctl = Control(dist.HashStore(), "m")
+    ctl.store.set_timeout(timedelta(seconds=30))  # a read of a missing key would wait this long
+    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    kept, lost = register(ctl, "kept"), register(ctl, "lost")
+    members.refresh()
+    for rid in (kept, lost):
+        report = StateReport(rid)
+        report.held(7)
+        report.write(ctl)
+    ctl.delete(keys.member_state(lost))
+    started = time.monotonic()
+    raws = members.read_states(ctl, [kept, lost])
+    assert time.monotonic() - started < 5.0
+    assert [decode_state(ctl, rid, raw).acked for rid, raw in zip((kept, lost), raws)] == [7, -1]
