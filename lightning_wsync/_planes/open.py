@@ -98,7 +98,7 @@ class SendSide:
             planes.append(RelaySendPlane(
                 ctl, self.ring, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
                 timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
-                policy=policy, topology=spec.cross_host,
+                policy=policy, topology=spec.cross_host, previous_epoch=spec.epoch - 1 or None,
             ))  # fmt: skip
         self.net = net
         self.planes: tuple[SendPlane, ...] = tuple(planes)
@@ -181,6 +181,7 @@ class ReceiverSpec:
     on_staged: Callable[[int], None]
     on_rejected: Callable[[int, str], None]
     newest: Callable[[], int | None]  # the newest version announced on the store
+    on_rung: Callable[[], None] | None = None  # a relay host's leader: its bell rang (read the store's news)
 
 
 def open_source(
@@ -207,6 +208,7 @@ def open_source(
         return open_relay_source(
             me.ctl, layout, ordered, record, epoch=epoch, rid=me.rid, host=host, job=me.ctl.job, name=name,
             addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
+            on_rung=me.on_rung,
         )  # fmt: skip
     transport, backend, shm = record.transport, record.backend, record.shm
     same_host = record.host == host and shm is not None

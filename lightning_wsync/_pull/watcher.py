@@ -40,7 +40,7 @@ from lightning_wsync._control.records import (
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
-from lightning_wsync._planes.relay.board import HostNews
+from lightning_wsync._planes.relay.board import HostNews, Posted
 from lightning_wsync._planes.relay.source import RelaySource
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
@@ -62,7 +62,12 @@ IDLE_POLL_S = 0.1  # following a sender: versions come through the plane itself,
 VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of each version
 SEEK_POLL_S = 0.05  # no sender followed yet
 BACKSTOP_S = 5.0  # every record is read at least this often, news or not
-RELAY_POLL_S = 1.0  # a relay host's leader, whose relayed versions kick it
+# A relay host's leader reads news when kicked: by each version it relays, and by its bell,
+# which the sender rings at a new chain, at its close and when a new sender starts (and which
+# rings itself every bell.BACKSTOP_S); else every RELAY_LEAD_BACKSTOP_S, or every RELAY_POLL_S
+# once its sender left or closed (the next sender is found through news alone).
+RELAY_LEAD_BACKSTOP_S = 60.0
+RELAY_POLL_S = 1.0
 HOSTED_BACKSTOP_S = 30.0  # the same on a relay host (a host-mate reads news off its leader's board)
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
@@ -183,8 +188,9 @@ class Watcher:
     # -- the thread -------------------------------------------------------------------
     def _watch(self) -> None:
         ctl = self._watch_ctl
-        next_beat = next_all = 0.0
+        next_beat = next_all = next_news = 0.0
         news: str | None = None
+        kicked = True
         while not self._stop.is_set():
             self._kick.clear()  # before the work: a kick during it makes the wait below return at once
             try:
@@ -196,28 +202,13 @@ class Watcher:
                     self._beat = beat
                     next_beat = now + self._beat_s()
                 self._state.write(ctl)
-                # The records are read when `news` moved (or is unreadable), when verify still
-                # lacks the newest version's checksums, and every BACKSTOP_S whatever happens.
                 relay = self.source if isinstance(self.source, RelaySource) else None
                 posted = None if relay is None else relay.host_news()
                 self._relay_lead = relay is not None and posted is None
-                seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
-                look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
-                if now >= next_all:
-                    next_all = now + (BACKSTOP_S if relay is None else HOSTED_BACKSTOP_S)
-                steps = (self._follow_sender, self._follow_close, self._follow_versions, self._follow_sums)
-                for step in steps if look else ():
-                    try:
-                        step(ctl)
-                        self._complaints.good(step.__name__)
-                    except WeightSyncAuthError as exc:
-                        self._refuse(exc)
-                    except WeightSyncRecordError as exc:  # ignored until its writer replaces it
-                        self._complaints.bad(step.__name__, exc)
-                news = seen  # only once read through: a lost store reads it all again
-                if relay is not None and posted is None:  # the host's leader tells its host-mates
-                    relay.share_news(HostNews(seen, self._latest_raw, self._pointer_raw,
-                                              self.sender_closed or self.sender_left))  # fmt: skip
+                # A relay host's leader woken for its heartbeat alone leaves news for a kick or its pace.
+                if not (relay is not None and relay.leads() and not kicked and now < min(next_news, next_all)):
+                    news, next_all = self._follow(ctl, now, relay, posted, news, next_all)
+                    next_news = now + self._pace()
                 if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
                     self.store_lost_since = None
@@ -232,14 +223,44 @@ class Watcher:
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
                 self._stop.wait(min(1.0, self.config.heartbeat_s))
-            self._kick.wait(min(self._pace(), max(0.0, next_beat - time.monotonic())))  # an apply kicks it
+            kicked = self._kick.wait(min(self._pace(), max(0.0, next_beat - time.monotonic())))  # an apply kicks it
+
+    def _follow(
+        self, ctl: Control, now: float, relay: RelaySource | None, posted: Posted | None, news: str | None,
+        next_all: float,
+    ) -> tuple[str | None, float]:  # fmt: skip
+        """Read ``news`` and, when it moved (or is unreadable), when verify still lacks the newest
+        version's checksums, and at ``next_all`` whatever happens, the records; returns the news
+        read through (a lost store raises first: then it is all read again) and the next ``next_all``."""
+        seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
+        look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
+        if now >= next_all:
+            next_all = now + (BACKSTOP_S if relay is None else HOSTED_BACKSTOP_S)
+        steps = (self._follow_sender, self._follow_close, self._follow_versions, self._follow_sums)
+        for step in steps if look else ():
+            try:
+                step(ctl)
+                self._complaints.good(step.__name__)
+            except WeightSyncAuthError as exc:
+                self._refuse(exc)
+            except WeightSyncRecordError as exc:  # ignored until its writer replaces it
+                self._complaints.bad(step.__name__, exc)
+        if relay is not None and posted is None:  # the host's leader tells its host-mates
+            relay.share_news(HostNews(seen, self._latest_raw, self._pointer_raw,
+                                      self.sender_closed or self.sender_left))  # fmt: skip
+        return seen, next_all
 
     def _pace(self) -> float:
-        """How long the thread waits for a kick. A relay host's leader (or a receiver there served
-        over the network) is kicked by each version it receives, so it reads ``news`` slowly."""
+        """How long the thread waits for a kick (it wakes for its heartbeats as well). A relay host's
+        leader is kicked by each version it receives and by its bell (see RELAY_LEAD_BACKSTOP_S); a
+        receiver there served over the network by each version, so it reads ``news`` slowly too."""
         if self.source is None:
             return SEEK_POLL_S
-        return VERIFY_POLL_S if self.config.verify else RELAY_POLL_S if self._relay_lead else IDLE_POLL_S
+        if self.config.verify:
+            return VERIFY_POLL_S
+        if isinstance(self.source, RelaySource) and self.source.leads():
+            return RELAY_POLL_S if self.sender_closed or self.sender_left else RELAY_LEAD_BACKSTOP_S
+        return RELAY_POLL_S if self._relay_lead else IDLE_POLL_S
 
     def _beat_s(self) -> float:
         """Between heartbeats: ``heartbeat_s``; on a relay host, a quarter of the sender's
@@ -469,7 +490,7 @@ class Watcher:
             ctl=self._ctl, rid=self.rid, host=self._host, name=self.name, addr=local_address(self._store_address),
             device=self._device, timeout_s=self.config.timeout_s, swap=self.config.apply == "swap",
             on_staged=self._on_staged, on_rejected=self.on_rejected,
-            newest=lambda: None if self.latest is None else self.latest.version,
+            newest=lambda: None if self.latest is None else self.latest.version, on_rung=self._kick.set,
         )  # fmt: skip
         return open_source(epoch, layout, record, ordered, me, fallback=fallback)
 

@@ -65,13 +65,14 @@ class NoteWaiter:
     The thread waits on its own connection (a clone); :meth:`wake` writes the awaited key
     through the owner's, so ``stop()`` ends the wait at once, and so does a receiver's
     silence watch (:meth:`NetReceiveLink._watch_silence`). The key is the link's own (its
-    prefix and number) and is deleted with its other notes. ``_WAIT_BACKSTOP_S`` bounds a
+    prefix and number) and is deleted with its other notes. ``backstop_s`` bounds a
     wait whose wake-up was lost (the store logs a line when a wait times out: rare, on purpose).
     """
 
-    def __init__(self, control: Control, stop: threading.Event) -> None:
+    def __init__(self, control: Control, stop: threading.Event, backstop_s: float = _WAIT_BACKSTOP_S) -> None:
         self._control = control
         self._stop = stop
+        self._backstop_s = backstop_s
         self._lock = threading.Lock()  # a wake is written only into a wait in progress
         self._key: str | None = None
         self._woken = False
@@ -85,7 +86,7 @@ class NoteWaiter:
         try:
             if self._stop.is_set():  # after waiting_since is set: a stop() later than this wakes the wait
                 return False
-            return ctl.wait_for(key, _WAIT_BACKSTOP_S) and not (self._stop.is_set() or self._woken)
+            return ctl.wait_for(key, self._backstop_s) and not (self._stop.is_set() or self._woken)
         finally:
             with self._lock:
                 self.waiting_since = None

@@ -24,7 +24,7 @@ from lightning_wsync._planes.shm.ring import SnapshotRing
 
 log = logging.getLogger(__name__)
 
-_FOLLOW_ALL_S = 15.0  # every live receiver's link number is read at least this often
+_FOLLOW_ALL_S = 30.0  # every live receiver's link number is read at least this often (links/asked says when else)
 
 
 class NetSendPlane:

@@ -7,9 +7,12 @@ its bell key (``relay/<epoch>/bell/<rid>``, one blocking wait on a connection of
 and reads both records when the bell rings; the loops look at what it read, in memory.
 Whoever changes what the leader serves rings it: the sender after each new chain number
 (every leader of the old and the new chain, and every leader it knows), a host-mate that
-takes over the host, and the leader itself when it steps down. The owner rings it again
-when it has not rung for ``BACKSTOP_S`` (a lost ring costs at most that long), so the
-blocking wait never reaches its own timeout (the store client logs one line when it does).
+takes over the host, and the leader itself when it steps down. The sender also rings every
+leader it knows when it closes, and a new sender rings the previous epoch's chain: the
+leader's watcher, which a ring wakes (``listen``), then reads the store's ``news`` and finds
+the close or the new sender without a poll of its own. The owner rings it again when it has
+not rung for ``BACKSTOP_S`` (a lost ring costs at most that long), so the blocking wait never
+reaches its own timeout (the store client logs one line when it does).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-BACKSTOP_S = 15.0  # what the bell's thread read is read again at least this often
+BACKSTOP_S = 30.0  # what the bell's thread read is read again at least this often
 _WAIT_S = 60.0  # a wait's own bound; the backstop's ring ends it much sooner
 
 

@@ -286,12 +286,16 @@ class RelayHead:
         log.debug("relay: version %d sent %s", version, "in full" if delta is None else "as a delta")
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop feeding, ring every leader known (after the sender's close record and its ``news``
+        bump: their watchers find the close at once) and delete the chain's keys."""
         self._stop.set()
         self._changed.set()
         if (hop := self._hop) is not None:
             hop[1].interrupt()
         self._thread.join(timeout=timeout_s)
         try:
+            for rid in sorted({*self.chain.rids, *self.leaders}):
+                ring(self._control, self._epoch, rid)
             self._sweeper.close(self._control, self.chain.number, self.chain.rids, self.chain.tree)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)

@@ -65,8 +65,11 @@ class RelayMember:
         self, control: Control, layout: Manifest, segment: RingFollower, *, epoch: int, rid: int, host: str, job: str,
         backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
-        fall_back: Callable[[str], None],
+        fall_back: Callable[[str], None], on_rung: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
+        """``on_rung``: called while this receiver leads, whenever its bell rings (a new chain, a
+        takeover, the sender's close or a new sender, the bell's backstop), and as it starts leading:
+        its watcher reads the store's ``news`` then, not on a poll of its own."""
         self.layout = layout
         self.segment = segment
         self.published_version: int | None = None
@@ -81,6 +84,7 @@ class RelayMember:
         self._on_published = on_published
         self._on_rejected = on_rejected
         self._fall_back = fall_back
+        self._on_rung = on_rung
         # Unique to this member: simulated hosts may share a process or /dev/shm, and a restarted
         # container reuses PIDs while a SIGKILLed predecessor's segment may still be there.
         shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
@@ -175,6 +179,9 @@ class RelayMember:
                                  lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
         self._board = Board(segment.pin_dir, max(0.05, self._heartbeat_timeout_s / 8), self._rid)
         self._bell = Bell(self._control, self._election, epoch=self._epoch, rid=self._rid)
+        if self._on_rung is not None:
+            self._bell.listen(self._on_rung)
+            self._on_rung()  # a new leader reads news at once: its host-mates read it off its board
         self._hop = TreeHop(self.layout, self._own)  # a HopReceiver that also takes a tree's two halves
         return True
 

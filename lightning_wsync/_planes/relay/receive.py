@@ -23,8 +23,10 @@ def open_relay_source(
     control: Control, layout: Manifest, ordered: list[torch.Tensor], record: SenderRecord, *, epoch: int,
     rid: int, host: str, job: str, name: str, addr: str, timeout_s: float,
     on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
+    on_rung: Callable[[], None] | None = None,
 ) -> RelaySource:  # fmt: skip
-    """The data plane of a receiver on a host other than the sender's, when the sender relays."""
+    """The data plane of a receiver on a host other than the sender's, when the sender relays
+    (``on_rung``: see :class:`~lightning_wsync._planes.relay.host.RelayMember`)."""
     backend = record.backend
     ctl = control.clone()
 
@@ -47,6 +49,6 @@ def open_relay_source(
         control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
         addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop, whatever this receiver's
         heartbeat_timeout_s=record.heartbeat_timeout_s,
-        on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back,
+        on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back, on_rung=on_rung,
     )  # fmt: skip
     return source

@@ -7,6 +7,7 @@ host other than the sender's (each host elects its leader on the store:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -16,9 +17,15 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead, leader_record
+from lightning_wsync._planes.relay.hops import read_chain, ring
 from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
-_FOLLOW_ALL_S = 5.0  # the leader records and broken keys are read at least this often
+log = logging.getLogger(__name__)
+
+# The leader records and broken keys are read at least this often: every writer of them bumps
+# relay/<epoch>/moved, and a dead leader leaves the live receivers, so this is for a lost bump.
+_FOLLOW_ALL_S = 30.0
 
 
 class RelaySendPlane:
@@ -27,8 +34,10 @@ class RelaySendPlane:
     def __init__(
         self, control: Control, ring: SnapshotRing, *, epoch: int, host: str, backend: str, addr: str,
         timeout_s: float, heartbeat_timeout_s: float, deltas: DeltaStreams | None, policy: AutoPolicy,
-        topology: str = "relay",
+        topology: str = "relay", previous_epoch: int | None = None,
     ) -> None:  # fmt: skip
+        """``previous_epoch``: the sender epoch before this one, whose chain's leaders are rung at the
+        first :meth:`sync` (their watchers then read ``news`` and follow this sender at once)."""
         self._ctl = control
         self._report_ctl = control.clone()  # push reports read receipts from the callers' threads
         self._report_lock = threading.Lock()
@@ -38,6 +47,7 @@ class RelaySendPlane:
         self._moved: str | None = None  # relay/<epoch>/moved as last read through
         self._live: set[int] = set()
         self._next_all = 0.0
+        self._previous = previous_epoch  # its chain's leaders are rung once, after this epoch's news
         self._head = RelayHead(
             control, ring, epoch=epoch, backend=backend, addr=addr, timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas, policy=policy, topology=topology,
@@ -46,6 +56,9 @@ class RelaySendPlane:
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         # The leader records and broken keys (a request per host each) are read when
         # relay/<epoch>/moved moved, when the live receivers changed, and every _FOLLOW_ALL_S.
+        if (previous := self._previous) is not None:
+            self._previous = None
+            wake_chain(self._ctl, previous)
         by_rid = {p.rid: p for p in live}
         moved, now = self._ctl.get_text(keys.relay_moved(self._epoch)), time.monotonic()
         if moved is not None and moved == self._moved and set(by_rid) == self._live and now < self._next_all:
@@ -82,6 +95,18 @@ class RelaySendPlane:
     def close(self, deadline: float) -> list[str]:
         self._head.close(timeout_s=max(0.0, deadline - time.monotonic()))
         return []
+
+
+def wake_chain(ctl: Control, epoch: int) -> None:
+    """Ring the bell of every leader in sender epoch ``epoch``'s chain, if it left one (a sender
+    that closed rang them itself and deleted it; one that was killed did neither)."""
+    try:
+        chain = read_chain(ctl, epoch)
+    except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # not ours to judge: its bells go unrung
+        log.debug("relay: chain of epoch %d: %s", epoch, exc)
+        return
+    for rid in () if chain is None else chain.rids:
+        ring(ctl, epoch, rid)
 
 
 def live_leaders(ctl: Control, epoch: int, live: Sequence[Peer], own_host: str) -> dict[int, str]:

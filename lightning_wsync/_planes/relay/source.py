@@ -152,6 +152,11 @@ class RelaySource:
         net = self._net
         return net.pending_above(held) if net is not None else self.segment.pending_above(held)
 
+    def leads(self) -> bool:
+        """This receiver leads its host's ring (its bell then wakes its watcher: ``on_rung``)."""
+        member = self.member
+        return self._net is None and member is not None and member.leading
+
     def host_news(self) -> Posted | None:
         """For a host-mate reading its leader's ring: what the leader last read from the store
         for the host (its watcher then need not ask the store); None otherwise."""

@@ -55,7 +55,7 @@ class ShardStreamsPlane(RelaySendPlane):
         self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
         super().__init__(ctl, ring, epoch=self._streams[0], host=self._hosts[0], backend=backend, addr=addr,
                          timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas,
-                         policy=policy, topology="chain")  # fmt: skip
+                         policy=policy, topology="chain", previous_epoch=epoch - 1 or None)  # fmt: skip
 
     @override
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:

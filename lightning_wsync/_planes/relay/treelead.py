@@ -269,10 +269,10 @@ class TreeLead:
 
     def __init__(
         self, ctl: Control, hop: TreeHop, chain: Chain, *, epoch: int, rid: int, backend: str, addr: str,
-        timeout_s: float, stop: threading.Event, current: Callable[[int], bool] | None = None,
+        timeout_s: float, stop: threading.Event, current: Callable[[int], bool],
     ) -> None:  # fmt: skip
         """``current``: the leader's bell (whether a chain number is still served, without a store
-        request); the hops downstream then read their children's notes without polling the chain."""
+        request); the hops downstream wait for their children's notes and ask it when nudged."""
         links = tree_links(chain.rids, rid)
         self._ctl = ctl
         self._hop = hop
@@ -284,7 +284,7 @@ class TreeLead:
         self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, rid, t) for t in range(TREES)]
         self.downs = [
             [Downstream(ctl, epoch, chain, child, hop.layout, backend, addr, timeout_s, tree=t,
-                        pieces=len(hop.halves[t]), current=current) for child in links.children[t]]
+                        current=current, pieces=len(hop.halves[t])) for child in links.children[t]]
             for t in range(TREES)
         ]  # fmt: skip
         self.pgs: list[Interruptible] = []
@@ -336,7 +336,7 @@ class TreeLead:
                 down.finish()
 
     def nudge(self) -> None:
-        """The bell rang: every hop downstream looks at the chain (and its next note) now."""
+        """The bell rang: every hop downstream that the chain left behind stops now."""
         for downs in self.downs:
             for down in downs:
                 down.nudge()
