@@ -31,6 +31,10 @@ class Member(Protocol):
 
     def post(self, news: HostNews) -> None: ...
 
+    def own_board(self) -> Posted | None:
+        """While leading: its own board (it passes its own notes on with its host-mates')."""
+        ...
+
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
@@ -159,6 +163,20 @@ class RelaySource:
         if self._net is not None or member is None or member.leading:
             return None
         return self.segment.board()
+
+    def beat_board(self) -> Posted | None:
+        """The board of the leader that passes this receiver's beats and acknowledgements on
+        (:mod:`~lightning_wsync._planes.relay.mates`): its host leader's, or its own while it
+        leads; None when it receives over the network."""
+        member = self.member
+        if self._net is not None or member is None:
+            return None
+        return member.own_board() if member.leading else self.segment.board()
+
+    @property
+    def leading(self) -> bool:
+        member = self.member
+        return self._net is None and member is not None and member.leading
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
