@@ -258,7 +258,7 @@ class Watcher:
             state = self._state.take(ctl)
             if not due and state is None:
                 return next_beat
-            if self._desk.write(posted.directory, self.rid, self._beat + due, self._state.sealed):
+            if self._desk.write(posted.directory, self.rid, self._beat + due, self._state.sealed, now):
                 self._beat += due
                 return now + period / 2 if due else next_beat
         lagging = self._desk.leave()  # the store may hold an older beat, and lack the newest state
@@ -348,6 +348,7 @@ class Watcher:
         register again and reopen the data plane under the new id, keeping the version held."""
         old = self.rid
         self._register(ctl)
+        ctl.delete(keys.member_heartbeat(old))  # re-created by the add that found it gone
         log.warning("receiver %r was forgotten by the sender while silent (rid=%d); registered again as rid=%d",
                     self.name, old, self.rid)  # fmt: skip
         source = self.source

@@ -12,6 +12,8 @@ Each receiver is a process of its own on one simulated host (``WSYNC_HOST_ID``);
   on, they beat on the store themselves, and none is declared gone; once it is let go on,
   every version reaches everyone bit-exact, and nobody had to register again.
 - the leader SIGKILLed: a host-mate takes over; nobody alive is declared gone.
+- a host-mate SIGSTOPped until the sender forgot it (deleted its keys): let go on, it registers
+  again, and its leader never writes the forgotten receiver's keys back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pytest
 from _workers import build, digest, mutate
 
 from lightning_wsync import WeightSender
+from lightning_wsync._control import keys
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head import leader_record
@@ -158,17 +161,25 @@ def test_a_killed_host_mate_is_declared_gone_in_time_and_the_others_stay_live(ho
     assert not host.forgotten(), host.logs()
 
 
-def test_a_leader_stopped_past_the_heartbeat_timeout_costs_its_host_mates_nothing(host) -> None:
-    host, model = host
+def hit_the_leader(host: Host, how: signal.Signals) -> tuple[LeaderRecord, list[set[str]]]:
+    """Send ``how`` to the host's leader, then watch the sender for 2.5 heartbeat timeouts
+    (SIGSTOP: the leader is let go on after that): none of its host-mates may drop out."""
     leader = host.wait("a leader", host.leader)
-    stopped = host.rids[leader.rid]
-    mates = [n for n in NAMES if n != stopped]
-    os.kill(leader.pid, signal.SIGSTOP)
+    mates = [n for r, n in host.rids.items() if r != leader.rid]
+    os.kill(leader.pid, how)
     try:
         samples = watch(host.sender, 2.5 * HEARTBEAT_TIMEOUT_S)
     finally:
-        os.kill(leader.pid, signal.SIGCONT)
+        if how == signal.SIGSTOP:
+            os.kill(leader.pid, signal.SIGCONT)
     assert all(set(mates) <= live for live in samples), ([s for s in samples if set(mates) - s], host.logs())
+    return leader, samples
+
+
+def test_a_leader_stopped_past_the_heartbeat_timeout_costs_its_host_mates_nothing(host) -> None:
+    host, model = host
+    leader, samples = hit_the_leader(host, signal.SIGSTOP)
+    stopped = host.rids[leader.rid]
     assert any(stopped not in live for live in samples)  # the stopped one itself is silent
     host.wait("the stopped leader to beat again", lambda: stopped in host.sender.receivers(),
               timeout_s=4 * HEARTBEAT_TIMEOUT_S)  # fmt: skip
@@ -181,15 +192,35 @@ def test_a_leader_stopped_past_the_heartbeat_timeout_costs_its_host_mates_nothin
 
 def test_a_killed_leader_is_replaced_and_nobody_alive_is_declared_gone(host) -> None:
     host, model = host
-    leader = host.wait("a leader", host.leader)
+    leader, _ = hit_the_leader(host, signal.SIGKILL)
     killed = host.rids[leader.rid]
     mates = [n for n in NAMES if n != killed]
-    os.kill(leader.pid, signal.SIGKILL)
-    samples = watch(host.sender, 2.5 * HEARTBEAT_TIMEOUT_S)
-    assert all(set(mates) <= live for live in samples), ([s for s in samples if set(mates) - s], host.logs())
     new = host.wait("a host-mate to take over", lambda: (r := host.leader()) is not None and r.rid != leader.rid and r)
     assert host.rids[new.rid] in mates
     host.push(model, 2, mates)
     later = watch(host.sender, HEARTBEAT_TIMEOUT_S)
     assert all(set(mates) <= live and killed not in live for live in later), later
     assert not host.forgotten(), host.logs()
+
+
+def test_a_host_mate_forgotten_while_stopped_registers_again_and_stays_forgotten(host, monkeypatch) -> None:
+    host, model = host
+    monkeypatch.setattr("lightning_wsync._push.membership._FORGET_AFTER", 2)  # forgotten after 3 timeouts
+    leader = host.wait("a leader", host.leader)
+    old, stopped = next((r, n) for r, n in host.rids.items() if r != leader.rid)
+    others = [n for n in NAMES if n != stopped]
+    os.kill(host.pids[stopped], signal.SIGSTOP)
+    try:
+        forgotten = lambda _: host.ctl.get_text(keys.member(old)) is None  # noqa: E731
+        samples = watch(host.sender, 6 * HEARTBEAT_TIMEOUT_S, until=forgotten)
+        assert host.ctl.get_text(keys.member(old)) is None, "the sender did not forget the stopped receiver"
+    finally:
+        os.kill(host.pids[stopped], signal.SIGCONT)
+    assert all(set(others) <= live for live in samples), [s for s in samples if set(others) - s]
+    host.wait(f"{stopped} to register again", lambda: stopped in host.forgotten())
+    assert host.forgotten() == [stopped], host.logs()
+    host.push(model, 2, NAMES)
+    later = watch(host.sender, 2 * HEARTBEAT_TIMEOUT_S)
+    assert all(set(NAMES) <= live for live in later), later
+    left = {key: host.ctl.get_text(key) for key in (keys.member_heartbeat(old), keys.member_state(old))}
+    assert set(left.values()) == {None}, left

@@ -56,14 +56,14 @@ def test_notes_are_passed_on_in_one_write_and_the_board_says_so(leader, tmp_path
     desks = {rid: MateDesk() for rid in (3, 4)}
     states = {rid: ctl.seal(keys.member_state(rid), MemberState(7).encode()) for rid in desks}
     for rid, desk in desks.items():
-        assert desk.write(str(tmp_path), rid, 10 + rid, states[rid])
+        assert desk.write(str(tmp_path), rid, 10 + rid, states[rid], time.monotonic())
     _wait("both notes passed on", lambda: _passed(tmp_path) == {3: 1, 4: 1})
     for rid in desks:
         assert ctl.get_text(keys.member_heartbeat(rid)) == str(10 + rid)
         assert ctl.decode(keys.member_state(rid), ctl.get_text(keys.member_state(rid)) or "", MemberState).acked == 7
     assert sorted(os.listdir(relay.directory)) == ["3", "4"]  # no note left half-written
     assert desks[3].leave()  # back to the store: its note goes, and the board forgets it
-    assert desks[4].write(str(tmp_path), 4, 20, states[4])
+    assert desks[4].write(str(tmp_path), 4, 20, states[4], time.monotonic())
     _wait("rid 4's next note passed on, rid 3 forgotten", lambda: _passed(tmp_path) == {4: 2})
     assert ctl.get_text(keys.member_heartbeat(4)) == "20"
 
@@ -78,23 +78,32 @@ def test_notes_of_dead_or_stalled_writers_are_not_passed_on(leader, tmp_path) ->
     with open(stale, "w") as f:
         json.dump(Note(6, 1, 60, None, os.getpid(), pid_namespace())._asdict(), f)
     os.utime(stale, (time.time() - 10 * PERIOD_S, time.time() - 10 * PERIOD_S))  # written long ago
-    assert MateDesk().write(str(tmp_path), 7, 70, None)
+    assert MateDesk().write(str(tmp_path), 7, 70, None, time.monotonic())
     _wait("the live note passed on", lambda: _passed(tmp_path) == {7: 1})
     assert ctl.get_text(keys.member_heartbeat(5)) is None and ctl.get_text(keys.member_heartbeat(6)) is None
 
 
 def test_a_host_mate_keeps_to_its_leader_only_while_its_notes_are_passed_on(tmp_path) -> None:
-    desk, now, period = MateDesk(), 100.0, 1.0
+    desk, period, start = MateDesk(), 1.0, time.monotonic()
     board = Posted(HostNews(None, None), age_s=0.1, directory=str(tmp_path), mates={})
-    assert not desk.keeps(board, 3, now, period)  # no beat of its own on the store lately
-    desk.confirm(now)
-    assert not desk.keeps(board._replace(mates=None), 3, now, period)  # a leader that passes nothing on
-    assert not desk.keeps(board._replace(age_s=2 * period), 3, now, period)  # a leader silent on the host
-    assert desk.keeps(board, 3, now + 1.5 * period, period)
+    assert not desk.keeps(board, 3, start, period)  # no beat of its own on the store yet
+    desk.confirm(start)
+    assert not desk.keeps(board._replace(mates=None), 3, start, period)  # a leader that passes nothing on
+    assert not desk.keeps(board._replace(age_s=2 * period), 3, start, period)  # a leader silent on the host
+    assert desk.keeps(board, 3, start + 2 * period, period)
+    assert not desk.keeps(board, 3, start + 3 * period, period)  # nothing of it on the store for 3 periods
     os.makedirs(tmp_path / MATES)
-    assert desk.write(str(tmp_path), 3, 1, None)
-    assert not desk.keeps(board, 3, now + 2 * period, period)  # not passed on for 2 periods: to the store
-    assert desk.keeps(board._replace(mates={3: 1}), 3, now + 2 * period, period)  # passed on: keeps
-    assert desk.keeps(board._replace(mates={3: 1}), 3, now + 3 * period, period)
-    assert not desk.keeps(board._replace(mates={3: 1}), 3, now + 4 * period, period)  # no newer one since
+    written = time.monotonic()
+    assert desk.write(str(tmp_path), 3, 1, None, written)
+    passed = board._replace(mates={3: 1})
+    assert desk.keeps(passed, 3, written + 2 * period, period)  # passed on: counted from when it was written
+    assert not desk.keeps(passed, 3, written + 3 * period, period)  # and nothing newer since
+    # Passed on long after it was written (this process was stopped meanwhile, and the sender
+    # may have forgotten it): it vouches for nothing newer than its writing.
+    written = time.monotonic()
+    assert desk.write(str(tmp_path), 3, 2, None, written)
+    assert not desk.keeps(board._replace(mates={3: 2}), 3, written + 10 * period, period)
     assert desk.leave() and not (tmp_path / MATES / "3").exists() and not desk.leave()
+    # Decided before a stall of this process (a second ago): the note is taken back at once.
+    assert not desk.write(str(tmp_path), 3, 3, None, time.monotonic() - 1)
+    assert not (tmp_path / MATES / "3").exists()

@@ -17,10 +17,11 @@ What keeps the sender's judgement true:
   before, and a note left behind by a host-mate that moved on (to the store, another
   leader, a new rid) is never passed on later.
 - A host-mate (:class:`MateDesk`) keeps to its leader only while its notes are passed on:
-  when none has been for ``1.5 x`` its beat period (leader stalled, killed, stepping down)
-  it removes its note and beats on the store itself, where the compare-and-set also tells
-  it that the sender deleted its keys (it registers again). It also goes to the store first
-  after a stall of its own, so it never has its leader resurrect keys the sender deleted.
+  when the newest note passed on was written more than two beat periods ago (leader
+  stalled, killed, stepping down; or this process itself stalled, which the write time
+  tells, whatever the board says on waking) it removes its note and beats on the store
+  itself, where the compare-and-set also tells it that the sender deleted its keys (it
+  registers again). So a leader never re-creates keys the sender deleted.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class MateDesk:
         self._file: str | None = None  # the note last written (None: on the store)
         self._seq = 0
         self._passed = 0  # the newest of its notes the leader says it passed on
-        self._confirmed_at = 0.0  # when a beat of this receiver last reached the store, as far as it knows
+        self._written: dict[int, float] = {}  # seq -> when written, for notes not known to be passed on
+        self._confirmed_at = 0.0  # when this receiver wrote the newest beat known to be on the store
 
     def confirm(self, now: float) -> None:
         """A beat was written to the store by this receiver itself."""
@@ -187,11 +189,16 @@ class MateDesk:
             return False
         passed = posted.mates.get(rid, 0)
         if self._file is not None and passed > self._passed:
-            self._passed, self._confirmed_at = passed, now
-        return now - self._confirmed_at <= 1.5 * period_s + _SLACK_S
+            self._passed = passed
+            self._confirmed_at = max(self._confirmed_at, self._written.get(passed, 0.0))
+            self._written = {seq: at for seq, at in self._written.items() if seq > passed}
+        # The leader writes every period_s what was written in the half period before: the
+        # newest note passed on is at most 1.5 periods old just before its next write.
+        return now - self._confirmed_at <= 2 * period_s + _SLACK_S
 
-    def write(self, directory: str, rid: int, beat: int, state: str | None) -> bool:
-        """Leave a note for the leader whose pin directory is ``directory``; False when it cannot."""
+    def write(self, directory: str, rid: int, beat: int, state: str | None, now: float) -> bool:
+        """Leave a note for the leader whose pin directory is ``directory``, as decided at ``now``;
+        False when it cannot, or when this process stalled meanwhile (the note is taken back)."""
         path = os.path.join(directory, MATES, str(rid))
         if self._file is not None and self._file != path:
             self.leave()  # another leader, or a new rid
@@ -206,12 +213,17 @@ class MateDesk:
         except OSError as exc:
             log.debug("relay: note %s not written: %s", path, exc)
             return False
+        if time.monotonic() - now > _SLACK_S:  # stopped since keeps(): the sender may have forgotten it
+            self.leave()
+            return False
+        self._written[self._seq] = now
         return True
 
     def leave(self) -> bool:
         """Beat on the store from now on: remove the note. Returns whether there was one (the
         store may then hold an older beat of this receiver, or miss its newest state)."""
         path, self._file = self._file, None
+        self._written.clear()
         if path is None:
             return False
         try:
