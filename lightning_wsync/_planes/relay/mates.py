@@ -197,8 +197,11 @@ class MateDesk:
         return now - self._confirmed_at <= 2 * period_s + _SLACK_S
 
     def write(self, directory: str, rid: int, beat: int, state: str | None, now: float) -> bool:
-        """Leave a note for the leader whose pin directory is ``directory``, as decided at ``now``;
-        False when it cannot, or when this process stalled meanwhile (the note is taken back)."""
+        """Leave a note for the leader whose pin directory is ``directory``, as decided at ``now``.
+
+        False when it cannot, or when this process stalled since ``now`` (the sender may have
+        forgotten it meanwhile): the caller then :meth:`leave` s, which takes the note back.
+        """
         path = os.path.join(directory, MATES, str(rid))
         if self._file is not None and self._file != path:
             self.leave()  # another leader, or a new rid
@@ -213,8 +216,7 @@ class MateDesk:
         except OSError as exc:
             log.debug("relay: note %s not written: %s", path, exc)
             return False
-        if time.monotonic() - now > _SLACK_S:  # stopped since keeps(): the sender may have forgotten it
-            self.leave()
+        if time.monotonic() - now > _SLACK_S:
             return False
         self._written[self._seq] = now
         return True

@@ -156,18 +156,11 @@ class RelaySource:
         net = self._net
         return net.pending_above(held) if net is not None else self.segment.pending_above(held)
 
-    def host_news(self) -> Posted | None:
-        """For a host-mate reading its leader's ring: what the leader last read from the store
-        for the host (its watcher then need not ask the store); None otherwise."""
-        member = self.member
-        if self._net is not None or member is None or member.leading:
-            return None
-        return self.segment.board()
-
     def beat_board(self) -> Posted | None:
         """The board of the leader that passes this receiver's beats and acknowledgements on
         (:mod:`~lightning_wsync._planes.relay.mates`): its host leader's, or its own while it
-        leads; None when it receives over the network."""
+        leads; None when it receives over the network. A host-mate also reads what its leader
+        last read from the store for the host off it (its watcher then need not ask the store)."""
         member = self.member
         if self._net is not None or member is None:
             return None
