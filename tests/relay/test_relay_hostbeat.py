@@ -75,7 +75,7 @@ class Host:
 
     def read(self) -> list[dict[str, Any]]:
         text = self.events.read_text() if self.events.exists() else ""
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]  # whole lines
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}:\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
