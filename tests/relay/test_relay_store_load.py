@@ -12,6 +12,7 @@ the store itself, which its leader now does for it (:mod:`lightning_wsync._plane
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from datetime import timedelta
@@ -99,9 +100,10 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
             receive(mates, 60, "the host-mates to start")
 
             everyone = {"lead", *MATES}
+            lead_pushes: list[Counter[str]] = []  # the leader's requests in each push's window
 
             def push(version: int, *, after: int | None = None) -> Counter[str]:
-                before = mates_proxy.snapshot_keys()
+                before, lead_before = mates_proxy.snapshot_keys(), lead_proxy.snapshot_keys()
                 if after is not None:  # announced just before: the leader's board skips its bump
                     news = ctl.get_text(keys.NEWS)
                     mutate(model, after)
@@ -120,13 +122,14 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
                 if handle is not None:  # the leader's writes of the host-mates' acknowledgements
                     report = handle.wait(timeout_s=30)
                     assert everyone <= set(report.delivered) and not report.failed, report
+                lead_pushes.append(lead_proxy.snapshot_keys() - lead_before)
                 return mates_proxy.snapshot_keys() - before
 
             push(1)
             assert leader_record(ctl, sender.epoch, HOST) == record  # the mates joined without taking over
-            before = mates_proxy.snapshot_keys()
+            before, lead_before = mates_proxy.snapshot_keys(), lead_proxy.snapshot_keys()
             time.sleep(IDLE_S)  # the measuring window itself
-            idle = mates_proxy.snapshot_keys() - before
+            idle, lead_idle = mates_proxy.snapshot_keys() - before, lead_proxy.snapshot_keys() - lead_before
             per_push = [push(v) for v in (2, 3, 4)] + [push(6, after=5)]
             mates_ran_s = time.monotonic() - mates_launched
             for conn in (lead, mates):
@@ -153,4 +156,22 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
     rounds = _backstop_rounds(mates_ran_s)
     assert looks <= rounds, (looks, rounds, mates_ran_s, backstops)
     assert sum(sum(b.values()) for b in backstops) <= 6 * rounds, (rounds, mates_ran_s, backstops)
+    # The leader writes the host's beats (its own with them) in one multi_set per beat period, and
+    # the host's acknowledgements in one per version (two when its own, at publish, and the
+    # host-mates', after their copy, are more than 50 ms apart).
+    lead_beats = _member_writes(lead_idle)
+    assert lead_beats.get("multi_set", 0) <= IDLE_S / (HEARTBEAT_TIMEOUT_S / 4) + 1, _keys(lead_idle)
+    assert sum(lead_beats.values()) - lead_beats.get("multi_set", 0) <= 1, _keys(lead_idle)
+    acks = [sum(_member_writes(c).values()) for c in lead_pushes[1:]]  # (version 1 was acknowledged before)
+    print("leader, member keys: idle", dict(lead_beats), "per push", acks)
+    assert statistics.median(acks) <= 2 and max(acks) <= 3, [_keys(c) for c in lead_pushes]
     assert mates_proxy.unparsed == 0 and lead_proxy.unparsed == 0
+
+
+def _member_writes(counts: Counter[str]) -> Counter[str]:
+    """Requests on ``member/<rid>/hb`` and ``member/<rid>/state``, by command."""
+    out: Counter[str] = Counter()
+    for k, v in counts.items():
+        if k.endswith(("member/#/hb", "member/#/state")):
+            out[k.split()[0]] += v
+    return out
