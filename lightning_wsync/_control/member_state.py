@@ -34,6 +34,7 @@ class StateReport:
         self._rid = rid
         self._queue: queue.SimpleQueue[tuple[int, tuple[int, str] | None]] = queue.SimpleQueue()
         self._held = -1
+        self._sealed: str | None = None  # the record last taken, as written
 
     def held(self, version: int) -> None:
         self._queue.put((version, None))
@@ -44,11 +45,29 @@ class StateReport:
     def moved_to(self, rid: int) -> None:
         """Report under ``rid`` from now on (a receiver registered again keeps what it holds)."""
         self._rid = rid
+        self._sealed = None
 
     def write(self, ctl: Control, *, force: bool = False) -> None:
-        """Write what was queued since the last write (one store round trip, if any)."""
+        """Write what was queued since the last write (one store round trip, if any); with
+        ``force``, the record as last taken even when nothing was queued."""
+        sealed = self.take(ctl)
+        if sealed is None and force:
+            if self._sealed is None:
+                self._sealed = ctl.seal(self._key(), encode_state(self._held, None))
+            sealed = self._sealed
+        if sealed is not None:
+            ctl.set_text(self._key(), sealed)
+
+    @property
+    def sealed(self) -> str | None:
+        """The record as last taken or written (None: none yet under this rid)."""
+        return self._sealed
+
+    def take(self, ctl: Control) -> str | None:
+        """The record, sealed, when something was queued since it was last taken (else None):
+        a relay host-mate hands it to its leader, which writes it."""
         error: tuple[int, str] | None = None
-        changed = force
+        changed = False
         while True:
             try:
                 version, err = self._queue.get_nowait()
@@ -57,5 +76,10 @@ class StateReport:
             changed = changed or version > self._held or err is not None  # the same version twice: once
             self._held = max(self._held, version)  # (a relay leader holds it at publish, then at apply)
             error = err or error
-        if changed:
-            ctl.set_json(keys.member_state(self._rid), encode_state(self._held, error))
+        if not changed:
+            return None
+        self._sealed = ctl.seal(self._key(), encode_state(self._held, error))
+        return self._sealed
+
+    def _key(self) -> str:
+        return keys.member_state(self._rid)

@@ -278,6 +278,13 @@ class Control:
         sealed = self.seal(key, value)
         self._call("set", key, lambda: self.store.set(key, sealed))
 
+    def multi_set(self, values: dict[str, str]) -> None:
+        """Set every key of ``values`` to its value, in one request (nothing when empty)."""
+        if values:
+            names = list(values)
+            multi_set = self.store.multi_set  # type: ignore[attr-defined]  # missing from stubs
+            self._call("multi_set", names[0], lambda: multi_set(names, [values[k] for k in names]))
+
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is
         empty); returns what it holds afterwards."""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.checks import Complaints, parse_counter
 from lightning_wsync._control.fleet_records import NOT_FOLLOWING, FleetAck
 from lightning_wsync._control.host import local_address, pid_namespace
 from lightning_wsync._control.manifest import Manifest
@@ -41,6 +41,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
 from lightning_wsync._planes.relay.board import HostNews, Posted
+from lightning_wsync._planes.relay.mates import MateDesk
 from lightning_wsync._planes.relay.source import RelaySource
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
@@ -129,6 +130,7 @@ class Watcher:
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the thread early (an ack to send, or stop)
         self._state = StateReport()
+        self._desk = MateDesk()  # a relay host-mate beats and acknowledges through its leader
         self._beat = 0  # the heartbeat counter's last value
         self._applied: int | None = None  # the version update() last applied (for logs)
         self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
@@ -175,7 +177,7 @@ class Watcher:
         self._kick.set()
         self._thread.join(timeout=10)
         try:
-            self._state.write(self._ctl)
+            self._state.write(self._ctl, force=self._desk.leave())
             self._ctl.set_json(keys.member_gone(self.rid), True)
             self._ctl.bump(keys.MEMBERS_GONE)  # the sender reads the gone keys when this moves
         except RuntimeError:
@@ -195,15 +197,10 @@ class Watcher:
             self._kick.clear()  # before the work: a kick during it makes the wait below return at once
             try:
                 now = time.monotonic()
-                if now >= next_beat:
-                    beat = self._beat_once(ctl)
-                    if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
-                        self._rejoin(ctl)
-                    self._beat = beat
-                    next_beat = now + self._beat_s()
-                self._state.write(ctl)
                 relay = self.source if isinstance(self.source, RelaySource) else None
-                posted = None if relay is None else relay.host_news()
+                board = None if relay is None else relay.beat_board()
+                next_beat = self._beat_and_ack(ctl, now, next_beat, board)
+                posted = None if relay is None or relay.leads() else board  # a host-mate reads news off it
                 self._relay_lead = relay is not None and posted is None
                 # A relay host's leader woken for its heartbeat alone leaves news for a kick or its pace.
                 if not (relay is not None and relay.leads() and not kicked and now < min(next_news, next_all)):
@@ -269,6 +266,33 @@ class Watcher:
             return self.config.heartbeat_s
         return max(self.config.heartbeat_s, self._sender_heartbeat_timeout_s / 4)
 
+    def _beat_and_ack(self, ctl: Control, now: float, next_beat: float, posted: Posted | None) -> float:
+        """Beat when due and acknowledge what changed; returns when to beat next.
+
+        A relay host-mate whose leader passes notes on hands both to it (no request, and a
+        beat every half period, so that each of the leader's writes has a new one); anyone
+        else, and a host-mate whose notes stopped being passed on, writes them to the store.
+        """
+        period = self._beat_s()
+        if posted is not None and self._desk.keeps(posted, self.rid, now, period):
+            due = now >= next_beat
+            state = self._state.take(ctl)
+            if not due and state is None:
+                return next_beat
+            if self._desk.write(posted.directory, self.rid, self._beat + due, self._state.sealed, now):
+                self._beat += due
+                return now + period / 2 if due else next_beat
+        lagging = self._desk.leave()  # the store may hold an older beat, and lack the newest state
+        if now >= next_beat or lagging:
+            beat = self._beat_once(ctl, lagging=lagging)
+            if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
+                self._rejoin(ctl)
+            self._beat = beat
+            next_beat = now + period
+            self._desk.confirm(now)
+        self._state.write(ctl, force=lagging)
+        return next_beat
+
     def _read_news(self, ctl: Control, posted: HostNews | None, news: str | None) -> tuple[str | None, bool]:
         """The ``news`` counter as written (None when absent: then every record is read), and
         whether what moved was taken in already (then the records need not be read).
@@ -307,13 +331,21 @@ class Watcher:
         latest, held = self.latest, self._sums
         return self.config.verify and latest is not None and (held is None or held.version != latest.version)
 
-    def _beat_once(self, ctl: Control) -> int:
+    def _beat_once(self, ctl: Control, *, lagging: bool = False) -> int:
         key = keys.member_heartbeat(self.rid)
         beat = str(self._beat + 1)
         # One request while the counter holds this receiver's last beat; anything else (deleted
         # by the sender, garbled) takes the checked path below.
-        if self._beat > 0 and ctl.compare_set(key, str(self._beat), beat) == beat.encode():
-            return self._beat + 1
+        if self._beat > 0:
+            held = ctl.compare_set(key, str(self._beat), beat)
+            if held == beat.encode():
+                return self._beat + 1
+            # Back from its leader, which may not have written its last beats: an older one of its
+            # own is no restart (an absent key reads as the expected value: that one is).
+            seen = parse_counter(held)
+            if lagging and seen is not None and seen < self._beat:
+                if ctl.compare_set(key, str(seen), beat) == beat.encode():
+                    return self._beat + 1
         try:
             return ctl.add(key, 1)
         except WeightSyncRecordError as exc:  # garbled by someone else: this receiver owns it, so restore it
@@ -337,6 +369,7 @@ class Watcher:
         register again and reopen the data plane under the new id, keeping the version held."""
         old = self.rid
         self._register(ctl)
+        ctl.delete(keys.member_heartbeat(old))  # re-created by the add that found it gone
         log.warning("receiver %r was forgotten by the sender while silent (rid=%d); registered again as rid=%d",
                     self.name, old, self.rid)  # fmt: skip
         source = self.source

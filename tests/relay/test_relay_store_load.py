@@ -5,7 +5,9 @@ One simulated host (``WSYNC_HOST_ID``) runs its leader in one process and three 
 another; each process reaches the store through a counting proxy of its own
 (:mod:`lightning_wsync.testing.storeproxy`), so the host-mates' requests are counted apart
 from the leader's and the sender's. Before: each host-mate read its leader's record and the
-chain every 50 ms and ``news`` every 0.1 s (~35 requests/s each at idle, ~6 per push).
+chain every 50 ms and ``news`` every 0.1 s (~35 requests/s each at idle, ~6 per push); then
+it still beat (a quarter of ``heartbeat_timeout_s`` apart) and acknowledged each version on
+the store itself, which its leader now does for it (:mod:`lightning_wsync._planes.relay.mates`).
 """
 
 from __future__ import annotations
@@ -97,29 +99,37 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
                                    name="wsync-test-mates")  # fmt: skip
             receive(mates, 60, "the host-mates to start")
 
+            everyone = {"lead", *MATES}
+            lead_pushes: list[Counter[str]] = []  # the leader's requests in each push's window
+
             def push(version: int, *, after: int | None = None) -> Counter[str]:
-                before = mates_proxy.snapshot_keys()
+                before, lead_before = mates_proxy.snapshot_keys(), lead_proxy.snapshot_keys()
                 if after is not None:  # announced just before: the leader's board skips its bump
                     news = ctl.get_text(keys.NEWS)
                     mutate(model, after)
                     sender.push(after)
                     _wait(f"version {after} announced", lambda: ctl.get_text(keys.NEWS) != news)
+                handle = None
                 if version > 1:
                     mutate(model, version)
-                    sender.push(version)
+                    handle = sender.push(version)
                 want = digest(model)
                 for conn in (lead, mates):
                     conn.send(("await", version))
                 for conn in (lead, mates):
                     got = receive(conn, 60, f"version {version} applied")
                     assert got[0] == "applied" and set(got[2]) == {want}, got  # type: ignore[arg-type]
+                if handle is not None:  # the leader's writes of the host-mates' acknowledgements
+                    report = handle.wait(timeout_s=30)
+                    assert everyone <= set(report.delivered) and not report.failed, report
+                lead_pushes.append(lead_proxy.snapshot_keys() - lead_before)
                 return mates_proxy.snapshot_keys() - before
 
             push(1)
             assert leader_record(ctl, sender.epoch, HOST) == record  # the mates joined without taking over
-            before = mates_proxy.snapshot_keys()
+            before, lead_before = mates_proxy.snapshot_keys(), lead_proxy.snapshot_keys()
             time.sleep(IDLE_S)  # the measuring window itself
-            idle = mates_proxy.snapshot_keys() - before
+            idle, lead_idle = mates_proxy.snapshot_keys() - before, lead_proxy.snapshot_keys() - lead_before
             per_push = [push(v) for v in (2, 3, 4)] + [push(6, after=5)]
             mates_ran_s = time.monotonic() - mates_launched
             for conn in (lead, mates):
@@ -127,20 +137,17 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
             for conn in (lead, mates):
                 receive(conn, 30, "the receivers to close")
 
-    # At idle the three host-mates only beat (a quarter of heartbeat_timeout_s apart): no polls
-    # of the leader's record, the chain or news (before: ~35 requests/s each). An acknowledgement
-    # of version 1 written just after the window opened may be in it too.
+    # At idle the three host-mates ask the store nothing: their leader writes their heartbeats
+    # (before: a compare_set each every 2 s, and before that polls of the leader's record, the
+    # chain and news, ~35 requests/s each). One beat on the store, by a host-mate whose leader
+    # was late on a loaded machine, is allowed.
     idle_own, idle_backstop = _split(idle)
-    assert set(idle_own) <= {"member/#/hb", "member/#/state"}, _keys(idle)
-    beats = len(MATES) * (IDLE_S / (HEARTBEAT_TIMEOUT_S / 4) + 1)
-    assert sum(idle_own.values()) <= beats + len(MATES), _keys(idle)
-    # Per push each acknowledges what it holds (1 request); it learns of the version from its
-    # leader's board and ring, not from the store (before: news and four records, ~6 each),
-    # also when two versions came between two of its looks at the board (the last window).
+    assert sum(idle_own.values()) <= 1, _keys(idle)
+    # Per push neither: the leader writes their acknowledgements, and they learn of the version
+    # from its board and ring (before: an acknowledgement each, and before that news and four
+    # records, ~6 each), also when two versions came between two of its looks at the board.
     pushes = [_split(c) for c in per_push]
-    median = statistics.median(sum(own.values()) for own, _ in pushes)
-    assert median <= 2 * len(MATES), [_keys(c) for c in per_push]
-    assert sum(pushes[-1][0].values()) <= 3 * len(MATES), _keys(per_push[-1])
+    assert sum(sum(own.values()) for own, _ in pushes) <= 2, [_keys(c) for c in per_push]
     # The timed backstops: one look (the sender pointer, the close, latest; at most 4 requests)
     # per host-mate per backstop period, with its relay member's read of the leader's record (at most 6
     # requests in all), and no more (before: every 0.1 s).
@@ -149,4 +156,22 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
     rounds = _backstop_rounds(mates_ran_s)
     assert looks <= rounds, (looks, rounds, mates_ran_s, backstops)
     assert sum(sum(b.values()) for b in backstops) <= 6 * rounds, (rounds, mates_ran_s, backstops)
+    # The leader writes the host's beats (its own with them) in one multi_set per beat period, and
+    # the host's acknowledgements in one per version (two when its own, at publish, and the
+    # host-mates', after their copy, are more than 50 ms apart).
+    lead_beats = _member_writes(lead_idle)
+    assert lead_beats.get("multi_set", 0) <= IDLE_S / (HEARTBEAT_TIMEOUT_S / 4) + 1, _keys(lead_idle)
+    assert sum(lead_beats.values()) - lead_beats.get("multi_set", 0) <= 1, _keys(lead_idle)
+    acks = [sum(_member_writes(c).values()) for c in lead_pushes[1:]]  # (version 1 was acknowledged before)
+    print("leader, member keys: idle", dict(lead_beats), "per push", acks)
+    assert statistics.median(acks) <= 2 and max(acks) <= 3, [_keys(c) for c in lead_pushes]
     assert mates_proxy.unparsed == 0 and lead_proxy.unparsed == 0
+
+
+def _member_writes(counts: Counter[str]) -> Counter[str]:
+    """Requests on ``member/<rid>/hb`` and ``member/<rid>/state``, by command."""
+    out: Counter[str] = Counter()
+    for k, v in counts.items():
+        if k.endswith(("member/#/hb", "member/#/state")):
+            out[k.split()[0]] += v
+    return out

@@ -9,6 +9,10 @@ board instead of asking the store: it learns of new versions from it (the ring's
 brings the bytes), and judges its leader by the board's age (and by its PID, from the same
 PID namespace) instead of polling the leader's record and heartbeat on the store.
 
+The board also says which note of each host-mate the leader last passed on to the store
+(``mates``: rid -> the note's sequence number, :mod:`~lightning_wsync._planes.relay.mates`):
+a host-mate whose notes stop being passed on beats and acknowledges on the store itself.
+
 Whoever reads the ring shares the leader's ``/dev/shm`` and user, so the board is readable
 wherever the ring is; a host-mate that cannot read it (no board yet, a stale one) asks the
 store as before.
@@ -46,10 +50,11 @@ class Board:
     def __init__(self, directory: str, beat_s: float, rid: int) -> None:
         self.path = os.path.join(directory, FILE)
         self._beat_s = beat_s
-        self._posted: HostNews | None = None
+        self._posted = HostNews(None, None)
+        self._mates: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._write(HostNews(None, None))
+        self._write(self._posted)
         self._thread = threading.Thread(target=self._beat, name=f"wsync-relay-board-r{rid}", daemon=True)
         self._thread.start()
 
@@ -58,12 +63,19 @@ class Board:
         if news != self._posted:
             self._write(news)
 
-    def _write(self, news: HostNews) -> None:
+    def passed_on(self, mates: dict[int, int]) -> None:
+        """Say which note of each host-mate was passed on to the store (rid -> its sequence number)."""
+        with self._lock:
+            self._mates = dict(mates)
+        self._write(None)
+
+    def _write(self, news: HostNews | None) -> None:
         tmp = f"{self.path}.{threading.get_ident()}"
         with self._lock:
+            news = self._posted if news is None else news
             try:
                 with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(news._asdict(), f)
+                    json.dump({**news._asdict(), "mates": {str(rid): seq for rid, seq in self._mates.items()}}, f)
                 os.replace(tmp, self.path)  # a reader sees the old board or the new, never half of one
                 self._posted = news
             except OSError as exc:  # the segment is being removed (stepping down): host-mates ask the store
@@ -86,6 +98,10 @@ class Posted(NamedTuple):
 
     news: HostNews
     age_s: float  # since the leader last wrote or touched it
+    directory: str = ""  # the pin directory it was read from
+    # rid -> the sequence number of the host-mate's note the leader last passed on to the store;
+    # None: a leader that passes on no notes (an older version)
+    mates: dict[int, int] | None = None
 
 
 def read_board(directory: str) -> Posted | None:
@@ -97,9 +113,16 @@ def read_board(directory: str) -> Posted | None:
             value = json.load(f)
         news = HostNews(_text(value.get("news")), _text(value.get("latest")), _text(value.get("sender")),
                         value.get("closed") is not False)  # fmt: skip
-        return Posted(news, max(0.0, age_s))
+        return Posted(news, max(0.0, age_s), directory, _mates(value.get("mates")))
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def _mates(value: object) -> dict[int, int] | None:
+    if not isinstance(value, dict):
+        return None
+    return {int(rid): seq for rid, seq in value.items() if isinstance(rid, str) and rid.isdigit()
+            and isinstance(seq, int)}  # fmt: skip
 
 
 def _text(value: object) -> str | None:

@@ -12,6 +12,7 @@ trees, following a leader) in one thread, whose steps share its state.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -25,7 +26,7 @@ from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.bell import Bell
-from lightning_wsync._planes.relay.board import Board, HostNews
+from lightning_wsync._planes.relay.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.hop import HopReceiver, Message
@@ -36,6 +37,7 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     join_hop,
 )
+from lightning_wsync._planes.relay.mates import MateRelay
 from lightning_wsync._planes.relay.source import RingFollower
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
@@ -91,6 +93,7 @@ class RelayMember:
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
         self._own: SnapshotRing | None = None
         self._board: Board | None = None  # while leading: what host-mates read instead of the store
+        self._mates: MateRelay | None = None  # while leading: the host-mates' beats and acks, to the store
         self._bell: Bell | None = None  # while leading: the chain and its leadership, without polls
         self._leader: LeaderRecord | None = None  # as last read from the store, which is read again
         self._store_due, self._pidns = 0.0, pid_namespace()  # at _store_due whatever the host says
@@ -127,6 +130,10 @@ class RelayMember:
     def post(self, news: HostNews) -> None:
         if (board := self._board) is not None:
             board.post(news)
+
+    def own_board(self) -> Posted | None:
+        board = self._board
+        return None if board is None else read_board(os.path.dirname(board.path))
 
     def _leader_live_here(self) -> bool:
         """Whether the leader whose ring this host-mate reads looks live from the host (its board's
@@ -178,6 +185,7 @@ class RelayMember:
         self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
                                  lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
         self._board = Board(segment.pin_dir, max(0.05, self._heartbeat_timeout_s / 8), self._rid)
+        self._mates = MateRelay(self._control, self._board, period_s=self._heartbeat_timeout_s / 4, rid=self._rid)
         self._bell = Bell(self._control, self._election, epoch=self._epoch, rid=self._rid)
         if self._on_rung is not None:
             self._bell.listen(self._on_rung)
@@ -196,10 +204,10 @@ class RelayMember:
         self._fall_back(why)
 
     def _step_down(self) -> None:
-        for part in (self._board, self._bell):
+        for part in (self._mates, self._board, self._bell):
             if part is not None:
                 part.close()
-        self._board = self._bell = None
+        self._mates, self._board, self._bell = None, None, None
         if self._own is not None:
             self.segment.follow(None)
             self._own.close()

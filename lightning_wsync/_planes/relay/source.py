@@ -31,6 +31,10 @@ class Member(Protocol):
 
     def post(self, news: HostNews) -> None: ...
 
+    def own_board(self) -> Posted | None:
+        """While leading: its own board (it passes its own notes on with its host-mates')."""
+        ...
+
     def close(self, timeout_s: float = 10.0) -> None: ...
 
 
@@ -157,13 +161,15 @@ class RelaySource:
         member = self.member
         return self._net is None and member is not None and member.leading
 
-    def host_news(self) -> Posted | None:
-        """For a host-mate reading its leader's ring: what the leader last read from the store
-        for the host (its watcher then need not ask the store); None otherwise."""
+    def beat_board(self) -> Posted | None:
+        """The board of the leader that passes this receiver's beats and acknowledgements on
+        (:mod:`~lightning_wsync._planes.relay.mates`): its host leader's, or its own while it
+        leads; None when it receives over the network. A host-mate also reads what its leader
+        last read from the store for the host off it (its watcher then need not ask the store)."""
         member = self.member
-        if self._net is not None or member is None or member.leading:
+        if self._net is not None or member is None:
             return None
-        return self.segment.board()
+        return member.own_board() if member.leading else self.segment.board()
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
