@@ -69,7 +69,9 @@ BACKSTOP_S = 5.0  # every record is read at least this often, news or not
 # once its sender left or closed (the next sender is found through news alone).
 RELAY_LEAD_BACKSTOP_S = 60.0
 RELAY_POLL_S = 1.0
-HOSTED_BACKSTOP_S = 30.0  # the same on a relay host (a host-mate reads news off its leader's board)
+# On a relay host every record is read at least every HOSTED_BACKSTOP_S: a host-mate reads news,
+# the sender pointer, the close and `latest` off its leader's board; a leader is woken as above.
+HOSTED_BACKSTOP_S = 120.0
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 

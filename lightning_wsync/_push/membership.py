@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 _FORGET_AFTER = 30  # x heartbeat_timeout_s of silence: stop polling a receiver at all
 _BEATS_PER_READ = 256  # per multi_get: 32,768 keys took the store 3.3 s in one, 0.08 s in 256s
-_GONE_BACKSTOP_S = 30.0  # every gone key is read at least this often (members/gone says when else)
+_GONE_BACKSTOP_S = 120.0  # every gone key is read at least this often (members/gone says when else;
+# a receiver that died between writing its gone key and bumping it falls silent anyway)
 
 
 @dataclass

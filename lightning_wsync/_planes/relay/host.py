@@ -49,7 +49,7 @@ from lightning_wsync.errors import WeightSyncError
 log = logging.getLogger(__name__)
 
 _RECEIPTS = 8  # versions a leader reports how it got (push reports read them)
-_STORE_BACKSTOP_S = 30.0  # a host-mate whose leader looks live from the host reads its record this often
+_STORE_BACKSTOP_S = 120.0  # a host-mate whose leader looks live from the host reads its record this often
 
 
 class RelayMember:
