@@ -26,6 +26,7 @@ from lightning_wsync._control.manifest import Manifest, dtype_to_name
 from lightning_wsync._control.records import SenderRecord, ShardsRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing, timing
 from lightning_wsync._planes.base import ReceiveSource, SendPlane
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetReceiveLink
@@ -45,8 +46,6 @@ from lightning_wsync.errors import WeightSyncConfigError, WeightSyncSchemaError
 
 log = logging.getLogger(__name__)
 
-_PIN_LEASE_MAX_S = 5.0  # a same-host reader that makes no progress this long no longer holds its slot
-
 
 @dataclass(frozen=True, kw_only=True)
 class SenderSpec:
@@ -65,12 +64,17 @@ class SenderSpec:
     shards: ShardPlan | None = None  # sharded: this is trainer rank 0, its ring holds its share
     cuda_ipc: bool = False  # also keep the slots on the module's GPU, for same-host GPU receivers
 
+    @property
+    def timing(self) -> Timing:
+        return timing(heartbeat_timeout_s=self.heartbeat_timeout_s, timeout_s=self.timeout_s)
+
 
 class SendSide:
     """A sender's snapshot ring and the planes that deliver from it."""
 
     def __init__(self, ctl: Control, layout: Manifest, spec: SenderSpec) -> None:
         self.shards: ShardPlan | None = None
+        self.timing = spec.timing
         if spec.shards is not None:
             self._open_sharded(ctl, layout, spec, spec.shards)
             return
@@ -81,24 +85,23 @@ class SendSide:
             segment = ShmSegment(segment_name(spec.job, spec.epoch), layout.total_bytes, create=True, slots=2)
         self.segment = segment
         self.backend = "nccl" if from_device else "gloo"
-        lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
         mirror = spec.device if spec.cuda_ipc and segment is not None else None
         self.ring = SnapshotRing(layout, segment=segment, device=spec.device if from_device else torch.device("cpu"),
-                                 slots=2, lease_s=lease_s, mirror=mirror)  # fmt: skip
+                                 slots=2, lease_s=self.timing.pin_lease_s, mirror=mirror)  # fmt: skip
         # Deltas between ring slots, for network receivers and the relay (one encoding per base for all).
         self.deltas = DeltaStreams(layout) if spec.delta != "off" and not from_device else None
         policy = AutoPolicy(spec.delta)
         relay = spec.transport == "auto" and spec.cross_host != "star" and not from_device
         net = NetSendPlane(ctl, self.ring, epoch=spec.epoch, backend=self.backend, addr=spec.addr,
-                           timeout_s=spec.timeout_s, deltas=self.deltas, policy=policy)  # fmt: skip
+                           timing=self.timing, deltas=self.deltas, policy=policy)  # fmt: skip
         planes: list[SendPlane] = [net]
         if segment is not None:
             planes.append(ShmSendPlane(ctl, self.ring))
         if relay:
             planes.append(RelaySendPlane(
                 ctl, self.ring, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
-                timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
-                policy=policy, topology=spec.cross_host, previous_epoch=spec.epoch - 1 or None,
+                timing=self.timing, deltas=self.deltas, policy=policy, topology=spec.cross_host,
+                previous_epoch=spec.epoch - 1 or None,
             ))  # fmt: skip
         self.net = net
         self.planes: tuple[SendPlane, ...] = tuple(planes)
@@ -122,8 +125,8 @@ class SendSide:
         segment = ShmSegment(segment_name(spec.job, spec.epoch), shares[0].total_bytes, create=True, slots=2)
         self.segment = segment
         self.backend = "gloo"
-        lease_s = min(spec.timeout_s, spec.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
-        self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2, lease_s=lease_s,
+        self.ring = SnapshotRing(shares[0], segment=segment, device=torch.device("cpu"), slots=2,
+                                 lease_s=self.timing.pin_lease_s,
                                  mirror=spec.device if spec.cuda_ipc else None)  # fmt: skip
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
         relay = relays_streams(spec.transport, spec.cross_host)
@@ -136,8 +139,7 @@ class SendSide:
         if relay:  # every rank relays its own share to the other hosts (docs/sharded.md)
             planes.append(ShardStreamsPlane(
                 ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
-                timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
-                policy=AutoPolicy(spec.delta),
+                timing=self.timing, deltas=self.deltas, policy=AutoPolicy(spec.delta),
             ))  # fmt: skip
         self.planes = tuple(planes)
         self.record = SenderRecord(

@@ -24,7 +24,7 @@ from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.fleet_records import NOT_FOLLOWING, FleetAck, FleetRound, FleetSwitch, FleetSwitches
 from lightning_wsync._control.records import R, SumsRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._pull.watcher import POLL_S, Watcher
+from lightning_wsync._pull.watcher import Watcher
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncIntegrityError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class FleetMember:
             except Exception:  # noqa: BLE001 - the thread must outlive one bad step
                 log.exception("fleet member %r: step failed; retrying", self._watcher.name)
                 self._stop.wait(0.1)
-            self._kick.wait(POLL_S)
+            self._kick.wait(self._watcher.timing.fleet_poll_s)
 
     def _step(self) -> None:
         ctl = self._ctl

@@ -9,7 +9,7 @@ into a receiver-side copy first::
     intact = lender.give_back()                          # unpin: were the bytes intact?
 
 The pin is held from the stage step through the load (so the sender has one slot fewer
-to write into meanwhile, and drops more pushes) and renewed every ``RENEW_S`` by a
+to write into meanwhile, and drops more pushes) and renewed every ``timing.pin_renew_s`` by a
 thread here, so only a process that stops altogether (SIGSTOP, a hung host) loses its
 slot to the sender's lease; ``give_back`` then says the bytes were not intact and the
 caller must treat what it loaded as torn. Receivers whose versions come over the network
@@ -28,14 +28,10 @@ import torch
 
 from lightning_wsync._planes.shm.segment import SlotRef
 from lightning_wsync._planes.shm.source import SharedMemorySource
-from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
+from lightning_wsync._pull.watcher import Watcher
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncTimeoutError
 
 log = logging.getLogger(__name__)
-
-RENEW_S = 0.05
-"""How often a lent slot's pin is renewed: far inside the sender's lease (at least a quarter
-of ``min(timeout_s, heartbeat_timeout_s, 5 s)`` for any ``timeout_s`` >= 0.2 s)."""
 
 
 class Loan(NamedTuple):
@@ -99,7 +95,7 @@ class SharedLender:
                     f"receiver {self._name!r}: no version >= {min_version} in shared memory within "
                     f"timeout_s={timeout_s} (newest published {watcher.latest!r})"
                 )
-            watcher.wait_for_news(time.monotonic() + min(remaining, SLOW_POLL_S))
+            watcher.wait_for_news(time.monotonic() + min(remaining, watcher.timing.wait_poll_s))
 
     def _try(self, min_version: int | None, loaded: int | None) -> Loan | None:
         with self._apply_lock:  # the watcher swaps sources under this lock
@@ -147,7 +143,7 @@ class SharedLender:
             self._renewer.start()
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(RENEW_S):
+        while not self._stop.wait(self._watcher.timing.pin_renew_s):
             held = self._held
             if held is not None:
                 held[0].touch()

@@ -39,7 +39,7 @@ from lightning_wsync._pull.fleet import FleetMember
 from lightning_wsync._pull.loan import SharedLender
 from lightning_wsync._pull.target import ApplyTarget, TargetTensors
 from lightning_wsync._pull.target import CopyInto as _CopyInto
-from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
+from lightning_wsync._pull.watcher import Watcher
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.errors import (
     WeightSyncClosedError,
@@ -200,7 +200,7 @@ class WeightReceiver:
                     f"(held {self.version!r}, newest published {latest!r}, job {self._ctl.job!r} on store "
                     f"{self._store_address!r}); is the trainer pushing? raise timeout_s otherwise"
                 )
-            until = time.monotonic() + min(remaining, SLOW_POLL_S)
+            until = time.monotonic() + min(remaining, self._watcher.timing.wait_poll_s)
             if self._fleet is not None:
                 self._fleet.wait_for_news(until)  # a switch, not a new version, is news here
             else:

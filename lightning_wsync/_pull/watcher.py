@@ -38,6 +38,7 @@ from lightning_wsync._control.records import (
     VersionRecord,
 )
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing, timing
 from lightning_wsync._planes.base import ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
 from lightning_wsync._planes.relay.board import HostNews, Posted
@@ -55,23 +56,6 @@ from lightning_wsync.errors import (
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.002  # a fleet member's own thread (see _pull.fleet)
-SLOW_POLL_S = 0.05  # update()'s waits look again at least this often (in memory, not the store)
-# How often the watcher reads ``news`` (one request; the records only when it moved):
-IDLE_POLL_S = 0.1  # following a sender: versions come through the plane itself, news only feeds
-#                    latest_published, a sender switch and the close signal
-VERIFY_POLL_S = 0.005  # with verify: update() needs the published checksums of each version
-SEEK_POLL_S = 0.05  # no sender followed yet
-BACKSTOP_S = 5.0  # every record is read at least this often, news or not
-# A relay host's leader reads news when kicked: by each version it relays, and by its bell,
-# which the sender rings at a new chain, at its close and when a new sender starts (and which
-# rings itself every bell.BACKSTOP_S); else every RELAY_LEAD_BACKSTOP_S, or every RELAY_POLL_S
-# once its sender left or closed (the next sender is found through news alone).
-RELAY_LEAD_BACKSTOP_S = 60.0
-RELAY_POLL_S = 1.0
-# On a relay host every record is read at least every HOSTED_BACKSTOP_S: a host-mate reads news,
-# the sender pointer, the close and `latest` off its leader's board; a leader is woken as above.
-HOSTED_BACKSTOP_S = 120.0
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
 
 
@@ -136,7 +120,9 @@ class Watcher:
         self._beat = 0  # the heartbeat counter's last value
         self._applied: int | None = None  # the version update() last applied (for logs)
         self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
-        self._sender_heartbeat_timeout_s = 0.0  # as the followed sender's record says
+        # Every wait, from this receiver's settings and (once it follows one) its sender's record.
+        self.timing: Timing = timing(heartbeat_timeout_s=0.0, timeout_s=config.timeout_s,
+                                     heartbeat_s=config.heartbeat_s)  # fmt: skip
         self._latest_raw: str | None = None  # the `latest` record as last read (a relay leader passes it on)
         self._pointer_raw: str | None = None  # the sender pointer as last read (likewise)
         self.rid = -1
@@ -218,10 +204,10 @@ class Watcher:
                                 self._store_address, str(exc).strip().splitlines()[0][:200], self._applied)  # fmt: skip
                     with self.cond:
                         self.cond.notify_all()
-                self._stop.wait(min(1.0, self.config.heartbeat_s))
+                self._stop.wait(self.timing.store_lost_retry_s)
             except Exception:  # noqa: BLE001 - the watcher must outlive any one bad step
                 log.exception("receiver %r: watcher step failed; retrying", self.name)
-                self._stop.wait(min(1.0, self.config.heartbeat_s))
+                self._stop.wait(self.timing.store_lost_retry_s)
             kicked = self._kick.wait(min(self._pace(), max(0.0, next_beat - time.monotonic())))  # an apply kicks it
 
     def _follow(
@@ -234,7 +220,7 @@ class Watcher:
         seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
         look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
         if now >= next_all:
-            next_all = now + (BACKSTOP_S if relay is None else HOSTED_BACKSTOP_S)
+            next_all = now + (self.timing.backstop_s if relay is None else self.timing.hosted_backstop_s)
         steps = (self._follow_sender, self._follow_close, self._follow_versions, self._follow_sums)
         for step in steps if look else ():
             try:
@@ -251,22 +237,22 @@ class Watcher:
 
     def _pace(self) -> float:
         """How long the thread waits for a kick (it wakes for its heartbeats as well). A relay host's
-        leader is kicked by each version it receives and by its bell (see RELAY_LEAD_BACKSTOP_S); a
-        receiver there served over the network by each version, so it reads ``news`` slowly too."""
+        leader is kicked by each version it receives and by its bell, else reads ``news`` every
+        ``lead_backstop_s`` (every ``relay_poll_s`` once its sender left or closed: the next sender is
+        found through news alone); a receiver there served over the network is kicked by each
+        version, so it reads ``news`` slowly too. A host-mate reads news off its leader's board."""
+        t = self.timing
         if self.source is None:
-            return SEEK_POLL_S
+            return t.seek_poll_s
         if self.config.verify:
-            return VERIFY_POLL_S
+            return t.verify_poll_s
         if isinstance(self.source, RelaySource) and self.source.leads():
-            return RELAY_POLL_S if self.sender_closed or self.sender_left else RELAY_LEAD_BACKSTOP_S
-        return RELAY_POLL_S if self._relay_lead else IDLE_POLL_S
+            return t.relay_poll_s if self.sender_closed or self.sender_left else t.lead_backstop_s
+        return t.relay_poll_s if self._relay_lead else t.idle_poll_s
 
     def _beat_s(self) -> float:
-        """Between heartbeats: ``heartbeat_s``; on a relay host, a quarter of the sender's
-        ``heartbeat_timeout_s`` if longer (the host-mates judge their leader by its board)."""
-        if not isinstance(self.source, RelaySource):
-            return self.config.heartbeat_s
-        return max(self.config.heartbeat_s, self._sender_heartbeat_timeout_s / 4)
+        """Between heartbeats (see :func:`~lightning_wsync._control.timing.timing`)."""
+        return self.timing.hosted_beat_s if isinstance(self.source, RelaySource) else self.timing.beat_s
 
     def _beat_and_ack(self, ctl: Control, now: float, next_beat: float, posted: Posted | None) -> float:
         """Beat when due and acknowledge what changed; returns when to beat next.
@@ -508,7 +494,8 @@ class Watcher:
             self._refused_epochs[epoch] = None
             self._refuse(exc if isinstance(exc, WeightSyncConfigError) else WeightSyncConfigError(str(exc)))
             return
-        self._sender_heartbeat_timeout_s = record.heartbeat_timeout_s
+        self.timing = timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=self.config.timeout_s,
+                             heartbeat_s=self.config.heartbeat_s)  # fmt: skip
         with self._apply_lock:
             old, self.source = self.source, source
             self.sender_closed = self.sender_left = False

@@ -36,14 +36,13 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.fleet_records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._push.membership import Member, Membership
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.002  # while a round is open
-IDLE_POLL_S = 0.02  # no round open: look for members and new versions
 KEEP_SWITCHES = 8  # switches kept in fleet/<group>/switch (and here, for push reports)
 
 
@@ -69,7 +68,7 @@ class FleetCoordinator:
         members: the sender's membership (members carry their ``fleet`` group).
         ring: the snapshot ring the targets are leased from.
         published: the newest version the sender has published, or None.
-        timeout_s: how long a round waits for its members.
+        timing: the sender's (``timeout_s``: how long a round waits for its members; its polls).
     """
 
     def __init__(
@@ -78,13 +77,14 @@ class FleetCoordinator:
         members: Membership,
         ring: SnapshotRing,
         published: Callable[[], int | None],
-        timeout_s: float,
+        timing: Timing,
     ) -> None:
         self._ctl = ctl
         self._members = members
         self._ring = ring
         self._published = published
-        self.timeout_s = timeout_s
+        self.timeout_s = timing.timeout_s
+        self.timing = timing
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
         self._complaints = Complaints(log, "the fleet coordinator")
@@ -280,5 +280,6 @@ def _run(ref: weakref.ReferenceType[FleetCoordinator], stop: threading.Event) ->
         except Exception:  # noqa: BLE001 - a dead coordinator would stall every fleet member
             log.exception("fleet coordinator step failed (will retry)")
             busy = False
+        poll_s = coordinator.timing.fleet_poll_s if busy else coordinator.timing.fleet_idle_poll_s
         del coordinator
-        stop.wait(POLL_S if busy else IDLE_POLL_S)
+        stop.wait(poll_s)

@@ -24,6 +24,7 @@ from lightning_wsync._control.checks import Complaints, parse_counter
 from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.records import MemberRecord, MembersLow, MemberState
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Peer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
@@ -31,8 +32,6 @@ log = logging.getLogger(__name__)
 
 _FORGET_AFTER = 30  # x heartbeat_timeout_s of silence: stop polling a receiver at all
 _BEATS_PER_READ = 256  # per multi_get: 32,768 keys took the store 3.3 s in one, 0.08 s in 256s
-_GONE_BACKSTOP_S = 120.0  # every gone key is read at least this often (members/gone says when else;
-# a receiver that died between writing its gone key and bumping it falls silent anyway)
 
 
 @dataclass
@@ -70,10 +69,13 @@ class Membership:
     ``_FORGET_AFTER`` heartbeat timeouts later, so days of churn keep nothing.
     """
 
-    def __init__(self, control: Control, host_id: str, heartbeat_timeout_s: float) -> None:
+    def __init__(self, control: Control, host_id: str, timing: Timing) -> None:
         self._ctl = control
         self._host_id = host_id
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._heartbeat_timeout_s = timing.heartbeat_timeout_s
+        # members/gone says when else; a receiver that died between writing its gone key and bumping it
+        # falls silent anyway
+        self._gone_backstop_s = timing.gone_backstop_s
         self._pidns = pid_namespace()
         self._complaints = Complaints(log, "the sender's membership")
         try:
@@ -188,11 +190,11 @@ class Membership:
 
     def _closed(self, members: list[Member], now: float) -> set[int]:
         """The members whose ``gone`` key is set: read when ``members/gone`` moved, and every
-        ``_GONE_BACKSTOP_S`` (a request per member), not at every refresh."""
+        ``timing.gone_backstop_s`` (a request per member), not at every refresh."""
         gone = self._ctl.get_text(keys.MEMBERS_GONE)
         if gone == self._gone_seen and now < self._gone_due:
             return set()
-        self._gone_seen, self._gone_due = gone, now + _GONE_BACKSTOP_S
+        self._gone_seen, self._gone_due = gone, now + self._gone_backstop_s
         return {m.rid for m in members if self._ctl.has(keys.member_gone(m.rid))}
 
     def _heartbeat(self, member: Member) -> int:

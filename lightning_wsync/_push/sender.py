@@ -66,8 +66,6 @@ from lightning_wsync.errors import (
 
 log = logging.getLogger(__name__)
 
-_MEMBERSHIP_REFRESH_S = 0.05
-_MEMBER_CHECK_S = 1.0
 _KEEP_VERSION_RECORDS = 4
 
 
@@ -118,13 +116,13 @@ class WeightSender:
         )  # fmt: skip
         self._side = SendSide(self._ctl, self.layout, spec)
         self._ring = self._side.ring
-        self._members = Membership(self._ctl, self._host, cfg.heartbeat_timeout_s)
+        self._members = Membership(self._ctl, self._host, spec.timing)
         self._members_checked_at = 0.0  # the last full read of every member (see _refresh)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
         # Fleet receivers (ReceiverConfig.fleet) switch together: rounds on a thread started with the first.
         self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._ring,
-                                       self._newest_published, cfg.timeout_s)  # fmt: skip
+                                       self._newest_published, spec.timing)  # fmt: skip
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
                                   total_bytes=self.layout.total_bytes, timeout_s=cfg.timeout_s,
                                   fleet=self._fleet.switched_for)  # fmt: skip
@@ -256,12 +254,11 @@ class WeightSender:
         """Follow the receivers, and hand every plane who is live, gone and retired.
 
         New registrations are taken in at every call; every member's heartbeat and goodbye
-        are read every ``_MEMBER_CHECK_S`` (at most a quarter of heartbeat_timeout_s), so the
+        are read every ``timing.member_check_s`` (at most a quarter of heartbeat_timeout_s), so the
         store's load from the sender grows with receivers at that pace, not at every call.
         """
         now = time.monotonic()
-        check_s = min(_MEMBER_CHECK_S, self.config.heartbeat_timeout_s / 4)
-        full = now - self._members_checked_at >= check_s
+        full = now - self._members_checked_at >= self._side.timing.member_check_s
         self._refresh_members(members=full)
         if full:
             self._members_checked_at = now
@@ -383,15 +380,16 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
         sender = ref()
         if sender is None:
             return
+        refresh_s = sender._side.timing.membership_refresh_s
         try:
             with sender._wake:
                 if not sender._pending:
-                    sender._wake.wait(timeout=_MEMBERSHIP_REFRESH_S)
+                    sender._wake.wait(timeout=refresh_s)
             if stop.is_set():
                 return
             sender._publish_pending()
             now = time.monotonic()
-            if now - last_refresh >= _MEMBERSHIP_REFRESH_S:
+            if now - last_refresh >= refresh_s:
                 sender._refresh()
                 last_refresh = now
         except WeightSyncRecordError as exc:  # said once; skipped until its writer replaces it

@@ -26,6 +26,7 @@ from lightning_wsync._control.manifest import Manifest, build_manifest, select_t
 from lightning_wsync._control.shards import ShardPlan, plan_shards, share_sources
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import Control, connect_store, resolve_job
+from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.open import relays_streams
 from lightning_wsync._planes.relay.streams import StreamHead
 from lightning_wsync._planes.shm import cuda_ipc
@@ -36,7 +37,6 @@ from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-_PIN_LEASE_MAX_S = 5.0  # as the sender's ring: a reader that makes no progress this long loses its slot
 _SERIALS = itertools.count(10**12)  # a share ring's name: wsync-<pid>-<serial>-<job>, never a sender epoch
 
 
@@ -79,10 +79,10 @@ class ShareWriter:
         remove_stale_segments()
         self._shares = shares
         self.segment = ShmSegment(segment_name(job, next(_SERIALS)), shares.share.total_bytes, create=True, slots=2)
-        lease_s = min(config.timeout_s, config.heartbeat_timeout_s, _PIN_LEASE_MAX_S)
+        self._timing = timing(heartbeat_timeout_s=config.heartbeat_timeout_s, timeout_s=config.timeout_s)
         mirror = cuda_ipc.mirror_device(shares.sources, "WeightSyncCallback") if config.cuda_ipc else None
         self._ring = SnapshotRing(shares.share, segment=self.segment, device=torch.device("cpu"), slots=2,
-                                  lease_s=lease_s, mirror=mirror)  # fmt: skip
+                                  lease_s=self._timing.pin_lease_s, mirror=mirror)  # fmt: skip
         self.stall_s: float | None = None  # the last write's
         self._stream: StreamHead | None = None  # across hosts: this rank's relay of its share
         self._closed_key: str | None = None  # rank 0's sender's, once relaying
@@ -123,8 +123,7 @@ class ShareWriter:
         self._stream = StreamHead(
             ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank),
             written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
-            addr=local_address(handle.address), timeout_s=config.timeout_s,
-            heartbeat_timeout_s=config.heartbeat_timeout_s, delta=config.delta,
+            addr=local_address(handle.address), timing=self._timing, delta=config.delta,
         )  # fmt: skip
         log.info("trainer rank %d relays its share of sender epoch %d to other hosts", self._shares.rank, epoch)
 

@@ -16,6 +16,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.member_state import MemberState, Rejection, StateReport, decode_state
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import timing
 from lightning_wsync._push import membership as _membership
 from lightning_wsync._push.membership import Membership
 
@@ -49,7 +50,7 @@ def ctl() -> Control:
 
 
 def test_registered_receivers_are_live_under_their_names(ctl):
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     a, b = register(ctl, "a"), register(ctl, "b")
     members.refresh()
     assert [m.label for m in members.live()] == ["a", "b"] and (a, b) == (0, 1)
@@ -58,7 +59,7 @@ def test_registered_receivers_are_live_under_their_names(ctl):
 
 def test_fleet_seen_only_once_a_receiver_names_a_fleet_group(ctl):
     """What starts the sender's fleet coordinator: without fleet receivers it never runs."""
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     register(ctl, "plain")
     members.refresh()
     assert [m.fleet for m in members.live()] == [None] and not members.fleet_seen
@@ -68,7 +69,7 @@ def test_fleet_seen_only_once_a_receiver_names_a_fleet_group(ctl):
 
 
 def test_a_silent_receiver_stops_being_live_and_comes_back_with_its_heartbeat(ctl):
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     rid = register(ctl, "quiet")
     members.refresh()
     until(lambda: not members.live(), members)
@@ -81,7 +82,7 @@ def test_a_silent_receiver_stops_being_live_and_comes_back_with_its_heartbeat(ct
 
 
 def test_a_closed_receiver_is_gone_then_retired_and_its_keys_deleted(ctl):
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     first, second = register(ctl, "first"), register(ctl, "second")
     members.refresh()
     ctl.set_json(keys.member_gone(first), True)
@@ -92,7 +93,7 @@ def test_a_closed_receiver_is_gone_then_retired_and_its_keys_deleted(ctl):
     assert not any(ctl.has(key) for key in keys.member_keys(first))
     assert ctl.get_json(keys.MEMBERS_LOW) == second  # a later sender starts looking at "second"
     assert members.failure(first) == "closed"  # reports still say why
-    later = Membership(ctl, HOST, HB_TIMEOUT_S)
+    later = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     later.refresh()
     assert [m.label for m in later.members()] == ["second"]
 
@@ -100,7 +101,7 @@ def test_a_closed_receiver_is_gone_then_retired_and_its_keys_deleted(ctl):
 def test_a_receiver_whose_process_exited_is_gone_at_once_on_its_host(ctl):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)
-    members = Membership(ctl, HOST, 60.0)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=60.0, timeout_s=30.0))
     here = register(ctl, "here", pid=proc.pid)
     elsewhere = register(ctl, "elsewhere", host="host-b", pid=proc.pid)  # pids of other hosts mean nothing here
     members.refresh()
@@ -113,7 +114,7 @@ def test_an_exited_process_is_gone_between_full_reads_of_the_members(ctl):
     checks at every call, without a request, whether a same-host receiver's process exited:
     a link to a receiver killed mid-send is stopped (its ring slots freed) at once."""
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    members = Membership(ctl, HOST, 60.0)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=60.0, timeout_s=30.0))
     here = register(ctl, "here", pid=proc.pid)
     members.refresh()
     assert [m.rid for m in members.live()] == [here]
@@ -125,7 +126,7 @@ def test_an_exited_process_is_gone_between_full_reads_of_the_members(ctl):
 
 
 def test_an_id_reserved_without_a_record_does_not_hide_later_receivers(ctl):
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     dead = ctl.add(keys.MEMBERS_NEXT, 1) - 1  # died between taking its id and writing its record
     register(ctl, "late")
     members.refresh()
@@ -135,7 +136,7 @@ def test_an_id_reserved_without_a_record_does_not_hide_later_receivers(ctl):
 
 
 def test_state_reports_round_trip_and_retired_receivers_read_as_holding_nothing(ctl):
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     rid = register(ctl, "r")
     members.refresh()
     report = StateReport(rid)
@@ -159,7 +160,7 @@ def test_a_receiver_retired_and_forgotten_still_reads_as_holding_nothing(monkeyp
     monkeypatch.setattr(_membership, "_FORGET_AFTER", 1)
     ctl = Control(dist.HashStore(), "m")
     ctl.store.set_timeout(timedelta(seconds=30))  # a read of a missing key would wait this long
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     rid = register(ctl, "r")
     members.refresh()
     ctl.set_json(keys.member_gone(rid), True)
@@ -178,7 +179,7 @@ def test_a_live_receiver_whose_state_key_went_reads_as_holding_nothing_at_once()
     states read as written."""
     ctl = Control(dist.HashStore(), "m")
     ctl.store.set_timeout(timedelta(seconds=30))  # a read of a missing key would wait this long
-    members = Membership(ctl, HOST, HB_TIMEOUT_S)
+    members = Membership(ctl, HOST, timing(heartbeat_timeout_s=HB_TIMEOUT_S, timeout_s=30.0))
     kept, lost = register(ctl, "kept"), register(ctl, "lost")
     members.refresh()
     for rid in (kept, lost):

@@ -23,9 +23,8 @@ import torch.distributed as dist
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.relay.head import leader_record
-from lightning_wsync._planes.relay.host import _STORE_BACKSTOP_S
-from lightning_wsync._pull.watcher import HOSTED_BACKSTOP_S
 from lightning_wsync.testing.hostproc import HostArgs, host_main
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import receive
@@ -47,8 +46,8 @@ def _wait(what: str, condition, timeout_s: float = 60):  # type: ignore[no-untyp
     return result
 
 
-# What a host-mate's timed backstops read (its watcher every HOSTED_BACKSTOP_S, news or not: the
-# sender pointer, the close, ``latest``; its relay member every _STORE_BACKSTOP_S: the leader's
+# What a host-mate's timed backstops read (its watcher every hosted_backstop_s, news or not: the
+# sender pointer, the close, ``latest``; its relay member every leader_record_backstop_s: the leader's
 # record), by design and whatever the host says. On a loaded machine one falls inside a push's
 # window, so they are counted apart and bounded by the time the host-mates ran.
 _BACKSTOP_KEYS = {"sender/current", "closed/#", "latest"}
@@ -57,7 +56,8 @@ _BACKSTOP_KEYS = {"sender/current", "closed/#", "latest"}
 def _backstop_rounds(elapsed_s: float) -> int:
     """How many backstop rounds the host-mates can have had (each looks once as it starts,
     before any window here, then once per period)."""
-    return len(MATES) * int(elapsed_s // min(HOSTED_BACKSTOP_S, _STORE_BACKSTOP_S))
+    t = timing(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, timeout_s=20.0)  # as the sender below
+    return len(MATES) * int(elapsed_s // min(t.hosted_backstop_s, t.leader_record_backstop_s))
 
 
 def _split(counts: Counter[str]) -> tuple[dict[str, int], dict[str, int]]:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetSendLink
@@ -24,14 +25,13 @@ from lightning_wsync._planes.shm.ring import SnapshotRing
 
 log = logging.getLogger(__name__)
 
-_FOLLOW_ALL_S = 30.0  # every live receiver's link number is read at least this often (links/asked says when else)
 
 
 class NetSendPlane:
     """Links to receivers on other hosts (or every receiver, with ``transport='gloo'``)."""
 
     def __init__(
-        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timeout_s: float,
+        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timing: Timing,
         deltas: DeltaStreams | None, policy: AutoPolicy,
     ) -> None:  # fmt: skip
         self._ctl = control
@@ -39,7 +39,8 @@ class NetSendPlane:
         self._epoch = epoch
         self._backend = backend
         self._addr = addr
-        self._timeout_s = timeout_s
+        self._timeout_s = timing.timeout_s
+        self._follow_all_s = timing.follow_all_s  # links/asked says when else
         self._deltas = deltas
         self._policy = policy
         self._links: dict[int, NetSendLink] = {}
@@ -52,14 +53,14 @@ class NetSendPlane:
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         # Every live receiver's link number is read when one asked for a link (links/asked
-        # moved), when the receivers changed, and every _FOLLOW_ALL_S: not at every call.
+        # moved), when the receivers changed, and every timing.follow_all_s: not at every call.
         asked = self._ctl.get_text(keys.LINKS_ASKED)
         rids = frozenset(p.rid for p in live)
         now = time.monotonic()
         if (asked, rids) == self._followed and not gone and not retired and now < self._follow_all_at:
             self._reap()
             return
-        self._followed, self._follow_all_at = (asked, rids), now + _FOLLOW_ALL_S
+        self._followed, self._follow_all_at = (asked, rids), now + self._follow_all_s
         for peer in gone:
             self._drop(peer.rid)
         for peer in retired:

@@ -11,7 +11,7 @@ takes over the host, and the leader itself when it steps down. The sender also r
 leader it knows when it closes, and a new sender rings the previous epoch's chain: the
 leader's watcher, which a ring wakes (``listen``), then reads the store's ``news`` and finds
 the close or the new sender without a poll of its own. The owner rings it again when it has
-not rung for ``BACKSTOP_S`` (a lost ring costs at most that long), so the blocking wait never
+not rung for ``timing.bell_backstop_s`` (a lost ring costs at most that long), so the blocking wait never
 reaches its own timeout (the store client logs one line when it does).
 """
 
@@ -24,14 +24,13 @@ from collections.abc import Callable
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-BACKSTOP_S = 30.0  # what the bell's thread read is read again at least this often
-_WAIT_S = 60.0  # a wait's own bound; the backstop's ring ends it much sooner
 
 
 class Bell:
@@ -42,11 +41,13 @@ class Bell:
     after each read (a hop's reader, to look again at once).
     """
 
-    def __init__(self, control: Control, election: Election, *, epoch: int, rid: int) -> None:
+    def __init__(self, control: Control, election: Election, *, epoch: int, rid: int, timing: Timing) -> None:
         self._control = control
         self._election = election
         self._epoch = epoch
         self._rid = rid
+        self._backstop_s = timing.bell_backstop_s  # what the thread read is read again at least this often
+        self._wait_s = timing.bell_wait_s  # a wait's own bound; the backstop's ring ends it much sooner
         self._key = keys.relay_bell(epoch, rid)
         self._ctl = control.clone()  # its waits block this connection
         self._stop = threading.Event()
@@ -54,16 +55,16 @@ class Bell:
         self._lock = threading.Lock()
         self.chain: Chain | None = None
         self.leads = True
-        self._due = 0.0  # when current() rings the bell itself (a lost ring costs at most BACKSTOP_S)
+        self._due = 0.0  # when current() rings the bell itself (a lost ring costs at most the backstop)
         self._read()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-bell-r{rid}", daemon=True)
         self._thread.start()
 
     def current(self, number: int) -> bool:
         """Chain ``number`` is still the one to serve, and this receiver still leads (no request;
-        rings the bell when it has not rung for ``BACKSTOP_S``)."""
+        rings the bell when it has not rung for ``timing.bell_backstop_s``)."""
         if time.monotonic() >= self._due:
-            self._due = time.monotonic() + BACKSTOP_S  # one backstop ring, whoever asks first
+            self._due = time.monotonic() + self._backstop_s  # one backstop ring, whoever asks first
             try:
                 ring(self._control, self._epoch, self._rid)
             except WeightSyncError as exc:
@@ -86,12 +87,12 @@ class Bell:
     def _read(self) -> None:
         self.chain = read_chain(self._ctl, self._epoch)
         self.leads = self._election.leads(self._ctl)
-        self._due = time.monotonic() + BACKSTOP_S
+        self._due = time.monotonic() + self._backstop_s
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                rung = self._ctl.wait_for(self._key, _WAIT_S)
+                rung = self._ctl.wait_for(self._key, self._wait_s)
                 if rung:
                     self._ctl.delete(self._key)  # before the reads: a ring after them is a new wake-up
                 if self._stop.is_set():

@@ -19,7 +19,8 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, ring
+from lightning_wsync._control.timing import Timing
+from lightning_wsync._planes.relay.hops import ring
 from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
 
@@ -33,7 +34,7 @@ class Election:
     segment, or cannot open a leader's); it still follows the record.
     """
 
-    def __init__(self, *, epoch: int, host: str, rid: int, shm: str, heartbeat_timeout_s: float) -> None:
+    def __init__(self, *, epoch: int, host: str, rid: int, shm: str, timing: Timing) -> None:
         self.key = keys.relay_leader(epoch, host)
         self.standing = True
         self._epoch = epoch
@@ -41,7 +42,8 @@ class Election:
         self._rid = rid
         self._shm = shm
         self._pidns = pid_namespace()
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._heartbeat_timeout_s = timing.heartbeat_timeout_s
+        self._check_s = timing.leader_check_s
         self._seen: tuple[int, int, float] | None = None  # the leader's (rid, heartbeat, seen at)
         self._next_check = 0.0  # when the leader's gone key and heartbeat are read next
         self._refused: str | None = None  # the last unreadable record, reported once
@@ -114,9 +116,9 @@ class Election:
         if seen is not None and seen[0] == record.rid and now < self._next_check:
             return None
         # The leader's pid is looked at every CHAIN_POLL_S, its gone key and heartbeat every
-        # heartbeat_timeout_s / 8: every receiver on every host runs this loop, and two store
+        # timing.leader_check_s: every receiver on every host runs this loop, and two store
         # requests each CHAIN_POLL_S were most of a host's steady load on the store.
-        self._next_check = now + max(CHAIN_POLL_S, self._heartbeat_timeout_s / 8)
+        self._next_check = now + self._check_s
         if ctl.has(keys.member_gone(record.rid)):
             return f"leader rid={record.rid} left"
         text = peek(ctl, keys.member_heartbeat(record.rid))  # never add(): a deleted key stays deleted

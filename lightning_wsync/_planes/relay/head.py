@@ -72,6 +72,7 @@ from typing import NamedTuple
 from lightning_wsync._control import keys
 from lightning_wsync._control.records import ChainRecord, LeaderRecord, ReceiptsRecord
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import send_delta
 from lightning_wsync._planes.relay.hops import (
@@ -116,8 +117,8 @@ class RelayHead:
     """
 
     def __init__(
-        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timeout_s: float,
-        heartbeat_timeout_s: float, deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
+        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timing: Timing,
+        deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
         topology: str = "chain",
     ) -> None:  # fmt: skip
         self.chain = Chain(0, ())
@@ -128,8 +129,8 @@ class RelayHead:
         self._epoch = epoch
         self._backend = backend
         self._addr = addr
-        self._timeout_s = timeout_s
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._timeout_s = timing.timeout_s
+        self._heartbeat_timeout_s = timing.heartbeat_timeout_s
         self._deltas = deltas
         self._policy = policy or AutoPolicy("off")
         self._excluded: dict[int, float] = {}  # rid -> until (time.monotonic())
@@ -137,7 +138,7 @@ class RelayHead:
         self._stop = threading.Event()
         self._pieces = chunks(ring.layout)
         self._bucket_bytes = ring.layout.total_bytes / max(1, len(ring.layout.buckets))
-        self._sweeper = RelaySweeper(epoch, linger_s=timeout_s + heartbeat_timeout_s)
+        self._sweeper = RelaySweeper(epoch, linger_s=timing.relay_linger_s)
         self._notes = 0  # ready notes taken on the current hop to the first leader
         self._hop: tuple[int, Interruptible] | None = None  # (chain number, hop to its first leader) being fed
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-head-e{epoch}", daemon=True)

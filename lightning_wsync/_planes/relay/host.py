@@ -25,6 +25,7 @@ from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.relay.bell import Bell
 from lightning_wsync._planes.relay.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.down import Downstream
@@ -49,7 +50,6 @@ from lightning_wsync.errors import WeightSyncError
 log = logging.getLogger(__name__)
 
 _RECEIPTS = 8  # versions a leader reports how it got (push reports read them)
-_STORE_BACKSTOP_S = 120.0  # a host-mate whose leader looks live from the host reads its record this often
 
 
 class RelayMember:
@@ -65,7 +65,7 @@ class RelayMember:
 
     def __init__(
         self, control: Control, layout: Manifest, segment: RingFollower, *, epoch: int, rid: int, host: str, job: str,
-        backend: str, addr: str, timeout_s: float, heartbeat_timeout_s: float,
+        backend: str, addr: str, timing: Timing,
         on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
         fall_back: Callable[[str], None], on_rung: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
@@ -81,8 +81,9 @@ class RelayMember:
         self._host = host
         self._backend = backend
         self._addr = addr
-        self._timeout_s = timeout_s
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._timing = timing
+        self._timeout_s = timing.timeout_s
+        self._heartbeat_timeout_s = timing.heartbeat_timeout_s
         self._on_published = on_published
         self._on_rejected = on_rejected
         self._fall_back = fall_back
@@ -90,7 +91,7 @@ class RelayMember:
         # Unique to this member: simulated hosts may share a process or /dev/shm, and a restarted
         # container reuses PIDs while a SIGKILLed predecessor's segment may still be there.
         shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
-        self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, heartbeat_timeout_s=heartbeat_timeout_s)
+        self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, timing=timing)
         self._own: SnapshotRing | None = None
         self._board: Board | None = None  # while leading: what host-mates read instead of the store
         self._mates: MateRelay | None = None  # while leading: the host-mates' beats and acks, to the store
@@ -138,7 +139,7 @@ class RelayMember:
     def _leader_live_here(self) -> bool:
         """Whether the leader whose ring this host-mate reads looks live from the host (its board's
         age; its PID, from its own PID namespace), asking the store nothing; when not, and every
-        ``_STORE_BACKSTOP_S`` anyway, the member reads the leader's record from the store."""
+        ``timing.leader_record_backstop_s`` anyway, the member reads the leader's record from the store."""
         record, self._suspect = self._leader, None
         if (record is None or record.rid == self._rid or time.monotonic() >= self._store_due
                 or self.segment.following() != record.shm
@@ -157,7 +158,7 @@ class RelayMember:
         record = self._leader  # a leader's bell reads its record again when rung, and every few seconds
         if self._bell is None or not self._bell.leads or record is None:
             record = self._leader = self._election.elect(ctl, suspect=self._suspect)
-            self._store_due = time.monotonic() + max(_STORE_BACKSTOP_S, self._heartbeat_timeout_s)
+            self._store_due = time.monotonic() + self._timing.leader_record_backstop_s
         leading = record is not None and record.rid == self._rid
         if record is not None and leading and self._own is None:
             if not self._create_ring(ctl, record.shm):
@@ -183,10 +184,10 @@ class RelayMember:
                           how="it resigned so that a host-mate leads")  # fmt: skip
             return False
         self._own = SnapshotRing(self.layout, segment=segment, device=torch.device("cpu"), slots=2,
-                                 lease_s=min(self._timeout_s, self._heartbeat_timeout_s))  # fmt: skip
-        self._board = Board(segment.pin_dir, max(0.05, self._heartbeat_timeout_s / 8), self._rid)
-        self._mates = MateRelay(self._control, self._board, period_s=self._heartbeat_timeout_s / 4, rid=self._rid)
-        self._bell = Bell(self._control, self._election, epoch=self._epoch, rid=self._rid)
+                                 lease_s=self._timing.host_ring_lease_s)  # fmt: skip
+        self._board = Board(segment.pin_dir, self._timing.board_beat_s, self._rid)
+        self._mates = MateRelay(self._control, self._board, period_s=self._timing.mates_flush_s, rid=self._rid)
+        self._bell = Bell(self._control, self._election, epoch=self._epoch, rid=self._rid, timing=self._timing)
         if self._on_rung is not None:
             self._bell.listen(self._on_rung)
             self._on_rung()  # a new leader reads news at once: its host-mates read it off its board

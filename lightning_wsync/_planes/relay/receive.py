@@ -12,6 +12,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import SenderRecord, VersionRecord
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.host import RelayMember
@@ -47,8 +48,8 @@ def open_relay_source(
     source = RelaySource(epoch, segment, net)
     source.member = RelayMember(
         control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
-        addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop, whatever this receiver's
-        heartbeat_timeout_s=record.heartbeat_timeout_s,
+        addr=addr,  # the sender's timeout_s: it bounds every hop, whatever this receiver's
+        timing=timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=record.timeout_s),
         on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back, on_rung=on_rung,
     )  # fmt: skip
     return source

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead, leader_record
@@ -23,9 +24,6 @@ from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
-# The leader records and broken keys are read at least this often: every writer of them bumps
-# relay/<epoch>/moved, and a dead leader leaves the live receivers, so this is for a lost bump.
-_FOLLOW_ALL_S = 30.0
 
 
 class RelaySendPlane:
@@ -33,7 +31,7 @@ class RelaySendPlane:
 
     def __init__(
         self, control: Control, ring: SnapshotRing, *, epoch: int, host: str, backend: str, addr: str,
-        timeout_s: float, heartbeat_timeout_s: float, deltas: DeltaStreams | None, policy: AutoPolicy,
+        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy,
         topology: str = "relay", previous_epoch: int | None = None,
     ) -> None:  # fmt: skip
         """``previous_epoch``: the sender epoch before this one, whose chain's leaders are rung at the
@@ -47,15 +45,17 @@ class RelaySendPlane:
         self._moved: str | None = None  # relay/<epoch>/moved as last read through
         self._live: set[int] = set()
         self._next_all = 0.0
+        self._follow_all_s = timing.follow_all_s
         self._previous = previous_epoch  # its chain's leaders are rung once, after this epoch's news
         self._head = RelayHead(
-            control, ring, epoch=epoch, backend=backend, addr=addr, timeout_s=timeout_s,
-            heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas, policy=policy, topology=topology,
+            control, ring, epoch=epoch, backend=backend, addr=addr, timing=timing, deltas=deltas, policy=policy,
+            topology=topology,
         )  # fmt: skip
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         # The leader records and broken keys (a request per host each) are read when
-        # relay/<epoch>/moved moved, when the live receivers changed, and every _FOLLOW_ALL_S.
+        # relay/<epoch>/moved moved, when the live receivers changed, and every timing.follow_all_s: every
+        # writer of them bumps moved, and a dead leader leaves the live receivers, so that is for a lost bump.
         if (previous := self._previous) is not None:
             self._previous = None
             wake_chain(self._ctl, previous)
@@ -65,7 +65,7 @@ class RelaySendPlane:
             self._head.update_chain(self._head.leaders, look=False)
             return
         self._head.update_chain(live_leaders(self._ctl, self._epoch, live, self._host))
-        self._moved, self._live, self._next_all = moved, set(by_rid), now + _FOLLOW_ALL_S
+        self._moved, self._live, self._next_all = moved, set(by_rid), now + self._follow_all_s
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
         pass  # the head's thread waits on the ring for the next version itself

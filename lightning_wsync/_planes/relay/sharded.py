@@ -25,6 +25,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.relay.board import Posted, read_board
 from lightning_wsync._planes.relay.host import RelayMember
 from lightning_wsync._planes.relay.source import open_leader_ring
@@ -102,8 +103,9 @@ def open_sharded_relay(
             rings.append(ring)
             members.append(RelayMember(
                 control, share, ring, epoch=keys.relay_stream(epoch, rank), rid=rid, host=host, job=job,
-                backend=record.backend, addr=addr, timeout_s=record.timeout_s,  # the sender's: it bounds every hop
-                heartbeat_timeout_s=record.heartbeat_timeout_s, on_published=published, on_rejected=on_rejected,
+                backend=record.backend, addr=addr,  # the sender's timeout_s: it bounds every hop
+                timing=timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=record.timeout_s),
+                on_published=published, on_rejected=on_rejected,
                 fall_back=fall_back,
             ))  # fmt: skip
     except BaseException:

@@ -31,6 +31,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.records import StreamLeadersRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead
@@ -48,13 +49,13 @@ class ShardStreamsPlane(RelaySendPlane):
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, *, epoch: int, host: str, backend: str, addr: str,
-        timeout_s: float, heartbeat_timeout_s: float, deltas: DeltaStreams | None, policy: AutoPolicy,
+        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy,
     ) -> None:  # fmt: skip
         self._hosts = plan.rank_hosts(host)
         self._streams = [keys.relay_stream(epoch, rank) for rank in range(plan.world)]
         self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
         super().__init__(ctl, ring, epoch=self._streams[0], host=self._hosts[0], backend=backend, addr=addr,
-                         timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, deltas=deltas,
+                         timing=timing, deltas=deltas,
                          policy=policy, topology="chain", previous_epoch=epoch - 1 or None)  # fmt: skip
 
     @override
@@ -82,7 +83,7 @@ class StreamHead:
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, *, stream: int, written_key: str, backend: str, addr: str,
-        timeout_s: float, heartbeat_timeout_s: float, delta: str = "off",
+        timing: Timing, delta: str = "off",
     ) -> None:  # fmt: skip
         """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports;
         ``delta``: the sender's setting, applied to this stream (this rank encodes its own share)."""
@@ -92,8 +93,8 @@ class StreamHead:
         self._written: int | None = None  # the newest version written, as noted by :meth:`wrote`
         self._noted: int | None = None  # as last set on the store
         self._deltas = DeltaStreams(ring.layout) if delta != "off" else None
-        self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timeout_s=timeout_s,
-                               heartbeat_timeout_s=heartbeat_timeout_s, deltas=self._deltas,
+        self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timing=timing,
+                               deltas=self._deltas,
                                policy=AutoPolicy(delta), topology="chain")  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-stream-{stream}", daemon=True)
