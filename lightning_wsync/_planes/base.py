@@ -4,19 +4,112 @@ A plane is one subpackage of :mod:`lightning_wsync._planes` (``shm``, ``net``, `
 with a send side (:class:`SendPlane`, fed from the sender's snapshot ring) and a receive
 side (:class:`ReceiveSource`, which applies versions into a receiver's tensors);
 :mod:`lightning_wsync._planes.open` is the one place that picks them.
+
+What only some receive sides can do is asked of the source, never probed for: its
+:meth:`~ReceiveSource.lender` lends slots for zero-copy loads, its
+:meth:`~ReceiveSource.exact` applies a chosen version (a fleet's round), its
+:meth:`~ReceiveSource.host_link` beats, acknowledges and hears news through a relay host's
+leader. Each returns None where the plane cannot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_wsync._control.manifest import Manifest
 
 SumsLookup = Callable[[int], "list[int] | None"]  # version -> its published bucket checksums
 Reject = Callable[[int, str], None]  # (version, reason)
 
 
+class SlotRef(NamedTuple):
+    """One complete version in one slot: valid while the slot's sequence is still ``seq``."""
+
+    slot: int
+    seq: int
+    version: int
+
+
+class Lender(Protocol):
+    """A source that lends a version's slot out of shared memory (an engine's zero-copy load)."""
+
+    layout: Manifest
+
+    def lend(
+        self, version: int | None, sums: SumsLookup | None, reject: Reject
+    ) -> tuple[SlotRef, list[torch.Tensor]] | None:
+        """Pin the newest complete slot (or the one holding ``version``) and return it with its
+        entries' read-only views, in layout order; None when there is none (or it failed its checksums)."""
+        ...
+
+    def give_back(self, ref: SlotRef) -> bool:
+        """Unpin a lent slot; True when its bytes stayed intact the whole time."""
+        ...
+
+    def touch(self) -> None:
+        """Renew the pin of the slot lent now (within the sender's lease)."""
+        ...
+
+    def pending_above(self, held: int | None) -> bool: ...
+
+
+class ExactApply(Protocol):
+    """A source that can apply one chosen version, not only the newest (a fleet's round)."""
+
+    def apply_exactly(self, version: int, sums: SumsLookup | None, reject: Reject) -> int | None:
+        """Write ``version`` into the module when the source holds it complete; return it (None: it does not)."""
+        ...
+
+
+class HostNews(NamedTuple):
+    """What a relay host's leader last read from the store for its host (and posts on its board)."""
+
+    news: str | None  # the ``news`` counter as written (None: absent)
+    latest: str | None  # the ``latest`` record as written (sealed; host-mates verify it)
+    # As the leader read them at or after that ``news``: the sender pointer (sealed) and whether
+    # the sender it follows has closed or left. With them a host-mate that missed a bump or two
+    # (pushes faster than it reads the board) still knows they were versions only.
+    sender: str | None = None
+    closed: bool = False
+
+
+class Posted(NamedTuple):
+    """A relay host's board as a host-mate read it."""
+
+    news: HostNews
+    age_s: float  # since the leader last wrote or touched it
+    directory: str = ""  # the pin directory it was read from
+    # rid -> the sequence number of the host-mate's note the leader last passed on to the store;
+    # None: a leader that passes on no notes (an older version)
+    mates: dict[int, int] | None = None
+
+
+class HostLink(Protocol):
+    """A receiver on a relay host: it beats, acknowledges and hears news through its host's leader."""
+
+    def leads(self) -> bool:
+        """This receiver leads its host (it reads the store for its host-mates)."""
+        ...
+
+    def beat_board(self) -> Posted | None:
+        """The board of the leader that passes this receiver's beats and acknowledgements on (its own
+        while it leads); None: none now (it then beats on the store)."""
+        ...
+
+    def share_news(self, news: HostNews) -> None:
+        """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
+        ...
+
+
 class ReceiveSource(Protocol):
-    """The data plane of one sender epoch, as ``WeightReceiver`` uses it."""
+    """The data plane of one sender epoch, as ``WeightReceiver`` uses it.
+
+    A plane's source subclasses it (the capabilities below default to None).
+    """
 
     epoch: int
 
@@ -38,6 +131,18 @@ class ReceiveSource(Protocol):
     def describe(self) -> str: ...
 
     def close(self) -> None: ...
+
+    def lender(self) -> Lender | None:
+        """Lends slots for zero-copy loads (shared memory on the trainer's host), else None."""
+        return None
+
+    def exact(self) -> ExactApply | None:
+        """Applies a chosen version (a fleet's round), else None: the newest it has."""
+        return None
+
+    def host_link(self) -> HostLink | None:
+        """Beats, acknowledges and hears news through a relay host's leader, else None: the store."""
+        return None
 
 
 class Peer(NamedTuple):

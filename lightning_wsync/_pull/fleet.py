@@ -138,11 +138,11 @@ class FleetMember:
         sums: Callable[[int], list[int] | None] | None = None
         if self._verify:
             sums = (lambda v: list(target.sums) if v == version else None) if target.sums else self._sums
-        exact = getattr(source, "apply_exactly", None)
+        exact = source.exact()
         before, self.staged = self.staged, None  # until the copy is complete
         try:
             if exact is not None:
-                got = exact(version, sums, self._watcher.on_rejected)
+                got = exact.apply_exactly(version, sums, self._watcher.on_rejected)
             else:  # a plane that cannot pick a version: the newest it has (it may be another)
                 got = source.apply(before, sums, self._watcher.on_rejected)
         except WeightSyncIntegrityError as exc:

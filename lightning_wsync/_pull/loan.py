@@ -26,8 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_wsync._planes.shm.segment import SlotRef
-from lightning_wsync._planes.shm.source import SharedMemorySource
+from lightning_wsync._planes.base import Lender, ReceiveSource, SlotRef
 from lightning_wsync._pull.watcher import Watcher
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncTimeoutError
 
@@ -52,7 +51,7 @@ class SharedLender:
         self._selects = selects
         self._verify = verify
         self._name = name
-        self._held: tuple[SharedMemorySource, SlotRef, Loan] | None = None
+        self._held: tuple[ReceiveSource, Lender, SlotRef, Loan] | None = None
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -60,12 +59,12 @@ class SharedLender:
     def copies(self) -> bool:
         """Versions reach this receiver some other way than its host's shared memory (copy them)."""
         source = self._watcher.source
-        return source is not None and not isinstance(source, SharedMemorySource)
+        return source is not None and source.lender() is None
 
     @property
     def loan(self) -> Loan | None:
         held = self._held
-        return None if held is None else held[2]
+        return None if held is None else held[3]
 
     def lend(self, min_version: int | None, timeout_s: float, loaded: int | None) -> Loan | None:
         """Pin the newest complete version (with ``min_version``: one >= it, waiting up to
@@ -100,31 +99,32 @@ class SharedLender:
     def _try(self, min_version: int | None, loaded: int | None) -> Loan | None:
         with self._apply_lock:  # the watcher swaps sources under this lock
             source = self._watcher.source
-            if not isinstance(source, SharedMemorySource):
+            lender = None if source is None else source.lender()
+            if source is None or lender is None:
                 return None
             held = self._held
             if held is not None and held[0] is source:
-                version = held[2].version
-                if (min_version is None and not source.pending_above(version)) or (
+                version = held[3].version
+                if (min_version is None and not lender.pending_above(version)) or (
                     min_version is not None and version >= min_version
                 ):
-                    return held[2]
+                    return held[3]
             self._release()
             sums = self._watcher.published_sums if self._verify else None
-            got = source.lend(None, sums, self._watcher.on_rejected)
+            got = lender.lend(None, sums, self._watcher.on_rejected)
             if got is None:
                 return None
             ref, views = got
             if min_version is not None and ref.version < min_version:
-                source.give_back(ref)
+                lender.give_back(ref)
                 return None
             self._watcher.held(ref.version)  # staged: push reports count it delivered
             if ref.version == loaded:
-                source.give_back(ref)  # the engine holds it already: nothing to load, nothing to pin
+                lender.give_back(ref)  # the engine holds it already: nothing to load, nothing to pin
                 return Loan(ref.version, {})
-            entries = source.layout.entries
+            entries = lender.layout.entries
             loan = Loan(ref.version, {e.name: v for e, v in zip(entries, views) if self._selects(e.name)})
-            self._held = source, ref, loan
+            self._held = source, lender, ref, loan
             self._renew()
             return loan
 
@@ -135,7 +135,7 @@ class SharedLender:
 
     def _release(self) -> bool:
         held, self._held = self._held, None
-        return True if held is None else held[0].give_back(held[1])
+        return True if held is None else held[1].give_back(held[2])
 
     def _renew(self) -> None:
         if self._renewer is None:
@@ -146,7 +146,7 @@ class SharedLender:
         while not self._stop.wait(self._watcher.timing.pin_renew_s):
             held = self._held
             if held is not None:
-                held[0].touch()
+                held[1].touch()
 
     def close(self) -> None:
         self._stop.set()

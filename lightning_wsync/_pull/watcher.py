@@ -39,11 +39,9 @@ from lightning_wsync._control.records import (
 )
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing, timing
-from lightning_wsync._planes.base import ReceiveSource
+from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
-from lightning_wsync._planes.relay.board import HostNews, Posted
 from lightning_wsync._planes.relay.mates import MateDesk
-from lightning_wsync._planes.relay.source import RelaySource
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -185,7 +183,7 @@ class Watcher:
             self._kick.clear()  # before the work: a kick during it makes the wait below return at once
             try:
                 now = time.monotonic()
-                relay = self.source if isinstance(self.source, RelaySource) else None
+                relay = None if self.source is None else self.source.host_link()
                 board = None if relay is None else relay.beat_board()
                 next_beat = self._beat_and_ack(ctl, now, next_beat, board)
                 posted = None if relay is None or relay.leads() else board  # a host-mate reads news off it
@@ -211,7 +209,7 @@ class Watcher:
             kicked = self._kick.wait(min(self._pace(), max(0.0, next_beat - time.monotonic())))  # an apply kicks it
 
     def _follow(
-        self, ctl: Control, now: float, relay: RelaySource | None, posted: Posted | None, news: str | None,
+        self, ctl: Control, now: float, relay: HostLink | None, posted: Posted | None, news: str | None,
         next_all: float,
     ) -> tuple[str | None, float]:  # fmt: skip
         """Read ``news`` and, when it moved (or is unreadable), when verify still lacks the newest
@@ -246,13 +244,15 @@ class Watcher:
             return t.seek_poll_s
         if self.config.verify:
             return t.verify_poll_s
-        if isinstance(self.source, RelaySource) and self.source.leads():
+        link = None if self.source is None else self.source.host_link()
+        if link is not None and link.leads():
             return t.relay_poll_s if self.sender_closed or self.sender_left else t.lead_backstop_s
         return t.relay_poll_s if self._relay_lead else t.idle_poll_s
 
     def _beat_s(self) -> float:
         """Between heartbeats (see :func:`~lightning_wsync._control.timing.timing`)."""
-        return self.timing.hosted_beat_s if isinstance(self.source, RelaySource) else self.timing.beat_s
+        on_host = self.source is not None and self.source.host_link() is not None
+        return self.timing.hosted_beat_s if on_host else self.timing.beat_s
 
     def _beat_and_ack(self, ctl: Control, now: float, next_beat: float, posted: Posted | None) -> float:
         """Beat when due and acknowledge what changed; returns when to beat next.

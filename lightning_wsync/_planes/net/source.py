@@ -10,12 +10,12 @@ from collections.abc import Callable
 import torch
 
 from lightning_wsync._control.manifest import Manifest, bind_views, copy_out
-from lightning_wsync._planes.base import Reject, SumsLookup
+from lightning_wsync._planes.base import ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.shm.cuda_host import wait_for_copies
 
 
-class NetworkSource:
+class NetworkSource(ReceiveSource):
     """Versions a network link has staged and verified; applied by copy or by swapping buffers."""
 
     def __init__(

@@ -25,23 +25,13 @@ import logging
 import os
 import threading
 import time
-from typing import NamedTuple
+
+from lightning_wsync._planes.base import HostNews as HostNews  # the plane interface's; kept importable here
+from lightning_wsync._planes.base import Posted as Posted
 
 log = logging.getLogger(__name__)
 
 FILE = "board"
-
-
-class HostNews(NamedTuple):
-    """What the leader's watcher last read from the store for its host."""
-
-    news: str | None  # the ``news`` counter as written (None: absent)
-    latest: str | None  # the ``latest`` record as written (sealed; host-mates verify it)
-    # As the leader read them at or after that ``news``: the sender pointer (sealed) and whether
-    # the sender it follows has closed or left. With them a host-mate that missed a bump or two
-    # (pushes faster than it reads the board) still knows they were versions only.
-    sender: str | None = None
-    closed: bool = False
 
 
 class Board:
@@ -91,17 +81,6 @@ class Board:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-class Posted(NamedTuple):
-    """A board as a host-mate read it."""
-
-    news: HostNews
-    age_s: float  # since the leader last wrote or touched it
-    directory: str = ""  # the pin directory it was read from
-    # rid -> the sequence number of the host-mate's note the leader last passed on to the store;
-    # None: a leader that passes on no notes (an older version)
-    mates: dict[int, int] | None = None
 
 
 def read_board(directory: str) -> Posted | None:

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from typing_extensions import override
 
 from lightning_wsync._control.manifest import Manifest
-from lightning_wsync._planes.base import Reject, SumsLookup
+from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.relay.board import HostNews, Posted, read_board
+from lightning_wsync._planes.relay.board import read_board
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
 from lightning_wsync._planes.shm.source import SharedMemorySource
@@ -123,7 +124,7 @@ class HostRingReader:
         self.follow(None)
 
 
-class RelaySource:
+class RelaySource(ReceiveSource):
     """A receiver's data plane on a relay host (a ``ReceiveSource``): the host's ring, fed by its leader.
 
     With ``verify``, versions from the host ring are checked against the published
@@ -155,6 +156,10 @@ class RelaySource:
     def pending_above(self, held: int | None) -> bool:
         net = self._net
         return net.pending_above(held) if net is not None else self.segment.pending_above(held)
+
+    @override
+    def host_link(self) -> HostLink:
+        return self
 
     def leads(self) -> bool:
         """This receiver leads its host's ring (its bell then wakes its watcher: ``on_rung``)."""

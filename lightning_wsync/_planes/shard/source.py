@@ -19,7 +19,7 @@ import torch
 
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.shards import ShardPlan, piece_views
-from lightning_wsync._planes.base import Reject, SumsLookup
+from lightning_wsync._planes.base import ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef, remove_stale_segments
 from lightning_wsync.errors import WeightSyncIntegrityError
 
@@ -56,7 +56,7 @@ class FixedRing:
             reader.close()
 
 
-class ShardedSource:
+class ShardedSource(ReceiveSource):
     """Trainer ranks' rings on this host, applied version by version, all shares or none."""
 
     def __init__(

@@ -26,11 +26,11 @@ import shutil
 import threading
 import time
 import warnings
-from typing import NamedTuple
 
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum, copy_tensors, entry_views
+from lightning_wsync._planes.base import SlotRef as SlotRef  # the plane interface's; kept importable here
 from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._planes.shm.cuda_host import HostRegistration, register, wait_for_copies
 from lightning_wsync._planes.shm.fence import fence
@@ -51,14 +51,6 @@ _MAGIC_WORD, _SLOTS_WORD, _STRIDE_WORD, _SLOT_BASE = 0, 1, 2, 4
 _CLAIM_WAIT_S = 20e-6
 _TOUCH_BYTES = 64 << 20  # a reader renews its pin after copying this much: a slow copy is not a stall
 _CLAIM_SETTLE_S = 0.5  # far beyond a live writer's look at the pin directory, even on a loaded host
-
-
-class SlotRef(NamedTuple):
-    """One complete version in one slot: valid while the slot's sequence is still ``seq``."""
-
-    slot: int
-    seq: int
-    version: int
 
 
 def segment_name(job: str, epoch: int) -> str:

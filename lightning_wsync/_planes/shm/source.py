@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from typing_extensions import override
 
 from lightning_wsync._control.manifest import Manifest
-from lightning_wsync._planes.base import Reject, SumsLookup
+from lightning_wsync._planes.base import ExactApply, Lender, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef, remove_stale_segments
 from lightning_wsync.errors import WeightSyncIntegrityError
 
@@ -28,8 +29,8 @@ _PIN_ATTEMPTS = 64  # a pin fails while a push lands on that slot; each failure 
 _WOKEN_POLL_S = 0.02  # a reader the writer wakes still reads the header this often (a lost wake-up)
 
 
-class SharedMemorySource:
-    """A sender's ring on this host, applied slot by pinned slot."""
+class SharedMemorySource(ReceiveSource):
+    """A sender's ring on this host, applied slot by pinned slot; it lends slots and applies a chosen version."""
 
     def __init__(self, epoch: int, layout: Manifest, ordered: list[torch.Tensor], reader: ShmReader, name: str) -> None:
         self.epoch = epoch
@@ -164,6 +165,14 @@ class SharedMemorySource:
         except (AttributeError, ValueError, OSError):
             pass  # closed under us (a new sender epoch, a relay host's new leader): the caller looks again
         return True
+
+    @override
+    def lender(self) -> Lender:
+        return self
+
+    @override
+    def exact(self) -> ExactApply:
+        return self
 
     def describe(self) -> str:
         ipc = self._reader.device_copies
