@@ -79,9 +79,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
+from lightning_wsync._control.shards import Shares
+from lightning_wsync._planes.open import ShareWriter, open_share_writer
 from lightning_wsync._push.report import PushReport
 from lightning_wsync._push.sender import WeightSender
-from lightning_wsync._push.shares import Shares, ShareWriter, prepare_shares
+from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync._push.waiter import ReportWaiter
 from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
@@ -242,7 +244,7 @@ class WeightSyncCallback(Callback):
             shares = prepare_shares(self._target, self.sender_config, rank, world)
             host = shares.host
             if rank != 0:
-                self._writer = ShareWriter(shares, self.sender_config)
+                self._writer = open_share_writer(shares, self.sender_config)
                 name = self._writer.name
         except Exception as exc:  # every rank must reach the gather below, or the others hang in it
             error = f"{type(exc).__name__}: {exc}"

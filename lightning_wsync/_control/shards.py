@@ -228,3 +228,15 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+@dataclass(frozen=True)
+class Shares:
+    """One rank's part of a sharded push: the plan, the full layout, its share and its sources."""
+
+    rank: int
+    plan: ShardPlan
+    layout: Manifest  # the whole version, as receivers bind it
+    share: Manifest  # this rank's bytes
+    sources: list[torch.Tensor]  # this rank's tensors (local shards, or slices of replicated ones), one per piece
+    host: str = ""  # this rank's host id (the relay serves the hosts other than each rank's own)

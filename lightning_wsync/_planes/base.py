@@ -15,6 +15,7 @@ leader. Each returns None where the plane cannot.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -88,6 +89,30 @@ class Posted(NamedTuple):
     mates: dict[int, int] | None = None
 
 
+class MateNotes(Protocol):
+    """A relay host-mate's notes to its leader, who writes its beats and acknowledgements to the store.
+
+    One per receiver, kept across sources (a note left with one leader is taken back before
+    the next): :func:`lightning_wsync._planes.open.open_mate_notes`.
+    """
+
+    def keeps(self, posted: Posted | None, rid: int, now: float, period_s: float) -> bool:
+        """Whether to beat and acknowledge through the leader whose board is ``posted`` now."""
+        ...
+
+    def write(self, directory: str, rid: int, beat: int, state: str | None, now: float) -> bool:
+        """Leave a note for the leader whose pin directory is ``directory``; False when it could not."""
+        ...
+
+    def confirm(self, now: float) -> None:
+        """A beat was written to the store by this receiver itself."""
+        ...
+
+    def leave(self) -> bool:
+        """Beat on the store from now on; whether a note was taken back."""
+        ...
+
+
 class HostLink(Protocol):
     """A receiver on a relay host: it beats, acknowledges and hears news through its host's leader."""
 
@@ -102,6 +127,47 @@ class HostLink(Protocol):
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
+        ...
+
+
+@dataclass
+class DeltaStats:
+    """What one version's delta cost: the push report's per-link metrics."""
+
+    changed_share: float = 0.0
+    wire_bytes: int = 0
+    full_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class DeltaLedger(Protocol):
+    """A sender's delta encodings, as its push reports read them."""
+
+    def stats_for(self, version: int) -> DeltaStats | None:
+        """The delta that carried ``version`` (None: it went whole)."""
+        ...
+
+
+class SlotHold(Protocol):
+    """A hold on one version in the sender's snapshot ring: the slot is not overwritten while held."""
+
+    def touch(self) -> None:
+        """Still in use: the hold lasts another lease."""
+        ...
+
+    def release(self) -> None: ...
+
+    def checksums(self) -> list[int] | None:
+        """Per-bucket checksums of the held version (None: a GPU ring, or it was overwritten)."""
+        ...
+
+
+class Snapshots(Protocol):
+    """The sender's snapshot ring, as the layers above the planes use it."""
+
+    def hold(self, version: int) -> SlotHold | None:
+        """Hold the slot that holds ``version`` complete; None when the ring no longer has it."""
         ...
 
 

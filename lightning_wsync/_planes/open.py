@@ -24,24 +24,28 @@ import torch
 from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest, dtype_to_name
 from lightning_wsync._control.records import SenderRecord, ShardsRecord
-from lightning_wsync._control.shards import ShardPlan
+from lightning_wsync._control.shards import ShardPlan, Shares
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing, timing
-from lightning_wsync._planes.base import ReceiveSource, SendPlane
+from lightning_wsync._planes.base import MateNotes, ReceiveSource, SendPlane
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
+from lightning_wsync._planes.relay.mates import MateDesk
 from lightning_wsync._planes.relay.receive import open_relay_source
 from lightning_wsync._planes.relay.send import RelaySendPlane
 from lightning_wsync._planes.relay.sharded import open_sharded_relay
-from lightning_wsync._planes.relay.streams import ShardStreamsPlane
+from lightning_wsync._planes.relay.streams import ShardStreamsPlane, relays_streams
 from lightning_wsync._planes.shard.send import ShardSendPlane
 from lightning_wsync._planes.shard.source import open_rank_rings
+from lightning_wsync._planes.shares import ShareWriter as ShareWriter  # the callback's ring of its share
+from lightning_wsync._planes.shm.cuda_ipc import mirror_device as mirror_device  # cuda_ipc=True: checked at once
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.shm.send import ShmSendPlane
 from lightning_wsync._planes.shm.source import SharedMemorySource
+from lightning_wsync.config import SenderConfig
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncSchemaError
 
 log = logging.getLogger(__name__)
@@ -248,11 +252,6 @@ def open_source(
     return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
 
 
-def relays_streams(transport: str, cross_host: str) -> bool:
-    """A sharded sender with these settings relays each rank's share to other hosts (a chain per rank)."""
-    return transport == "auto" and cross_host != "star"
-
-
 def _open_sharded(
     epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec
 ) -> ReceiveSource:
@@ -305,3 +304,11 @@ def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, b
             )
 
 
+def open_share_writer(shares: Shares, config: SenderConfig) -> ShareWriter:
+    """A trainer rank's (other than 0) ring of its share of a sharded push, in shared memory."""
+    return ShareWriter(shares, config)
+
+
+def open_mate_notes() -> MateNotes:
+    """A receiver's notes to its relay host's leader (used only while a source's host link offers a board)."""
+    return MateDesk()

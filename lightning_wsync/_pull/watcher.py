@@ -40,8 +40,7 @@ from lightning_wsync._control.records import (
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing, timing
 from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource
-from lightning_wsync._planes.open import ReceiverSpec, open_source
-from lightning_wsync._planes.relay.mates import MateDesk
+from lightning_wsync._planes.open import ReceiverSpec, open_mate_notes, open_source
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -114,7 +113,7 @@ class Watcher:
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the thread early (an ack to send, or stop)
         self._state = StateReport()
-        self._desk = MateDesk()  # a relay host-mate beats and acknowledges through its leader
+        self._desk = open_mate_notes()  # a relay host-mate beats and acknowledges through its leader
         self._beat = 0  # the heartbeat counter's last value
         self._applied: int | None = None  # the version update() last applied (for logs)
         self._relay_lead = False  # a relay host's leader: reads the store for its host-mates

@@ -37,7 +37,7 @@ from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.fleet_records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
-from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.base import SlotHold, Snapshots
 from lightning_wsync._push.membership import Member, Membership
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
@@ -51,7 +51,7 @@ class _Group:
     name: str
     next_round: int = 0
     open: FleetRound | None = None
-    lease: Lease | None = None
+    lease: SlotHold | None = None
     opened_at: float = 0.0
     last_version: int = -1
     left_out: dict[int, int] = field(default_factory=dict)  # rid -> the round it must have seen to come back
@@ -75,7 +75,7 @@ class FleetCoordinator:
         self,
         ctl: Control,
         members: Membership,
-        ring: SnapshotRing,
+        ring: Snapshots,
         published: Callable[[], int | None],
         timing: Timing,
     ) -> None:
@@ -201,13 +201,12 @@ class FleetCoordinator:
         version = self._published()
         if not rids or version is None or version <= g.last_version:
             return
-        ref = self._ring.find(version)
-        lease = None if ref is None else self._ring.acquire(ref)
+        lease = self._ring.hold(version)
         if lease is None:
             return  # overwritten already: the next published version opens the round
         sums: tuple[int, ...] = ()
         if any(m.verify for m in live if m.rid in rids):
-            found = self._ring.checksums(lease)
+            found = lease.checksums()
             if found is None:  # a GPU ring: members verify against the version's own sums record
                 found = []
             sums = tuple(found)

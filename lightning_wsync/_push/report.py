@@ -13,8 +13,7 @@ from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.fleet_records import FleetSwitch
 from lightning_wsync._control.member_state import decode_state
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.base import SendPlane
-from lightning_wsync._planes.delta.encode import DeltaStreams
+from lightning_wsync._planes.base import DeltaLedger, SendPlane
 from lightning_wsync._push.membership import Member, Membership
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
@@ -109,7 +108,7 @@ class Reporter:
 
     def __init__(
         self, ctl: Control, members: Membership, planes: Callable[[], Sequence[SendPlane]],
-        deltas: DeltaStreams | None, *, total_bytes: int, timeout_s: float,
+        deltas: DeltaLedger | None, *, total_bytes: int, timeout_s: float,
         fleet: Callable[[int], Mapping[str, FleetSwitch]] = lambda version: {},
     ) -> None:  # fmt: skip
         self._ctl = ctl.clone()

@@ -43,6 +43,7 @@ from lightning_wsync._control.records import (
     ShardsRecord,
     VersionRecord,
 )
+from lightning_wsync._control.shards import Shares
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import (
     Control,
@@ -51,12 +52,10 @@ from lightning_wsync._control.store import (
     resolve_job,
     retire_old_epochs,
 )
-from lightning_wsync._planes.open import SenderSpec, SendSide
-from lightning_wsync._planes.shm import cuda_ipc
+from lightning_wsync._planes.open import SenderSpec, SendSide, mirror_device
 from lightning_wsync._push.fleet import FleetCoordinator
 from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
-from lightning_wsync._push.shares import Shares
 from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import (
     WeightSyncClosedError,
@@ -369,7 +368,7 @@ def _selected(module: nn.Module, cfg: SenderConfig) -> dict[str, torch.Tensor]:
     if cfg.transport == "nccl" and not any(t.is_cuda for t in tensors.values()):
         raise ValueError("WeightSender: transport='nccl' needs the module on a CUDA device; use 'gloo' for CPU")
     if cfg.cuda_ipc:
-        cuda_ipc.mirror_device(list(tensors.values()), "WeightSender")
+        mirror_device(list(tensors.values()), "WeightSender")
     return tensors
 
 

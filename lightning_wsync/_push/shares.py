@@ -1,55 +1,18 @@
-"""A trainer rank's share of a sharded push (see docs/sharded.md).
+"""A trainer rank's share of a sharded push (see docs/sharded.md): the same plan on every rank.
 
-Every trainer rank makes the same :class:`~lightning_wsync._control.shards.ShardPlan`
-from its module (:func:`prepare_shares`). Rank 0 hands its part to its
-:class:`~lightning_wsync._push.sender.WeightSender`, whose ring then holds only rank 0's
-share; every other rank keeps a :class:`ShareWriter`: a ring of its own share in shared
-memory, written at each push. Receivers on the host read every rank's ring and apply a
-version only when all of them hold it complete; across hosts each rank relays its ring's
-versions down a chain of its own (:meth:`ShareWriter.relay`, docs/sharded.md).
+Rank 0 hands its :class:`~lightning_wsync._control.shards.Shares` to its sender; every other
+rank writes its share into a ring of its own
+(:func:`~lightning_wsync._planes.open.open_share_writer`).
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
-from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_wsync._control import keys
-from lightning_wsync._control.host import host_id, local_address
-from lightning_wsync._control.manifest import Manifest, build_manifest, select_tensors
-from lightning_wsync._control.shards import ShardPlan, plan_shards, share_sources
-from lightning_wsync._control.signing import resolve_secret
-from lightning_wsync._control.store import Control, connect_store, resolve_job
-from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.open import relays_streams
-from lightning_wsync._planes.relay.streams import StreamHead
-from lightning_wsync._planes.shm import cuda_ipc
-from lightning_wsync._planes.shm.ring import SnapshotRing
-from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
+from lightning_wsync._control.host import host_id
+from lightning_wsync._control.manifest import build_manifest, select_tensors
+from lightning_wsync._control.shards import Shares, plan_shards, share_sources
 from lightning_wsync.config import SenderConfig
-from lightning_wsync.errors import WeightSyncError
-
-log = logging.getLogger(__name__)
-
-_SERIALS = itertools.count(10**12)  # a share ring's name: wsync-<pid>-<serial>-<job>, never a sender epoch
-
-
-@dataclass(frozen=True)
-class Shares:
-    """One rank's part of a sharded push: the plan, the full layout, its share and its sources."""
-
-    rank: int
-    plan: ShardPlan
-    layout: Manifest  # the whole version, as receivers bind it
-    share: Manifest  # this rank's bytes
-    sources: list[torch.Tensor]  # this rank's tensors (local shards, or slices of replicated ones), one per piece
-    host: str = ""  # this rank's host id (the relay serves the hosts other than each rank's own)
 
 
 def prepare_shares(module: nn.Module, config: SenderConfig, rank: int, world: int) -> Shares:
@@ -69,74 +32,3 @@ def prepare_shares(module: nn.Module, config: SenderConfig, rank: int, world: in
     ordered = [tensors[e.name] for e in layout.entries]
     sources = share_sources(plan, rank, layout, ordered)
     return Shares(rank, plan, layout, plan.share_layout(rank, layout), sources, host_id())
-
-
-class ShareWriter:
-    """A trainer rank's (other than 0) ring of its share, in shared memory."""
-
-    def __init__(self, shares: Shares, config: SenderConfig) -> None:
-        job = resolve_job(config.job, "WeightSyncCallback")
-        remove_stale_segments()
-        self._shares = shares
-        self.segment = ShmSegment(segment_name(job, next(_SERIALS)), shares.share.total_bytes, create=True, slots=2)
-        self._timing = timing(heartbeat_timeout_s=config.heartbeat_timeout_s, timeout_s=config.timeout_s)
-        mirror = cuda_ipc.mirror_device(shares.sources, "WeightSyncCallback") if config.cuda_ipc else None
-        self._ring = SnapshotRing(shares.share, segment=self.segment, device=torch.device("cpu"), slots=2,
-                                  lease_s=self._timing.pin_lease_s, mirror=mirror)  # fmt: skip
-        self.stall_s: float | None = None  # the last write's
-        self._stream: StreamHead | None = None  # across hosts: this rank's relay of its share
-        self._closed_key: str | None = None  # rank 0's sender's, once relaying
-        log.info("trainer rank %d writes its share of each version (%.1f MiB of %.1f MiB) into %s", shares.rank,
-                 shares.share.total_bytes / 2**20, shares.layout.total_bytes / 2**20, self.segment.name)  # fmt: skip
-
-    @property
-    def name(self) -> str:
-        return self.segment.name
-
-    @property
-    def dropped(self) -> int:
-        return self._ring.dropped
-
-    def write(self, version: int, *, wait_for_slot_s: float = 0.0) -> bool:
-        """Snapshot this rank's share as ``version``; False when every slot was being read (dropped)."""
-        started = time.perf_counter()
-        written = self._ring.write(version, self._shares.sources, wait_s=wait_for_slot_s, wake=False)
-        self.stall_s = time.perf_counter() - started
-        if written is not None:
-            self._ring.wake_readers()
-            if self._stream is not None:
-                self._stream.wrote(version)
-        return written is not None
-
-    def relay(self, store: dist.Store | str | None, epoch: int, config: SenderConfig) -> None:
-        """Relay this rank's share to other hosts (its own chain, :class:`StreamHead`) for sender
-        ``epoch``, when the settings relay (``transport='auto'``, ``cross_host`` other than ``'star'``).
-
-        ``store``: the callback's, or rank 0's ``host:port`` (it may have picked the port).
-        """
-        if not relays_streams(config.transport, config.cross_host) or self._stream is not None:
-            return
-        handle = connect_store(store, serve=False, timeout_s=config.timeout_s, owner="WeightSyncCallback")
-        ctl = Control(handle.store, resolve_job(config.job, "WeightSyncCallback"),
-                      resolve_secret(config.secret, "WeightSyncCallback"))  # fmt: skip
-        self._closed_key = keys.closed(epoch)
-        self._stream = StreamHead(
-            ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank),
-            written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
-            addr=local_address(handle.address), timing=self._timing, delta=config.delta,
-        )  # fmt: skip
-        log.info("trainer rank %d relays its share of sender epoch %d to other hosts", self._shares.rank, epoch)
-
-    def close(self, flush_timeout_s: float = 0.0) -> None:
-        """Stop relaying and free the ring; with ``flush_timeout_s``, first wait (at most that long) for
-        rank 0's sender to close: it waits for the last push's delivery, which may still need this share."""
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            if flush_timeout_s > 0 and self._closed_key is not None:
-                try:
-                    stream.ctl.clone().wait_for(self._closed_key, flush_timeout_s)
-                except WeightSyncError as exc:  # the store went with rank 0: nothing left to wait for
-                    log.debug("trainer rank %d: %s", self._shares.rank, exc)
-            stream.close()
-        self._ring.close()
-        self.segment.close()

@@ -22,7 +22,8 @@ from lightning_wsync import (
     WeightSyncCallback,
     WeightSyncConfigError,
 )
-from lightning_wsync._push.shares import ShareWriter, prepare_shares
+from lightning_wsync._planes.shares import ShareWriter
+from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.rendezvous import parse_rdzv_conf
 
 S = "127.0.0.1:1"  # never contacted: validation comes first

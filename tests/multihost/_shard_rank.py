@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from lightning_wsync import SenderConfig
 from lightning_wsync._control.host import host_id
-from lightning_wsync._push.shares import ShareWriter, prepare_shares
+from lightning_wsync._planes.shares import ShareWriter
+from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.models import build_model, mutate, spec_for_size, touch
 
 

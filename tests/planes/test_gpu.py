@@ -160,7 +160,8 @@ def test_sharded_shares_written_from_gpu_tensors_reach_a_gpu_receiver_bit_exact(
     share's GPU mirror."""
     import dataclasses
 
-    from lightning_wsync._push.shares import ShareWriter, prepare_shares
+    from lightning_wsync._planes.shares import ShareWriter
+    from lightning_wsync._push.shares import prepare_shares
     from lightning_wsync.config import SenderConfig
 
     src, dst = big_model(16).cuda(), big_model(16).cuda()

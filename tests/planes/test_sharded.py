@@ -15,7 +15,8 @@ from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import RecordShape, ShardsRecord
 from lightning_wsync._control.shards import plan_shards
-from lightning_wsync._push.shares import ShareWriter, prepare_shares
+from lightning_wsync._planes.shares import ShareWriter
+from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.models import digest, mutate
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,8 @@ from _sharded import sharded_model, zeroed_sharded_model
 from torch import nn
 
 from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
-from lightning_wsync._push.shares import ShareWriter, prepare_shares
+from lightning_wsync._planes.shares import ShareWriter
+from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.models import digest, mutate
 
 pytestmark = pytest.mark.timeout(120)

@@ -176,7 +176,7 @@ def _kill_mid_share(version: int) -> None:
     import signal
 
     from lightning_wsync._control.manifest import copy_tensors
-    from lightning_wsync._push import shares
+    from lightning_wsync._planes import shares
 
     original = shares.ShareWriter.write
 

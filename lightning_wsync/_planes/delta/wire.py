@@ -20,12 +20,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum
+from lightning_wsync._planes.base import DeltaStats as DeltaStats  # the plane interface's; kept importable here
 from lightning_wsync._planes.delta.codec import (
     BucketDelta,
     DeltaDecoder,
@@ -78,17 +78,6 @@ class DeltaStream(Protocol):
     def header(self) -> DeltaHeader: ...
 
     def record(self, index: int) -> BucketDelta: ...
-
-
-@dataclass
-class DeltaStats:
-    """What one version's delta cost: the push report's per-link metrics."""
-
-    changed_share: float = 0.0
-    wire_bytes: int = 0
-    full_bytes: int = 0
-    encode_s: float = 0.0
-    decode_s: float = 0.0
 
 
 def send_delta(

@@ -128,3 +128,8 @@ class StreamHead:
             self.ctl.delete(self._written_key)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay stream %d: %s", self._stream, error_text(exc))
+
+
+def relays_streams(transport: str, cross_host: str) -> bool:
+    """A sharded sender with these settings relays each rank's share to other hosts (a chain per rank)."""
+    return transport == "auto" and cross_host != "star"

@@ -56,6 +56,9 @@ class Lease:
     def release(self) -> None:
         self.ring._release(self)
 
+    def checksums(self) -> list[int] | None:
+        return self.ring.checksums(self)
+
 
 @dataclass
 class Draft:
@@ -231,6 +234,11 @@ class SnapshotRing:
                 if seq and seq % 2 == 0 and self._version(slot) == version:
                     return SlotRef(slot, seq, version)
         return None
+
+    def hold(self, version: int) -> Lease | None:
+        """Lease the slot holding ``version`` complete, if the ring still has it (``base.Snapshots``)."""
+        ref = self.find(version)
+        return None if ref is None else self.acquire(ref)
 
     def acquire(self, ref: SlotRef) -> Lease | None:
         """Lease ``ref``'s slot if it still holds that version."""
