@@ -197,7 +197,7 @@ class WeightSyncCallback(Callback):
         self._target = _submodule(pl_module, self.config.module)
         self._pushes, self._held, self._failing = 0, {}, set()
         self._shares = self._start_shares(trainer) if self.config.sharded and trainer.world_size > 1 else None
-        full = self._gather(trainer) if self._sharded and self._shares is None else None
+        full = self._gather(trainer) if self._gathers else None
         latest: int | None = None
         error: str | None = None
         epoch, store = 0, None  # a sharded push's other ranks relay their shares under rank 0's epoch and store
@@ -298,12 +298,8 @@ class WeightSyncCallback(Callback):
     ) -> None:
         """Push ``global_step`` if it is above every version seen; the same decision on every rank."""
         step = trainer.global_step
-        # Resuming at the step the checkpoint last pushed, on a store that does not hold it
-        # (a relaunched trainer with a fresh store): those are that version's weights;
-        # publish them again so late receivers get them at once.
-        published = -1 if self._published is None else self._published
-        republish = self._pushes == 0 and step == self._restored and published < step
-        if self._floor is not None and step <= self._floor and not republish:
+        if not _should_push(step=step, floor=self._floor, restored=self._restored, published=self._published,
+                             pushes=self._pushes):  # fmt: skip
             if step != self._last_pushed and step != self._skipped:
                 self._skipped = step
                 log.info("WeightSyncCallback: step %d not pushed: version %d is already published or recorded "
@@ -311,8 +307,7 @@ class WeightSyncCallback(Callback):
             return
         started = time.perf_counter()
         wait_s = self.config.timeout_s if final else 0.0
-        gather = self._sharded and self._shares is None
-        full = gathered if gathered is not None or not gather else self._gather(trainer)
+        full = gathered if gathered is not None or not self._gathers else self._gather(trainer)
         self._floor = self._last_pushed = step
         if self._writer is not None:
             self._writer.write(step, wait_for_slot_s=wait_s)
@@ -349,6 +344,11 @@ class WeightSyncCallback(Callback):
             metrics["wsync/lag_wait_s"] = time.perf_counter() - waited
         log.debug("pushed version %d: %s", step, metrics)
         _log_metrics(trainer, metrics)
+
+    @property
+    def _gathers(self) -> bool:
+        """Each push gathers the full weights first (a collective): sharded training, pushed unsharded."""
+        return self._sharded and self._shares is None
 
     def _gather(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
         """The target's full weights on global rank 0 (empty elsewhere). A collective."""
@@ -477,6 +477,20 @@ def _is_sharded(strategy: Strategy) -> bool:
 def _tensor(name: str, value: object) -> torch.Tensor:
     assert isinstance(value, torch.Tensor), f"state-dict entry {name!r} is a {type(value).__name__}, not a tensor"
     return value
+
+
+def _should_push(*, step: int, floor: int | None, restored: int | None, published: int | None, pushes: int) -> bool:
+    """Whether the callback pushes ``step``: a pure function (logging, gathering and pushing stay in
+    ``_maybe_push``), so the decision can be read and tested apart.
+
+    A step is pushed when it is above every version seen (``floor``: the newest on the store
+    at start, the resumed checkpoint's, or the last pushed). One more case: resuming at the step
+    the checkpoint last pushed (``restored``), before any push of this run, on a store that does
+    not hold it (``published`` below it: a relaunched trainer with a fresh store): those are that
+    version's weights, published again so late receivers get them at once.
+    """
+    republish = pushes == 0 and step == restored and (-1 if published is None else published) < step
+    return floor is None or step > floor or republish
 
 
 def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

@@ -32,6 +32,10 @@ from lightning_wsync.errors import (
 
 _T = TypeVar("_T")
 
+# What the store boundary raises: the store itself (lost, timed out), and a record that does not
+# decode or verify (Control.get_record, decode). A caller that outlives the store catches these, no wider.
+STORE_ERRORS = (WeightSyncStoreError, WeightSyncRecordError, WeightSyncAuthError)
+
 
 @dataclass(frozen=True)
 class StoreHandle:

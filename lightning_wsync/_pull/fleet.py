@@ -25,7 +25,12 @@ from lightning_wsync._control.fleet_records import NOT_FOLLOWING, FleetAck, Flee
 from lightning_wsync._control.records import R, SumsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._pull.watcher import Watcher
-from lightning_wsync.errors import WeightSyncAuthError, WeightSyncIntegrityError, WeightSyncRecordError
+from lightning_wsync.errors import (
+    WeightSyncAuthError,
+    WeightSyncIntegrityError,
+    WeightSyncRecordError,
+    WeightSyncStoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +96,7 @@ class FleetMember:
             self._kick.clear()
             try:
                 self._step()
-            except RuntimeError as exc:  # the store (WeightSyncStoreError): the watcher reports it
+            except WeightSyncStoreError as exc:  # the watcher reports it
                 log.debug("fleet member %r: %s", self._watcher.name, str(exc).strip()[:200])
                 self._stop.wait(0.1)
             except Exception:  # noqa: BLE001 - the thread must outlive one bad step

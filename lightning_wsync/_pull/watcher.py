@@ -165,7 +165,7 @@ class Watcher:
             self._state.write(self._ctl, force=self._desk.leave())
             self._ctl.set_json(keys.member_gone(self.rid), True)
             self._ctl.bump(keys.MEMBERS_GONE)  # the sender reads the gone keys when this moves
-        except RuntimeError:
+        except WeightSyncStoreError:
             pass  # store already gone: the sender sees the heartbeat stop instead
         with self._apply_lock:
             if self.source is not None:

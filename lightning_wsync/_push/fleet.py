@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.fleet_records import FleetAck, FleetRound, FleetSwitch, FleetSwitches
-from lightning_wsync._control.store import Control
+from lightning_wsync._control.store import STORE_ERRORS, Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import SlotHold, Snapshots
 from lightning_wsync._push.membership import Member, Membership
@@ -273,7 +273,7 @@ def _run(ref: weakref.ReferenceType[FleetCoordinator], stop: threading.Event) ->
             return
         try:
             busy = coordinator.step()
-        except RuntimeError as exc:  # the store (WeightSyncStoreError), a bad record
+        except STORE_ERRORS as exc:  # the store, a bad record
             log.warning("fleet coordinator step failed (will retry): %s", str(exc).strip()[:300])
             busy = False
         except Exception:  # noqa: BLE001 - a dead coordinator would stall every fleet member

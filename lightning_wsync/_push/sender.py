@@ -46,6 +46,7 @@ from lightning_wsync._control.records import (
 from lightning_wsync._control.shards import Shares
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import (
+    STORE_ERRORS,
     Control,
     StoreHandle,
     connect_store,
@@ -285,7 +286,7 @@ class WeightSender:
         """
         try:
             record = self._ctl.get_record(keys.fleet_switch(group), FleetSwitches)
-        except RuntimeError:  # the store gone (after close), a bad or forged record
+        except STORE_ERRORS:  # the store gone (after close), a bad or forged record
             return self._fleet.switches(group)
         return [] if record is None else list(record.switches)
 
@@ -394,7 +395,7 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
         except WeightSyncRecordError as exc:  # said once; skipped until its writer replaces it
             sender._complaints.bad("background", exc)
             stop.wait(0.2)
-        except RuntimeError as exc:  # WeightSyncError (the store, a bad record) is one
+        except STORE_ERRORS as exc:  # the store, a forged record
             log.warning("sender background step failed (will retry): %s", str(exc).strip()[:300])
             stop.wait(0.2)
         except Exception:  # noqa: BLE001 - a dead publishing thread would fail every push silently

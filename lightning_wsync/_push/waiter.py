@@ -6,6 +6,7 @@ import logging
 import threading
 
 from lightning_wsync._push.report import PushHandle, PushReport
+from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ReportWaiter:
                 self._queue.clear()
             try:
                 report: PushReport | None = handle.wait()
-            except RuntimeError as exc:  # e.g. the store went away (WeightSyncError is one too)
+            except WeightSyncError as exc:  # the store went away, the sender closed, a timeout
                 log.warning("WeightSyncCallback: no report for version %d: %s", handle.version, exc)
                 report = None
             except Exception:  # noqa: BLE001 - a dead thread would stall every later wait_confirmed
