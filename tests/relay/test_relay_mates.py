@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
-from lightning_wsync._control.records import MemberState
+from lightning_wsync._control.records import MemberRecord, MemberState
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.mates import MATES, MateDesk, MateRelay, Note
@@ -39,6 +39,8 @@ def _wait(what: str, condition: Callable[[], Any], timeout_s: float = 20) -> Any
 def leader(tmp_path: Path, port: int) -> Iterator[tuple[Control, Board, MateRelay]]:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     ctl = Control(store, "mates", secret=b"s3cret")
+    for rid in range(8):  # the leader passes on notes of its own host's members only
+        ctl.put(keys.member(rid), MemberRecord(f"r{rid}", "host", os.getpid(), pid_namespace()))
     board = Board(str(tmp_path), PERIOD_S / 2, rid=0)
     relay = MateRelay(ctl, board, period_s=PERIOD_S, rid=0)
     yield ctl, board, relay

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 
+from lightning_wsync._control.untrusted import load_json, read_file
 from lightning_wsync._planes.base import HostNews as HostNews  # the plane interface's; kept importable here
 from lightning_wsync._planes.base import Posted as Posted
 
@@ -86,10 +87,12 @@ class Board:
 def read_board(directory: str) -> Posted | None:
     """The board in ``directory`` (a leader's segment's pin directory), or None when there is none."""
     path = os.path.join(directory, FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            age_s = time.time() - os.fstat(f.fileno()).st_mtime
-            value = json.load(f)
+    try:  # read as hostile input (a FIFO, a symlink to /dev/zero: see read_file), then checked
+        data, mtime = read_file(path)
+        age_s = time.time() - mtime
+        value = load_json(data, path)
+        if not isinstance(value, dict):
+            return None
         news = HostNews(_text(value.get("news")), _text(value.get("latest")), _text(value.get("sender")),
                         value.get("closed") is not False)  # fmt: skip
         return Posted(news, max(0.0, age_s), directory, _mates(value.get("mates")))
@@ -100,8 +103,8 @@ def read_board(directory: str) -> Posted | None:
 def _mates(value: object) -> dict[int, int] | None:
     if not isinstance(value, dict):
         return None
-    return {int(rid): seq for rid, seq in value.items() if isinstance(rid, str) and rid.isdigit()
-            and isinstance(seq, int)}  # fmt: skip
+    return {int(rid): seq for rid, seq in value.items() if isinstance(rid, str) and rid.isascii()
+            and rid.isdigit() and len(rid) <= 18 and isinstance(seq, int)}  # fmt: skip
 
 
 def _text(value: object) -> str | None:

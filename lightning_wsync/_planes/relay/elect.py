@@ -16,10 +16,12 @@ import os
 import time
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
+from lightning_wsync._control.untrusted import Untrusted, counter
 from lightning_wsync._planes.relay.hops import ring
 from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
@@ -44,7 +46,10 @@ class Election:
         self._pidns = pid_namespace()
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
         self._check_s = timing.leader_check_s
-        self._seen: tuple[int, int, float] | None = None  # the leader's (rid, heartbeat, seen at)
+        # The leader's (rid, heartbeat as written, seen at): compared as text, so that a garbled
+        # counter that never moves is a silent leader, and one the leader writes over is a beat.
+        self._seen: tuple[int, str, float] | None = None
+        self._complaints = Complaints(log, f"relay: host {host}'s election")
         self._next_check = 0.0  # when the leader's gone key and heartbeat are read next
         self._refused: str | None = None  # the last unreadable record, reported once
 
@@ -124,7 +129,12 @@ class Election:
         text = peek(ctl, keys.member_heartbeat(record.rid))  # never add(): a deleted key stays deleted
         if text is None:
             return f"leader rid={record.rid} is gone (its keys were deleted)"
-        hb = int(text)
+        try:
+            counter(text, keys.member_heartbeat(record.rid))
+            self._complaints.good(keys.member_heartbeat(record.rid))
+        except Untrusted as exc:  # reported once; judged as a counter that does not move
+            self._complaints.bad(keys.member_heartbeat(record.rid), exc)
+        hb = text
         if seen is None or seen[0] != record.rid or seen[1] != hb:
             self._seen = (record.rid, hb, now)
             return None

@@ -29,15 +29,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from typing import NamedTuple
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.host import pid_alive, pid_namespace
+from lightning_wsync._control.records import MemberRecord
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.untrusted import Untrusted, counter, load_json, read_file, unexpected
 from lightning_wsync._planes.relay.board import Board, Posted
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +64,14 @@ class Note(NamedTuple):
 
 
 def read_note(path: str) -> Note | None:
+    """The note at ``path``, or None for anything else (read as hostile input: see
+    :func:`~lightning_wsync._control.untrusted.read_file`)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        value = load_json(read_file(path)[0], path)
+        if not isinstance(value, dict):
+            return None
         note = Note(**value)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError):  # Untrusted is a ValueError
         return None
     ints = (note.rid, note.seq, note.beat, note.pid, note.pidns)
     good = all(isinstance(v, int) for v in ints) and (note.state is None or isinstance(note.state, str))
@@ -88,7 +95,12 @@ class MateRelay:
         self._fresh_s = period_s  # host-mates write a note every half beat period
         self._ctl = control.clone()
         self._seen: dict[int, tuple[int, int]] = {}  # rid -> (inode, mtime) of the note last read
-        self._pending: dict[int, Note] = {}
+        self._pending: dict[int, tuple[Note, float]] = {}  # rid -> the note to pass on, and when written
+        self._rid = rid
+        self._host: str | None = None  # this leader's host, as its own member record says
+        self._members: dict[int, tuple[int, int] | None] = {}  # rid -> (pid, pidns) of a member of this host
+        self._asked: dict[int, float] = {}  # rid -> when its member record may be read again
+        self._complaints = Complaints(log, f"relay: leader rid={rid}'s host-mates' notes")
         self._sent: dict[int, Note] = {}  # rid -> the note last passed on
         self._due = 0.0
         self._acks_since: float | None = None  # when the oldest acknowledgement not yet passed on came
@@ -105,10 +117,13 @@ class MateRelay:
             except (OSError, WeightSyncError) as exc:  # the store's boundary, or the host's
                 log.debug("relay: host-mates' notes not passed on: %s", exc)
                 self._stop.wait(self._period_s / 4)
+            except Exception as exc:  # noqa: BLE001 - host-mates would fall back to the store, unsaid
+                unexpected(log, self._thread.name, exc)
+                self._stop.wait(self._period_s / 4)
 
     def _step(self, now: float) -> None:
         self._collect()
-        acks = {rid for rid, note in self._pending.items() if self._new_state(rid, note)}
+        acks = {rid for rid, (note, _) in self._pending.items() if self._new_state(rid, note)}
         if acks and self._acks_since is None:
             self._acks_since = now
         # A push report may be waiting for an acknowledgement: it goes at once when every writer
@@ -122,12 +137,22 @@ class MateRelay:
     def _collect(self) -> None:
         present: set[int] = set()
         for name in os.listdir(self.directory):
-            if not name.isdigit():
+            if name.startswith("."):
                 continue  # a note being written (".<rid>.<pid>")
-            rid, path = int(name), os.path.join(self.directory, name)
             try:
-                info = os.stat(path)
+                rid = counter(name, f"{self.directory}/{name!r}")
+                if rid < 0 or str(rid) != name:
+                    raise Untrusted(f"{self.directory}/{name!r} is not a note's name")
+            except Untrusted as exc:  # another process of this user wrote it: said once, skipped
+                self._complaints.bad(name, exc)
+                continue
+            path = os.path.join(self.directory, name)
+            try:
+                info = os.lstat(path)
             except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                self._complaints.bad(name, Untrusted(f"{path} is not a regular file"))
                 continue
             present.add(rid)
             if self._seen.get(rid) == (info.st_ino, info.st_mtime_ns):
@@ -141,26 +166,60 @@ class MateRelay:
                 continue
             if note.pidns == _PIDNS and not pid_alive(note.pid):
                 continue
-            self._pending[rid] = note
+            if not self._member_here(note):
+                continue  # written for a receiver of another host, or by another process than the member's
+            self._pending[rid] = (note, info.st_mtime)
         for rid in set(self._seen) - present:  # removed: its host-mate beats elsewhere now
             self._seen.pop(rid)
             self._sent.pop(rid, None)
             self._pending.pop(rid, None)
+            self._members.pop(rid, None)
+            self._asked.pop(rid, None)
+
+    def _member_here(self, note: Note) -> bool:
+        """Whether ``note`` comes from a member of this host: its signed ``member/<rid>`` record
+        names this leader's host and the note's writer (read once per rid, again at most once a
+        beat period while a note disagrees)."""
+        known = self._members.get(note.rid)
+        now = time.monotonic()
+        if known != (note.pid, note.pidns) and now >= self._asked.get(note.rid, 0.0):
+            self._asked[note.rid] = now + self._period_s
+            known = self._members[note.rid] = self._member(note.rid)
+        return known == (note.pid, note.pidns)
+
+    def _member(self, rid: int) -> tuple[int, int] | None:
+        key = keys.member(rid)
+        try:
+            if self._host is None:
+                mine = self._ctl.get_record(keys.member(self._rid), MemberRecord)
+                self._host = None if mine is None else mine.host
+            record = self._ctl.get_record(key, MemberRecord)
+        except (WeightSyncRecordError, WeightSyncAuthError) as exc:
+            self._complaints.bad(key, exc)
+            return None
+        if record is None or self._host is None or record.host != self._host:
+            return None
+        return record.pid, record.pidns
 
     def _new_state(self, rid: int, note: Note) -> bool:
         sent = self._sent.get(rid)
         return note.state is not None and (sent is None or note.state != sent.state)
 
     def _flush(self) -> None:
+        # A note waits here at most a beat period after it was collected fresh; one older than that
+        # (this leader was stopped, or slow) may be from a host-mate the sender has retired since
+        # (heartbeat_timeout_s is four beat periods): its keys must not come back.
+        oldest = time.time() - self._fresh_s - self._period_s
+        self._pending = {rid: (note, at) for rid, (note, at) in self._pending.items() if at >= oldest}
         values: dict[str, str] = {}
-        for rid, note in self._pending.items():
+        for rid, (note, _) in self._pending.items():
             sent = self._sent.get(rid)
             if sent is None or note.beat != sent.beat:
                 values[keys.member_heartbeat(rid)] = str(note.beat)
             if note.state is not None and self._new_state(rid, note):
                 values[keys.member_state(rid)] = note.state
         self._ctl.multi_set(values)
-        self._sent.update(self._pending)
+        self._sent.update({rid: note for rid, (note, _) in self._pending.items()})
         self._pending.clear()
         self._board.passed_on({rid: note.seq for rid, note in self._sent.items()})
 

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -144,7 +145,10 @@ class DeltaHalf:
 
     def __init__(
         self, layout: Manifest, mine: Sequence[int], *, held: Held | None, base: torch.Tensor, target: torch.Tensor,
+        fence: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:  # fmt: skip
+        """``fence``: held while a chunk is rebuilt into ``target`` (raises once the target was handed on)."""
+        self._fence = fence
         self._layout = layout  # chunk_layout of the version's layout
         self._mine = mine
         self._held = held
@@ -223,7 +227,8 @@ class DeltaHalf:
         if decoder is not None:
             start = time.perf_counter()
             try:
-                decoded = decoder.decode_bucket(record, self._base, self._target)
+                with self._fence():
+                    decoded = decoder.decode_bucket(record, self._base, self._target)
                 if decoded.bucket != i:
                     raise DeltaError(f"the delta record of chunk {i} names chunk {decoded.bucket}")
                 self.stats.changed_words += decoded.changed

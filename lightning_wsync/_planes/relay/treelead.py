@@ -30,7 +30,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import xxhash
@@ -77,6 +78,19 @@ class TreeHop(HopReceiver):
         self._words = max(1, layout.total_bytes // word_bytes_for(layout))
         self._headers: list[torch.Tensor] = []
         self._header_works: list[Work] = []
+        # Which receive_both a half's thread belongs to: one left behind by a version that was
+        # superseded must not post into, or rebuild into, a slot handed to a later version.
+        self._generation = 0
+        self._fence = threading.Lock()
+
+    @contextmanager
+    def _fenced(self, generation: int) -> Iterator[None]:
+        """Held while a half's thread writes into the target (posts a receive, rebuilds a chunk);
+        Superseded when a later version has taken the target since."""
+        with self._fence:
+            if generation != self._generation:
+                raise Superseded(f"a later version (receive {self._generation}) has this half's slot")
+            yield
 
     def expect_both(self, pgs: Sequence[PeerGroup]) -> None:
         """Post both halves' header receives (watched, never waited on: see :meth:`HopReceiver.expect`)."""
@@ -102,6 +116,9 @@ class TreeHop(HopReceiver):
                 moved on and will never send it).
         """
         held = self.held  # the base of a delta half
+        with self._fence:  # from here on, a half's thread of an earlier version writes nothing
+            self._generation += 1
+            generation = self._generation
         self.draft = None if self._ring is None else self._ring.draft()
         self._target = self.staging if self.draft is None else self.draft.buffer
         if self._target.data_ptr() == self._base.data_ptr():
@@ -114,7 +131,8 @@ class TreeHop(HopReceiver):
 
         def stream(t: int) -> None:
             try:
-                heads[t], trailers[t], stats[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current, held)
+                heads[t], trailers[t], stats[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current, held,
+                                                                     generation)  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - re-raised by the receiving thread
                 errors.append(exc)
                 for event in landed:
@@ -166,7 +184,7 @@ class TreeHop(HopReceiver):
 
     def _receive_half(
         self, t: int, pg: Interruptible, downs: list[Downstream], landed: list[threading.Event],
-        still_current: Callable[[], bool], held: Held | None,
+        still_current: Callable[[], bool], held: Held | None, generation: int,
     ) -> tuple[Header, list[int], HalfStats]:  # fmt: skip
         """Tree ``t``'s half of the version: its header, then its pieces in full or as a delta
         (each forwarded to ``downs`` as it lands); the trailer, and how the half came."""
@@ -175,13 +193,15 @@ class TreeHop(HopReceiver):
         mine = self.halves[t]
         head.check(self.layout.total_bytes, len(mine), len(mine))
         if head.kind == DELTA:
-            delta = DeltaHalf(self._cuts, mine, held=held, base=self._base, target=self._target)
+            delta = DeltaHalf(self._cuts, mine, held=held, base=self._base, target=self._target,
+                              fence=lambda: self._fenced(generation))  # fmt: skip
             modes = delta.receive(pg, head.version, head.seq, downs, landed)
             stats = delta.stats
         else:
-            window = deque(self._post_piece(pg, i) for i in mine[:_WINDOW])
+            with self._fenced(generation):
+                window = deque(self._post_piece(pg, i) for i in mine[:_WINDOW])
             modes = [d.begin(head.version, head.seq, None, None) for d in downs]
-            self._stream(pg, t, window, list(zip(downs, modes)), landed)
+            self._stream(pg, t, window, list(zip(downs, modes)), landed, generation)
             stats = HalfStats(wire_bytes=sum(self._pieces[i][1] - self._pieces[i][0] for i in mine))
         return head, self._trailer_half(pg, list(zip(downs, modes)), rebuilt=stats.error is None), stats
 
@@ -202,14 +222,15 @@ class TreeHop(HopReceiver):
 
     def _stream(
         self, pg: PeerGroup, t: int, window: deque[Work], downs: list[tuple[Downstream, int | None]],
-        landed: list[threading.Event],
+        landed: list[threading.Event], generation: int,
     ) -> None:  # fmt: skip
         """One tree's half in full: each chunk forwarded to this tree's children as it lands."""
         mine = self.halves[t]
         for k, i in enumerate(mine):
             window.popleft().wait()
-            if k + len(window) + 1 < len(mine):
-                window.append(self._post_piece(pg, mine[k + len(window) + 1]))
+            with self._fenced(generation):
+                if k + len(window) + 1 < len(mine):
+                    window.append(self._post_piece(pg, mine[k + len(window) + 1]))
             a, b, _ = self._pieces[i]
             for down, mode in downs:
                 if mode is not None:

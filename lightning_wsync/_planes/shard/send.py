@@ -11,9 +11,11 @@ import time
 from collections.abc import Sequence
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.untrusted import Untrusted, counter
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
@@ -44,6 +46,7 @@ class ShardSendPlane:
         self._away = {rank: keys.shard_written(epoch, rank) for rank in away}
         self._away_wrote: dict[int, int] = {}  # rank -> the newest version it noted
         self._away_read_at = 0.0
+        self._complaints = Complaints(log, "the sharded plane's rank 0")
         self._others: list[ShmReader] = []
         try:
             for rank in self._ranks:
@@ -66,8 +69,13 @@ class ShardSendPlane:
             self._away_read_at = time.monotonic() + _AWAY_POLL_S
             for rank, key in self._away.items():
                 text = self._ctl.get_text(key)
-                if text is not None and text.isdigit():
-                    self._away_wrote[rank] = int(text)
+                if text is None:
+                    continue
+                try:
+                    self._away_wrote[rank] = counter(text, key)
+                    self._complaints.good(key)
+                except Untrusted as exc:  # unsigned: reported once, read as not written
+                    self._complaints.bad(key, exc)
         away = [rank for rank in self._away if self._away_wrote.get(rank, -1) < version]
         return sorted(here + away)
 

@@ -1,0 +1,206 @@
+"""Issue 32: what a relay host reads from the store's unsigned keys and from its leader's
+directory is hostile input. A garbled leader heartbeat, odd files among the host-mates'
+notes, a note for a receiver of another host, a note left pending across a stop, a garbled
+shard note: each is reported once and skipped, and the thread that met it keeps serving.
+On a real TCPStore in this process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.checks import Complaints
+from lightning_wsync._control.host import pid_namespace
+from lightning_wsync._control.records import LeaderRecord, MemberRecord, MemberState
+from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import timing
+from lightning_wsync._planes.relay import mates as mates_module
+from lightning_wsync._planes.relay.board import Board, read_board
+from lightning_wsync._planes.relay.elect import Election
+from lightning_wsync._planes.relay.mates import MateDesk, MateRelay, Note, read_note
+from lightning_wsync._planes.shard.send import ShardSendPlane
+
+pytestmark = pytest.mark.timeout(60)
+PERIOD_S = 0.2
+HOST = "host-a"
+
+
+@pytest.fixture
+def ctl(port: int) -> Iterator[Control]:
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield Control(store, "hostile", secret=b"s3cret")
+
+
+def _register(ctl: Control, rid: int, *, host: str = HOST, pid: int | None = None) -> None:
+    ctl.put(keys.member(rid), MemberRecord(f"r{rid}", host, os.getpid() if pid is None else pid, pid_namespace()))
+
+
+@pytest.fixture
+def leader(ctl: Control, tmp_path: Path) -> Iterator[tuple[Control, MateRelay]]:
+    for rid in (0, 3, 4, 7):
+        _register(ctl, rid)
+    board = Board(str(tmp_path), PERIOD_S / 2, rid=0)
+    relay = MateRelay(ctl, board, period_s=PERIOD_S, rid=0)
+    yield ctl, relay
+    relay.close()
+    board.close()
+
+
+def _passed(tmp_path: Path) -> dict[int, int]:
+    posted = read_board(str(tmp_path))
+    return {} if posted is None or posted.mates is None else posted.mates
+
+
+def _until_passed_on(tmp_path: Path, rid: int, seq: int, timeout_s: float = 20) -> None:
+    """Until the leader's board says it passed on note ``seq`` of ``rid``."""
+    deadline = time.monotonic() + timeout_s
+    while _passed(tmp_path).get(rid) != seq:
+        assert time.monotonic() < deadline, f"note {seq} of rid {rid} not passed on within {timeout_s} s"
+        time.sleep(0.01)
+
+
+# -- finding 1: a garbled leader heartbeat --------------------------------------------------
+
+
+def _lead(ctl: Control, election: Election, rid: int) -> None:
+    """A leader record for ``rid`` in another PID namespace (judged by its heartbeat only)."""
+    record = LeaderRecord(rid=rid, pid=1, term=0, shm="wsync-1-1-x", pidns=0, ready=True)
+    ctl.set_text(election.key, ctl.seal(election.key, record.encode()))
+
+
+def test_a_garbled_leader_heartbeat_is_reported_once_and_a_silent_leader_is_still_replaced(ctl, caplog) -> None:
+    timeout_s = 0.5
+    election = Election(epoch=1, host=HOST, rid=2, shm="wsync-2-1-x",
+                        timing=timing(heartbeat_timeout_s=timeout_s, timeout_s=30.0))
+    _lead(ctl, election, 1)
+    ctl.set_text(keys.member_heartbeat(1), "²")  # str.isdigit() says yes, int() says no
+    caplog.set_level(logging.WARNING)
+    start = time.monotonic()
+    while (record := election.elect(ctl)) is not None and record.rid == 1:
+        assert time.monotonic() - start < timeout_s + 2.0, "the silent leader was not replaced"
+        time.sleep(0.02)
+    assert record is not None and record.rid == 2  # taken over within heartbeat_timeout_s (+ a poll)
+    assert time.monotonic() - start >= timeout_s  # by its silence, not at the first garbled read
+    said = [r for r in caplog.records if "member/1/hb" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_leader_whose_garbled_heartbeat_moves_again_is_kept(ctl) -> None:
+    timeout_s = 0.4
+    election = Election(epoch=1, host=HOST, rid=2, shm="wsync-2-1-x",
+                        timing=timing(heartbeat_timeout_s=timeout_s, timeout_s=30.0))
+    _lead(ctl, election, 1)
+    ctl.set_text(keys.member_heartbeat(1), "not a number")
+    end, beat = time.monotonic() + 3 * timeout_s, 0
+    while time.monotonic() < end:
+        record = election.elect(ctl)
+        assert record is not None and record.rid == 1, "a beating leader was replaced"
+        beat += 1
+        ctl.set_text(keys.member_heartbeat(1), str(beat))  # the live leader puts its counter back
+        time.sleep(0.02)
+
+
+# -- finding 2: odd files among the host-mates' notes -----------------------------------------
+
+
+def test_odd_files_among_the_notes_never_stop_the_thread_that_passes_beats_on(leader, tmp_path) -> None:
+    ctl, relay = leader
+    good = json.dumps(Note(3, 1, 30, None, os.getpid(), pid_namespace())._asdict())
+    odd = {
+        "²": good,  # a name str.isdigit() accepts and int() refuses
+        "1" * 40: good,  # a rid beyond any integer the store would hold
+        "11": "[" * 200_000,  # nested past the recursion limit
+        "12": "\x00\xff garbage",
+        "13": json.dumps({"rid": 13, "seq": "x"}),
+        "14": json.dumps([1, 2, 3]),
+    }
+    for name, text in odd.items():
+        with open(os.path.join(relay.directory, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    os.mkfifo(os.path.join(relay.directory, "15"))  # open() would block forever
+    os.symlink("/dev/zero", os.path.join(relay.directory, "16"))  # read() would never end
+    os.mkdir(os.path.join(relay.directory, "17"))
+    desk = MateDesk()
+    for beat in range(1, 4):  # notes keep being passed on, with the odd files still there
+        assert desk.write(str(tmp_path), 7, 70 + beat, None, time.monotonic())
+        _until_passed_on(tmp_path, 7, beat)
+        assert ctl.get_text(keys.member_heartbeat(7)) == str(70 + beat)
+    assert relay._thread.is_alive()
+    assert all(ctl.get_text(keys.member_heartbeat(rid)) is None for rid in (11, 12, 13, 14, 15, 16, 17))
+
+
+def test_a_note_is_read_as_hostile_input(tmp_path) -> None:
+    fifo, zero, deep = (str(tmp_path / name) for name in ("fifo", "zero", "deep"))
+    os.mkfifo(fifo)
+    os.symlink("/dev/zero", zero)
+    with open(deep, "w") as f:
+        f.write("{" * 100_000)
+    done: list[object] = []
+    reader = threading.Thread(target=lambda: done.extend(read_note(p) for p in (fifo, zero, deep)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert done == [None, None, None]
+    board_dir = tmp_path / "board_dir"
+    board_dir.mkdir()
+    os.symlink("/dev/zero", board_dir / "board")
+    assert read_board(str(board_dir)) is None
+    os.unlink(board_dir / "board")
+    os.mkfifo(board_dir / "board")
+    assert read_board(str(board_dir)) is None
+
+
+# -- finding 3: whose note, and how old -----------------------------------------------------
+
+
+def test_a_note_is_passed_on_only_for_a_member_of_this_host_with_its_own_pid(leader, tmp_path) -> None:
+    ctl, relay = leader
+    _register(ctl, 8, host="host-b")  # a receiver of another host
+    _register(ctl, 9, pid=os.getppid())  # a member of this host, but the note names another process
+    for rid in (8, 9, 10):  # 10: no member record at all
+        assert MateDesk().write(str(tmp_path), rid, 100 + rid, None, time.monotonic())
+    assert MateDesk().write(str(tmp_path), 7, 70, None, time.monotonic())
+    _until_passed_on(tmp_path, 7, 1)
+    time.sleep(3 * PERIOD_S)  # the others had as long and more: nothing of them is passed on
+    assert [ctl.get_text(keys.member_heartbeat(rid)) for rid in (8, 9, 10)] == [None, None, None]
+    assert set(_passed(tmp_path)) == {7}
+
+
+def test_a_pending_note_older_than_its_freshness_is_dropped_at_flush(leader, tmp_path, monkeypatch) -> None:
+    ctl, relay = leader
+    relay.close()  # this test steps the leader itself: collected, then stopped, then resumed
+    state = ctl.seal(keys.member_state(3), MemberState(5).encode())
+    assert MateDesk().write(str(tmp_path), 3, 33, state, time.monotonic())
+    relay._collect()
+    # Stopped (SIGSTOP) for as long as the sender takes to retire the host-mate, then resumed:
+    later = time.time() + 20 * PERIOD_S
+    monkeypatch.setattr(mates_module.time, "time", lambda: later)
+    relay._flush()
+    assert ctl.get_text(keys.member_heartbeat(3)) is None and ctl.get_text(keys.member_state(3)) is None
+
+
+def test_a_garbled_shard_note_is_reported_once_and_read_as_missing(ctl, caplog) -> None:
+    plane = ShardSendPlane.__new__(ShardSendPlane)  # rank 0's view of one rank on another host
+    plane._ctl, plane._ring, plane._timeout_s = ctl, None, 1.0
+    plane._ranks, plane._others, plane._everyone_here = [], [], False
+    plane._away = {1: keys.shard_written(1, 1)}
+    plane._away_wrote, plane._away_read_at = {}, 0.0
+    plane._complaints = Complaints(logging.getLogger("test"), "rank 0")
+    caplog.set_level(logging.WARNING)
+    ctl.set_text(keys.shard_written(1, 1), "²")
+    for _ in range(3):
+        plane._away_read_at = 0.0
+        assert plane._missing_ranks(1) == [1]
+    assert len([r for r in caplog.records if "wrote/1" in r.getMessage()]) == 1
+    ctl.set_text(keys.shard_written(1, 1), "4")
+    plane._away_read_at = 0.0
+    assert plane._missing_ranks(3) == []
