@@ -26,7 +26,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.relay.elect import Election
-from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring_bell
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Bell:
         if time.monotonic() >= self._due:
             self._due = time.monotonic() + self._backstop_s  # one backstop ring, whoever asks first
             try:
-                ring(self._control, self._epoch, self._rid)
+                ring_bell(self._control, self._epoch, self._rid)
             except WeightSyncError as exc:
                 log.debug("relay: bell of rid=%d not rung: %s", self._rid, exc)
         chain = self.chain
@@ -110,7 +110,7 @@ class Bell:
         """Stop the thread (its wait is ended by a ring; the key is deleted on the way out)."""
         self._stop.set()
         try:
-            ring(self._control, self._epoch, self._rid)
+            ring_bell(self._control, self._epoch, self._rid)
         except WeightSyncError:
             pass  # the store is gone: the wait fails by itself
         self._thread.join(timeout=5)

@@ -22,7 +22,7 @@ from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._control.untrusted import Untrusted, counter
-from lightning_wsync._planes.relay.hops import ring
+from lightning_wsync._planes.relay.hops import ring_bell
 from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
 
@@ -89,7 +89,7 @@ class Election:
         if now == sealed:
             log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, mine.term, reason)
             if record is not None:  # the one replaced stops serving at once if it still can
-                ring(ctl, self._epoch, record.rid)
+                ring_bell(ctl, self._epoch, record.rid)
             ctl.bump(keys.relay_moved(self._epoch))  # the sender reads the leader records again
             return mine
         return self.read(ctl)[1] if now else None

@@ -86,7 +86,7 @@ from lightning_wsync._planes.relay.hops import (
     join_hop,
     mark_broken,
     next_lease,
-    ring,
+    ring_bell,
     send_apart,
     wait_ready,
 )
@@ -169,7 +169,7 @@ class RelayHead:
         old, self.chain = self.chain, Chain(self.chain.number + 1, rids, tree)
         ctl.put(keys.relay_chain(self._epoch), ChainRecord(self.chain.number, tuple(rids), tree))
         for rid in sorted({*old.rids, *rids, *leaders}):  # after the record: the woken read the new one
-            ring(ctl, self._epoch, rid)
+            ring_bell(ctl, self._epoch, rid)
         log.info("relay %s %d: %s", "trees" if tree else "chain", self.chain.number, list(rids))
         self._changed.set()
         # A send into the old chain's first leader ends: a group nobody serves blocks it for timeout_s.
@@ -296,7 +296,7 @@ class RelayHead:
         self._thread.join(timeout=timeout_s)
         try:
             for rid in sorted({*self.chain.rids, *self.leaders}):
-                ring(self._control, self._epoch, rid)
+                ring_bell(self._control, self._epoch, rid)
             self._sweeper.close(self._control, self.chain.number, self.chain.rids, self.chain.tree)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)

@@ -72,7 +72,7 @@ def mark_broken(ctl: Control, epoch: int, rid: int) -> None:
     ctl.bump(keys.relay_moved(epoch))  # the sender reads the broken keys when this moves
 
 
-def ring(ctl: Control, epoch: int, rid: int) -> None:
+def ring_bell(ctl: Control, epoch: int, rid: int) -> None:
     """Ring leader ``rid``'s bell: it reads the chain and its leader record again (:mod:`.bell`)."""
     ctl.set_text(keys.relay_bell(epoch, rid), "1")
 

@@ -18,7 +18,7 @@ from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead, leader_record
-from lightning_wsync._planes.relay.hops import read_chain, ring
+from lightning_wsync._planes.relay.hops import read_chain, ring_bell
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
@@ -106,7 +106,7 @@ def wake_chain(ctl: Control, epoch: int) -> None:
         log.debug("relay: chain of epoch %d: %s", epoch, exc)
         return
     for rid in () if chain is None else chain.rids:
-        ring(ctl, epoch, rid)
+        ring_bell(ctl, epoch, rid)
 
 
 def live_leaders(ctl: Control, epoch: int, live: Sequence[Peer], own_host: str) -> dict[int, str]:
