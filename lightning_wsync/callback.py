@@ -67,19 +67,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-    Strategy,
-)
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
 from lightning_wsync._control.shards import Shares
+from lightning_wsync._model import as_tensor, is_sharded, mirror_of, submodule
 from lightning_wsync._planes.open import ShareWriter, open_share_writer
 from lightning_wsync._push.report import PushReport
 from lightning_wsync._push.sender import WeightSender
@@ -89,9 +83,6 @@ from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
-
-_SUPPORTED = "single device, DDPStrategy (ddp, ddp_spawn, ...), FSDPStrategy, ModelParallelStrategy (FSDP2)"
-
 
 class WeightSyncCallback(Callback):
     """Pushes the weights of a LightningModule (or one submodule) to rollout workers.
@@ -174,7 +165,7 @@ class WeightSyncCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._sharded = _is_sharded(trainer.strategy)
+            self._sharded = is_sharded(trainer.strategy)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,7 +185,7 @@ class WeightSyncCallback(Callback):
         self._maybe_push(trainer, None)
 
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, push: bool) -> None:
-        self._target = _submodule(pl_module, self.config.module)
+        self._target = submodule(pl_module, self.config.module)
         self._pushes, self._held, self._failing = 0, {}, set()
         self._shares = self._start_shares(trainer) if self.config.sharded and trainer.world_size > 1 else None
         full = self._gather(trainer) if self._gathers else None
@@ -203,7 +194,7 @@ class WeightSyncCallback(Callback):
         epoch, store = 0, None  # a sharded push's other ranks relay their shares under rank 0's epoch and store
         if trainer.is_global_zero:
             try:
-                source = self._target if full is None else _mirror(self._target, full, self._mirror)
+                source = self._target if full is None else mirror_of(self._target, full, self._mirror)
                 self._sender = WeightSender(source, store=self._store, config=self.sender_config, shares=self._shares)
                 latest, epoch, store = self._sender.latest_version, self._sender.epoch, self._sender.store_address
                 self._reports = ReportWaiter(self._sender.config.timeout_s)
@@ -358,9 +349,9 @@ class WeightSyncCallback(Callback):
             assert trainer.strategy.model is not None
             full = get_model_state_dict(trainer.strategy.model, options=options)
             prefix = "" if self.config.module is None else self.config.module + "."
-            return {k[len(prefix) :]: _tensor(k, v) for k, v in full.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: as_tensor(k, v) for k, v in full.items() if k.startswith(prefix)}
         assert self._target is not None
-        return {k: _tensor(k, v) for k, v in get_model_state_dict(self._target, options=options).items()}
+        return {k: as_tensor(k, v) for k, v in get_model_state_dict(self._target, options=options).items()}
 
     def _report_metrics(self, reports: list[tuple[int, PushReport]]) -> dict[str, float]:
         """Metrics of the newest of ``reports`` (empty if none); see the module docs."""
@@ -406,77 +397,6 @@ class WeightSyncCallback(Callback):
                 _log_metrics(trainer, metrics)
         if sender is not None:
             sender.close(flush_timeout_s=0, final=final)  # already awaited above
-
-
-class _MirrorModule(nn.Module):
-    """Holds CPU copies of gathered weights under their original names, for the sender."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        for name, tensor in tensors.items():
-            *path, leaf = name.split(".")
-            owner: nn.Module = self
-            for part in path:
-                child = owner._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    owner.add_module(part, child)
-                owner = child
-            owner.register_buffer(leaf, tensor)
-
-
-def _mirror(target: nn.Module, full: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor]) -> nn.Module:
-    """Fill ``mirror`` with CPU copies of ``full``, tied where ``target``'s tensors are tied.
-
-    Receivers list a tied tensor once, under its first name; the mirror must do the same.
-    """
-    identity: dict[str, int] = {}
-    named = [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]
-    for name, tensor in named:
-        # FSDP1 (use_orig_params) inserts its wrapper into names; state-dict names omit it.
-        identity[name.replace("_fsdp_wrapped_module.", "")] = id(tensor)
-    first: dict[int, str] = {}
-    for name, tensor in full.items():
-        key = identity.get(name)
-        tied = name if key is None else first.setdefault(key, name)
-        mirror[name] = mirror[tied] if tied != name else tensor.detach().to("cpu", copy=True)
-    return _MirrorModule(mirror)
-
-
-def _submodule(pl_module: pl.LightningModule, path: str | None) -> nn.Module:
-    if path is None:
-        return pl_module
-    owner: nn.Module = pl_module
-    walked: list[str] = []
-    for part in path.split("."):
-        child = getattr(owner, part, None)  # getattr: FSDP1 wrappers forward attributes
-        if not isinstance(child, nn.Module):
-            where = ".".join(walked) or type(pl_module).__name__
-            children = sorted(name for name, _ in owner.named_children())
-            raise ValueError(
-                f"WeightSyncCallback: module={path!r}: {where} has no submodule {part!r}; its submodules are "
-                f"{children!r}; pass one of them (dotted for deeper ones), or module=None for the whole model"
-            )
-        walked.append(part)
-        owner = child
-    return owner
-
-
-def _is_sharded(strategy: Strategy) -> bool:
-    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
-        return True
-    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-        raise ValueError(
-            f"WeightSyncCallback: strategy {type(strategy).__name__!r} is not supported; use one of: {_SUPPORTED}"
-        )
-    if strategy.root_device.type not in ("cpu", "cuda"):
-        raise ValueError(f"WeightSyncCallback: device {strategy.root_device!s} is not supported; train on CPU or CUDA")
-    return False
-
-
-def _tensor(name: str, value: object) -> torch.Tensor:
-    assert isinstance(value, torch.Tensor), f"state-dict entry {name!r} is a {type(value).__name__}, not a tensor"
-    return value
 
 
 def _should_push(*, step: int, floor: int | None, restored: int | None, published: int | None, pushes: int) -> bool:
