@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -201,3 +202,59 @@ def test_a_garbled_shard_note_is_reported_once_and_read_as_missing(ctl, caplog) 
     ctl.set_text(keys.shard_written(1, 1), "4")
     plane._away_read_at = 0.0
     assert plane._missing_ranks(3) == []
+
+
+# -- every background thread: what it did not expect is reported, and it goes on ------------------
+
+
+def test_the_notes_thread_reports_what_it_did_not_expect_and_goes_on(leader, tmp_path, caplog) -> None:
+    ctl, relay = leader
+    real, failures = relay._collect, [0]
+
+    def failing() -> None:
+        if failures[0] < 3:
+            failures[0] += 1
+            raise ZeroDivisionError("injected")
+        real()
+
+    relay._collect = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG)
+    desk, deadline, beat = MateDesk(), time.monotonic() + 20, 70
+    while 7 not in _passed(tmp_path):  # a host-mate writes a note every half beat period
+        assert time.monotonic() < deadline, "no note passed on after the thread's failures"
+        beat += 1
+        assert desk.write(str(tmp_path), 7, beat, None, time.monotonic())
+        time.sleep(PERIOD_S / 2)
+    assert failures[0] == 3 and relay._thread.is_alive() and ctl.get_text(keys.member_heartbeat(7)) is not None
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "injected" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # with its traceback, once
+
+
+def test_the_board_keeps_beating_through_what_it_did_not_expect(tmp_path, monkeypatch, caplog) -> None:
+    from lightning_wsync._planes.relay import board as board_module
+
+    failures = [0]
+
+    class _Os:  # the board module's os, whose utime fails unexpectedly twice
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        @staticmethod
+        def utime(path: str) -> None:
+            if failures[0] < 2:
+                failures[0] += 1
+                raise ZeroDivisionError("injected")
+            os.utime(path)
+
+    monkeypatch.setattr(board_module, "os", _Os())
+    board = Board(str(tmp_path), 0.02, rid=0)
+    try:
+        os.utime(board.path, (time.time() - 60, time.time() - 60))
+        deadline = time.monotonic() + 10
+        while (posted := read_board(str(tmp_path))) is None or posted.age_s > 1:
+            assert time.monotonic() < deadline, "the board stopped beating"
+            time.sleep(0.01)
+        assert failures[0] == 2 and board._thread.is_alive()
+    finally:
+        board.close()
+    assert len([r for r in caplog.records if "injected" in r.getMessage() and r.levelno >= logging.ERROR]) == 1
