@@ -11,12 +11,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_wsync._control import keys
@@ -258,3 +259,35 @@ def test_the_board_keeps_beating_through_what_it_did_not_expect(tmp_path, monkey
     finally:
         board.close()
     assert len([r for r in caplog.records if "injected" in r.getMessage() and r.levelno >= logging.ERROR]) == 1
+
+
+# -- the rest of what the host and the unsigned keys hold -----------------------------------------
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s result, asserting it returns within ``seconds`` (a FIFO must not hang a reader)."""
+    out: list[object] = []
+    reader = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert out, f"still blocked after {seconds} s"
+    return out[0]
+
+
+def test_a_fifo_among_the_pins_or_as_the_cuda_handle_never_blocks_the_writer(tmp_path) -> None:
+    from lightning_wsync._planes.shm.cuda_ipc import _FILE, open_mirror
+    from lightning_wsync._planes.shm.pins import PinBoard
+
+    os.mkfifo(tmp_path / "pin-1")
+    os.symlink("/dev/zero", tmp_path / "pin-2")
+    assert _within(10, lambda: PinBoard(str(tmp_path)).pinned(0, 1, 60.0)) is False
+    os.mkfifo(tmp_path / _FILE)
+    assert _within(10, lambda: open_mirror(str(tmp_path), torch.device("cpu"), "test")) is None
+
+
+def test_a_ready_note_nested_past_the_recursion_limit_holds_nothing() -> None:
+    from lightning_wsync._planes.delta.wire import parse_ready_note
+
+    assert parse_ready_note("[" * 100_000) == (None, None)
+    assert parse_ready_note('{"held": ["²", 1], "decode_s": null}') == (None, None)
+    assert parse_ready_note("[1]") == (None, None)
