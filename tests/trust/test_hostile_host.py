@@ -291,3 +291,27 @@ def test_a_ready_note_nested_past_the_recursion_limit_holds_nothing() -> None:
     assert parse_ready_note("[" * 100_000) == (None, None)
     assert parse_ready_note('{"held": ["²", 1], "decode_s": null}') == (None, None)
     assert parse_ready_note("[1]") == (None, None)
+
+
+def test_a_counter_garbled_while_it_is_bumped_never_costs_the_bumper_its_connection(ctl, port) -> None:
+    """TCPStore drops a client whose ``add`` meets a non-integer: a ``bump`` raced by a store
+    writer that garbles the key between a check and an ``add`` lost its connection for good."""
+    writer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    stop = threading.Event()
+
+    def garble() -> None:
+        while not stop.is_set():
+            writer.set("wsync/hostile/news", "5")  # a check sees an integer ...
+            writer.set("wsync/hostile/news", "not a number")  # ... and the add, maybe, this
+
+    garbler = threading.Thread(target=garble, daemon=True)
+    garbler.start()
+    try:
+        for _ in range(2000):
+            ctl.bump(keys.NEWS)
+    finally:
+        stop.set()
+        garbler.join(10)
+    ctl.set_text(keys.NEWS, "41")
+    ctl.bump(keys.NEWS)
+    assert ctl.get_text(keys.NEWS) == "42"  # the same connection, still serving
