@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.shm.segment import SlotRef
 from lightning_wsync._planes.shm.source import SharedMemorySource
 from lightning_wsync._pull.watcher import SLOW_POLL_S, Watcher
@@ -149,8 +150,11 @@ class SharedLender:
     def _renew_loop(self) -> None:
         while not self._stop.wait(RENEW_S):
             held = self._held
-            if held is not None:
-                held[0].touch()
+            try:
+                if held is not None:
+                    held[0].touch()
+            except Exception as exc:  # noqa: BLE001 - a loan no longer renewed lapses: the slot may be reused
+                unexpected(log, f"wsync-loan-{self._name}", exc)
 
     def close(self) -> None:
         self._stop.set()

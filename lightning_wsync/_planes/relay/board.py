@@ -27,7 +27,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from lightning_wsync._control.untrusted import load_json, read_file
+from lightning_wsync._control.untrusted import load_json, read_file, unexpected
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class Board:
                 os.utime(self.path)
             except OSError:
                 return  # the pin directory is gone with the segment
+            except Exception as exc:  # noqa: BLE001 - a board that stops beating reads as a dead leader
+                unexpected(log, self._thread.name, exc)
 
     def close(self) -> None:
         self._stop.set()
