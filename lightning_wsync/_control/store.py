@@ -319,12 +319,23 @@ class Control:
         return self._call("add", key, lambda: int(self.store.add(key, amount)))
 
     def bump(self, key: str) -> None:
-        """Change the "look again" counter at ``key``: add 1, or when someone garbled it, write
-        a fresh value (any change is the signal; nobody reads such a counter as a number)."""
-        try:
-            self.add(key, 1)
-        except WeightSyncRecordError:
-            self.set_text(key, str(time.time_ns()))
+        """Change the "look again" counter at ``key``: one more, or when someone garbled it, a
+        fresh value (any change is the signal; nobody reads such a counter as a number).
+
+        By compare-and-set, never ``add``: TCPStore's server drops the connection of a client
+        whose ``add`` meets a non-integer, and a store writer could garble the key between a
+        check and the ``add`` (seen in the chaos test: the sender's connection lost at a push).
+        Either outcome of the compare-and-set changed the key: this one's write, or another's.
+        """
+        seen = self._call("bump", key, lambda: bytes(self.store.compare_set(key, _PROBE, _PROBE)))
+        count = 0 if seen == _PROBE.encode() else parse_counter(seen)
+        expected = "" if seen == _PROBE.encode() else seen.decode("utf-8", "strict") if seen.isascii() else None
+        desired = str(time.time_ns()) if count is None else str(count + 1)
+        if expected is not None:
+            now = self._call("bump", key, lambda: bytes(self.store.compare_set(key, expected, desired)))
+            if now != seen:
+                return
+        self.set_text(key, desired)  # bytes a compare-and-set cannot name: overwritten
 
     def queue_len(self, key: str) -> int:
         return self._call("queue_len", key, lambda: int(self.store.queue_len(key)))

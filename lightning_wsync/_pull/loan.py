@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.base import Lender, ReceiveSource, SlotRef
 from lightning_wsync._pull.watcher import Watcher
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncTimeoutError
@@ -145,8 +146,11 @@ class SharedLender:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self._watcher.timing.pin_renew_s):
             held = self._held
-            if held is not None:
-                held[1].touch()
+            try:
+                if held is not None:
+                    held[1].touch()
+            except Exception as exc:  # noqa: BLE001 - a loan no longer renewed lapses: the slot may be reused
+                unexpected(log, f"wsync-loan-{self._name}", exc)
 
     def close(self) -> None:
         self._stop.set()

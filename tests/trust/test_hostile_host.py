@@ -11,11 +11,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_wsync._control import keys
@@ -204,3 +206,115 @@ def test_a_garbled_shard_note_is_reported_once_and_read_as_missing(ctl, caplog) 
     ctl.set_text(keys.shard_written(1, 1), "4")
     plane._away_read_at = 0.0
     assert plane._missing_ranks(3) == []
+
+
+# -- every background thread: what it did not expect is reported, and it goes on ------------------
+
+
+def test_the_notes_thread_reports_what_it_did_not_expect_and_goes_on(leader, tmp_path, caplog) -> None:
+    ctl, relay = leader
+    real, failures = relay._collect, [0]
+
+    def failing() -> None:
+        if failures[0] < 3:
+            failures[0] += 1
+            raise ZeroDivisionError("injected")
+        real()
+
+    relay._collect = failing  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG)
+    desk, deadline, beat = MateDesk(), time.monotonic() + 20, 70
+    while 7 not in _passed(tmp_path):  # a host-mate writes a note every half beat period
+        assert time.monotonic() < deadline, "no note passed on after the thread's failures"
+        beat += 1
+        assert desk.write(str(tmp_path), 7, beat, None, time.monotonic())
+        time.sleep(PERIOD_S / 2)
+    assert failures[0] == 3 and relay._thread.is_alive() and ctl.get_text(keys.member_heartbeat(7)) is not None
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "injected" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # with its traceback, once
+
+
+def test_the_board_keeps_beating_through_what_it_did_not_expect(tmp_path, monkeypatch, caplog) -> None:
+    from lightning_wsync._planes.relay import board as board_module
+
+    failures = [0]
+
+    class _Os:  # the board module's os, whose utime fails unexpectedly twice
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        @staticmethod
+        def utime(path: str) -> None:
+            if failures[0] < 2:
+                failures[0] += 1
+                raise ZeroDivisionError("injected")
+            os.utime(path)
+
+    monkeypatch.setattr(board_module, "os", _Os())
+    board = Board(str(tmp_path), 0.02, rid=0)
+    try:
+        os.utime(board.path, (time.time() - 60, time.time() - 60))
+        deadline = time.monotonic() + 10
+        while (posted := read_board(str(tmp_path))) is None or posted.age_s > 1:
+            assert time.monotonic() < deadline, "the board stopped beating"
+            time.sleep(0.01)
+        assert failures[0] == 2 and board._thread.is_alive()
+    finally:
+        board.close()
+    assert len([r for r in caplog.records if "injected" in r.getMessage() and r.levelno >= logging.ERROR]) == 1
+
+
+# -- the rest of what the host and the unsigned keys hold -----------------------------------------
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s result, asserting it returns within ``seconds`` (a FIFO must not hang a reader)."""
+    out: list[object] = []
+    reader = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert out, f"still blocked after {seconds} s"
+    return out[0]
+
+
+def test_a_fifo_among_the_pins_or_as_the_cuda_handle_never_blocks_the_writer(tmp_path) -> None:
+    from lightning_wsync._planes.shm.cuda_ipc import _FILE, open_mirror
+    from lightning_wsync._planes.shm.pins import PinBoard
+
+    os.mkfifo(tmp_path / "pin-1")
+    os.symlink("/dev/zero", tmp_path / "pin-2")
+    assert _within(10, lambda: PinBoard(str(tmp_path)).pinned(0, 1, 60.0)) is False
+    os.mkfifo(tmp_path / _FILE)
+    assert _within(10, lambda: open_mirror(str(tmp_path), torch.device("cpu"), "test")) is None
+
+
+def test_a_ready_note_nested_past_the_recursion_limit_holds_nothing() -> None:
+    from lightning_wsync._planes.delta.wire import parse_ready_note
+
+    assert parse_ready_note("[" * 100_000) == (None, None)
+    assert parse_ready_note('{"held": ["²", 1], "decode_s": null}') == (None, None)
+    assert parse_ready_note("[1]") == (None, None)
+
+
+def test_a_counter_garbled_while_it_is_bumped_never_costs_the_bumper_its_connection(ctl, port) -> None:
+    """TCPStore drops a client whose ``add`` meets a non-integer: a ``bump`` raced by a store
+    writer that garbles the key between a check and an ``add`` lost its connection for good."""
+    writer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    stop = threading.Event()
+
+    def garble() -> None:
+        while not stop.is_set():
+            writer.set("wsync/hostile/news", "5")  # a check sees an integer ...
+            writer.set("wsync/hostile/news", "not a number")  # ... and the add, maybe, this
+
+    garbler = threading.Thread(target=garble, daemon=True)
+    garbler.start()
+    try:
+        for _ in range(2000):
+            ctl.bump(keys.NEWS)
+    finally:
+        stop.set()
+        garbler.join(10)
+    ctl.set_text(keys.NEWS, "41")
+    ctl.bump(keys.NEWS)
+    assert ctl.get_text(keys.NEWS) == "42"  # the same connection, still serving

@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from lightning_wsync._control.manifest import Manifest, checksum
+from lightning_wsync._control.untrusted import load_json
 from lightning_wsync._planes.base import DeltaStats as DeltaStats  # the plane interface's; kept importable here
 from lightning_wsync._planes.delta.codec import (
     BucketDelta,
@@ -60,7 +61,9 @@ def ready_note(held: Held | None, decode_s: float | None) -> str:
 def parse_ready_note(text: str | None) -> tuple[Held | None, float | None]:
     """Inverse of :func:`ready_note`; anything else (an older receiver's ``"1"``) holds nothing."""
     try:
-        raw = json.loads(text or "")
+        raw = load_json(text or "", "a ready note")  # unsigned: deep nesting is refused, not a RecursionError
+        if not isinstance(raw, dict):
+            return None, None
         held = raw["held"]
         decode_s = raw["decode_s"]
         return (None if held is None else Held(int(held[0]), int(held[1]))), (

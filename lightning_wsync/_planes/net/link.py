@@ -28,6 +28,7 @@ import torch
 from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import Manifest, checksum
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import Held, held_of, parse_ready_note, ready_note, recv_records, send_delta
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
@@ -417,8 +418,11 @@ class NetReceiveLink:
         here, in memory, so a link waiting at idle sends the store nothing."""
         while not self._stop.wait(_SILENCE_CHECK_S):
             since = self._notes.waiting_since
-            if since is not None and self._silent(time.monotonic() - since):
-                self._notes.wake()
+            try:
+                if since is not None and self._silent(time.monotonic() - since):
+                    self._notes.wake()
+            except Exception as exc:  # noqa: BLE001 - a link left waiting on a silent sender never comes back
+                unexpected(log, self._quiet.name, exc)
 
     def _silent(self, waited_s: float) -> bool:
         """No announcement for ``timeout_s`` although a version newer than any seen here is

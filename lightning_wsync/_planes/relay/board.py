@@ -26,7 +26,7 @@ import os
 import threading
 import time
 
-from lightning_wsync._control.untrusted import load_json, read_file
+from lightning_wsync._control.untrusted import load_json, read_file, unexpected
 from lightning_wsync._planes.base import HostNews as HostNews  # the plane interface's; kept importable here
 from lightning_wsync._planes.base import Posted as Posted
 
@@ -78,6 +78,8 @@ class Board:
                 os.utime(self.path)
             except OSError:
                 return  # the pin directory is gone with the segment
+            except Exception as exc:  # noqa: BLE001 - a board that stops beating reads as a dead leader
+                unexpected(log, self._thread.name, exc)
 
     def close(self) -> None:
         self._stop.set()

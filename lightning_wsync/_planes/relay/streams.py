@@ -32,6 +32,7 @@ from lightning_wsync._control.records import StreamLeadersRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
+from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.base import Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.relay.head import RelayHead
@@ -112,6 +113,8 @@ class StreamHead:
                 self._head.update_chain({} if record is None else record.leaders)
             except WeightSyncError as exc:  # an unreadable record or a lost store: the chain stays as it is
                 log.debug("relay stream %d: %s", self._stream, error_text(exc))
+            except Exception as exc:  # noqa: BLE001 - this rank's share would stop being relayed, unsaid
+                unexpected(log, self._thread.name, exc)
             self._stop.wait(CHAIN_POLL_S)
 
     def wrote(self, version: int) -> None:

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from lightning_wsync._control.untrusted import Untrusted, load_json, read_file
 from lightning_wsync._planes.shm.cuda_host import clear_last_error
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,10 @@ def open_mirror(pin_dir: str, into: torch.device, what: str) -> list[torch.Tenso
     """The writer's mirror slots, opened in this process; None when there is no mirror or
     this process cannot copy from it to ``into`` (said once in the log, with why)."""
     try:
-        with open(os.path.join(pin_dir, _FILE)) as f:
-            record = json.load(f)
+        path = os.path.join(pin_dir, _FILE)
+        record = load_json(read_file(path)[0], path)  # no symlink, FIFO or unbounded read
+        if not isinstance(record, dict):
+            raise Untrusted(f"{path} holds no JSON object")
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

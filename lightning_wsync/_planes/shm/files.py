@@ -147,7 +147,7 @@ def _left_over(path: str) -> bool:
     """Whether nobody holds the segment's owner lock (written by an older version: its
     creator ran in this PID namespace and its PID is gone). No owner file: not judged."""
     try:
-        fd = os.open(os.path.join(pin_dir(path), OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(pin_dir(path), OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

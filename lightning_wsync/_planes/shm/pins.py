@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import time
 
@@ -59,11 +60,13 @@ class PinBoard:
         if pin is not None:
             return pin
         try:
-            fd = os.open(os.path.join(self._dir, name), os.O_RDONLY | os.O_NOFOLLOW)
+            # Never blocks (a FIFO another process put here), never follows a link.
+            fd = os.open(os.path.join(self._dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return None
         try:
-            if os.fstat(fd).st_size < _PIN.size:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size < _PIN.size:
                 return None
             pin = self._maps[name] = mmap.mmap(fd, _PIN.size, mmap.MAP_SHARED, mmap.PROT_READ)
             return pin
