@@ -51,14 +51,13 @@ from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
+from lightning_wsync.engines.vllm_servers import UNKNOWN_LABEL
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "abort"]
 
-UNKNOWN_LABEL = "wsync-unknown"
-"""The engine core's weight-version label after a failed load (with the version tried)."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from lightning_wsync._control.store import resolve_job
 from lightning_wsync._push.sender import WeightSender
 from lightning_wsync.engines._vllm_plugin import BACKEND
+from lightning_wsync.engines.vllm_servers import PAUSE_MODES, VllmServers, apply_version
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,14 @@ class WsyncTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM is un
         reset_prefix_cache: after each version, POST ``/reset_prefix_cache`` (a vLLM dev
             route, on with ``VLLM_SERVER_DEV_MODE=1`` like the RL routes) to every
             :class:`HTTPVLLMWeightSyncClient`, so no prompt is served from attention
-            state of the previous version.
+            state of the previous version (blocks of requests in flight are kept).
+        pause_mode: ``/pause?mode=...`` around the load on every HTTP server (``"keep"``:
+            requests in flight freeze at a step boundary and go on after it; ``"abort"``;
+            None: no pause). Each version is staged first, while requests run; paused, the
+            workers load it and the server's weight-version label is set, so every token's
+            label (``weight_versions`` on ``/inference/v1/generate``) is the version that
+            made it. Without a pause, tokens of the steps between a load and the label
+            carry the previous label.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -81,12 +89,17 @@ class WsyncTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM is un
     sender_options: dict[str, Any] = field(default_factory=dict)
     server_options: dict[str, Any] = field(default_factory=dict)
     reset_prefix_cache: bool = True
+    pause_mode: str | None = "keep"
 
     def __post_init__(self) -> None:
         if "secret" in self.server_options:
             raise ValueError(
                 "WsyncTrainerInitInfo: server_options may not carry 'secret' (it would travel in the "
                 "clear over HTTP); set WSYNC_SECRET in the servers' environment"
+            )
+        if self.pause_mode not in (*PAUSE_MODES, None):
+            raise ValueError(
+                f"WsyncTrainerInitInfo: pause_mode={self.pause_mode!r} is not one of 'keep', 'abort', None"
             )
         if isinstance(self.first_version, bool) or not isinstance(self.first_version, int) or self.first_version < 0:
             raise ValueError(f"WsyncTrainerInitInfo: first_version={self.first_version!r} must be an int >= 0")
@@ -179,11 +192,9 @@ class WsyncTrainerEngine(TrainerWeightTransferEngine[WsyncTrainerInitInfo]):  # 
             for name, tensor in fresh.items():
                 self._tensors.tensors[name].copy_(tensor)
         self.sender.push(version, wait_for_slot_s=self.info.timeout_s)
-        self.client.start_weight_update()
-        self.client.update_weights({"version": version, "timeout_s": self.info.timeout_s})
-        self.client.finish_weight_update(weight_version=str(version))
-        if self.info.reset_prefix_cache:
-            _reset_prefix_caches(self.client)
+        info = self.info
+        apply_version(self.client, _http_servers(self.client), version, timeout_s=info.timeout_s,
+                      pause_mode=info.pause_mode, reset_prefix_cache=info.reset_prefix_cache)  # fmt: skip
         self.version, self.next_version = version, version + 1
         log.debug("wsync trainer engine: version %d loaded by every server", version)
 
@@ -207,14 +218,13 @@ def _where(client: VLLMWeightSyncClient) -> str:
     return repr(client.base_url) if isinstance(client, HTTPVLLMWeightSyncClient) else type(client).__name__
 
 
-def _reset_prefix_caches(client: VLLMWeightSyncClient) -> None:
-    import requests
-
-    for c in client.clients if isinstance(client, WsyncClients) else [client]:
-        if isinstance(c, HTTPVLLMWeightSyncClient):
-            response = requests.post(f"{c.base_url}/reset_prefix_cache", timeout=c.timeout)
-            if not response.ok:
-                log.warning("wsync trainer engine: %s/reset_prefix_cache answered %s", c.base_url, response.status_code)
+def _http_servers(client: VLLMWeightSyncClient) -> VllmServers | None:
+    """The HTTP servers behind ``client``, for the routes beside vLLM's four (pause, resume, reset)."""
+    if isinstance(client, VllmServers):
+        return client
+    clients = client.clients if isinstance(client, WsyncClients) else [client]
+    http = [c for c in clients if isinstance(c, HTTPVLLMWeightSyncClient)]
+    return VllmServers([c.base_url for c in http], timeout_s=float(http[0].timeout)) if http else None
 
 
 if BACKEND not in WeightTransferTrainerFactory._registry:

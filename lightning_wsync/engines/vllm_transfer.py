@@ -66,6 +66,7 @@ class WsyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     """``update_info`` of ``update_weights``: empty for the newest staged version."""
 
     version: int | None = None  # exactly this version, in every worker of the engine or none
+    stage_only: bool = False  # with version: stage and agree, load nothing (the load follows, paused)
     min_version: int | None = None
     timeout_s: float | None = None
 
@@ -99,7 +100,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
                 "(the trainer engine does; store and job may come from WSYNC_STORE / WSYNC_JOB)"
             )
         if update_info.version is not None:
-            self._load_exactly(receiver, update_info.version, update_info.timeout_s)
+            self._load_exactly(receiver, update_info.version, update_info.timeout_s, update_info.stage_only)
             return
         if update_info.min_version is None:
             receiver.update()
@@ -111,7 +112,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self._check_names(receiver.name)
         self._reload(receiver.name, staged)
 
-    def _load_exactly(self, receiver: WeightReceiver, version: int, timeout_s: float | None) -> None:
+    def _load_exactly(self, receiver: WeightReceiver, version: int, timeout_s: float | None, stage_only: bool) -> None:
         """Stage ``version`` here; load it only once every worker of the engine has staged it."""
         problem = None
         try:
@@ -132,7 +133,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
                 f"wsync weight transfer {receiver.name!r}: another worker of the engine could not stage "
                 f"version {version}; no worker loaded it (the engine keeps version {self.version!r})"
             )
-        if version != self.version:
+        if version != self.version and not stage_only:
             self._reload(receiver.name, version)
 
     def _check_names(self, name: str) -> None:

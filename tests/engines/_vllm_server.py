@@ -2,7 +2,8 @@
 
 The command line is vLLM's own plus ``--weight-transfer-config '{"backend": "wsync"}'``;
 the ``wsync`` backend comes from our ``vllm.general_plugins`` entry point, and the RL
-routes from ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers them only then).
+routes from ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers them only then). ``--enable-scale-out``
+(vLLM's) serves ``/inference/v1/generate``, whose outputs carry per-token weight labels.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Server:
         self.model, self.url, self.log = str(model), f"http://127.0.0.1:{port}", log
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-               "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+               "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
                "--weight-transfer-config", '{"backend": "wsync"}']  # fmt: skip
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
         with open(log, "wb") as out:
@@ -54,6 +55,16 @@ class Server:
         response = requests.post(f"{self.url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
         return list(response.json()["choices"][0]["token_ids"])
+
+    def generate(self, prompt_ids: list[int], tokens: int) -> tuple[list[int], list[tuple[int, str]]]:
+        """``/inference/v1/generate`` (vLLM's tokens-in endpoint, ``--enable-scale-out``): the
+        tokens, and ``(start, label)`` of each span of vLLM's per-token weight-version labels."""
+        body = {"token_ids": prompt_ids, "sampling_params": {"temperature": 0.0, "max_tokens": tokens,
+                                                             "ignore_eos": True}}  # fmt: skip
+        response = requests.post(f"{self.url}/inference/v1/generate", json=body, timeout=120)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        return list(choice["token_ids"]), [(s["start"], s["version"]) for s in choice["weight_versions"]]
 
     def stop(self) -> None:
         """SIGTERM to the server's process group (API server, engine core, workers), SIGKILL after 20 s."""
