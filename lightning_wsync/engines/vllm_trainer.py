@@ -160,7 +160,11 @@ class WsyncTrainerEngine(TrainerWeightTransferEngine[WsyncTrainerInitInfo]):  # 
         self.next_version = init_info.first_version
         self.version: int | None = None  # the last version every server loaded
         self.sender: WeightSender | None = None
-        self._tensors = _Tensors(_copy(source))
+        # The sender's private copy; other ranks only take part in the source's collectives.
+        self._tensors = _Tensors(_copy(source) if self.is_sender else {})
+        if not self.is_sender:
+            for _ in _materialized(source):
+                pass
 
     @classmethod
     @override
@@ -184,18 +188,22 @@ class WsyncTrainerEngine(TrainerWeightTransferEngine[WsyncTrainerInitInfo]):  # 
     @override
     def send_weights(self) -> None:
         version = self.next_version
-        fresh = dict(_materialized(self.source))  # every rank: the source's gathers are collectives
-        if self.sender is None:
-            self.next_version += 1
-            return
         with torch.no_grad():
-            for name, tensor in fresh.items():
-                self._tensors.tensors[name].copy_(tensor)
-        self.sender.push(version, wait_for_slot_s=self.info.timeout_s)
+            for name, tensor in _materialized(self.source):  # every rank: the source's gathers are collectives
+                if self.sender is not None:
+                    self._tensors.tensors[name].copy_(tensor)
+        self.next_version = version + 1  # a version number is used once, published or not
+        if self.sender is None:
+            return
         info = self.info
+        if self.sender.push(version, wait_for_slot_s=info.timeout_s).dropped:
+            raise WeightSyncError(
+                f"wsync trainer engine: version {version} was not published: receivers were still reading both "
+                f"snapshot slots after timeout_s={info.timeout_s}; call send_weights() again, or raise timeout_s"
+            )
         apply_version(self.client, _http_servers(self.client), version, timeout_s=info.timeout_s,
                       pause_mode=info.pause_mode, reset_prefix_cache=info.reset_prefix_cache)  # fmt: skip
-        self.version, self.next_version = version, version + 1
+        self.version = version
         log.debug("wsync trainer engine: version %d loaded by every server", version)
 
     @override
