@@ -45,9 +45,12 @@ class Recorder:
         self.started = time.monotonic()
         self.batches = 0
 
-    def send(self, completions: list[list[int]], version: int, engine_version: int | None, reload_s: float | None
-             ) -> bool | None:  # fmt: skip
-        """Tagged ``version`` (the oldest that made a token); True: sent, False: trainer busy, None: gone."""
+    def send(self, completions: list[list[int]], version: int, engine_version: int | None, reload_s: float | None,
+             paused_s: list[float] | None = None) -> bool | None:  # fmt: skip
+        """Tagged ``version`` (the oldest that made a token); True: sent, False: trainer busy, None: gone.
+
+        ``reload_s``: the update made before this batch; ``paused_s`` (async): the engine's pause
+        of each update that landed since the previous batch."""
         rewards = torch.tensor([reward(c, self.digits) for c in completions])
         batch = {
             "prompt": torch.tensor([i for i, _ in enumerate(PROMPTS) for _ in range(GROUP)]),
@@ -56,7 +59,7 @@ class Recorder:
         }
         self.log.write(json.dumps({"t": round(time.monotonic() - self.started, 3), "version": version,
                                    "engine_version": engine_version, "reward": round(float(rewards.mean()), 4),
-                                   "reload_s": reload_s}) + "\n")  # fmt: skip
+                                   "reload_s": reload_s, "paused_s": paused_s}) + "\n")  # fmt: skip
         self.log.flush()
         self.batches += 1
         try:

@@ -54,10 +54,14 @@ async def main_async(model_dir: str, out_dir: str, tp: int) -> None:
             assert last is not None
             return last
 
+        reported = len(sync.paused_s)
         while not await sync.sender_closed():
             outs = await asyncio.gather(*(one(ids) for ids in prompt_ids for _ in range(GROUP)))
-            oldest = min(o.version for o in outs if o.version is not None)
-            if rec.send([list(o.output.outputs[0].token_ids) for o in outs], oldest, sync.version, None) is None:
+            stamped = [v for o in outs for v in (o.version, *(v for _, v in o.switches))]
+            oldest = min(v for v in stamped if v is not None)
+            paused, reported = sync.paused_s[reported:], len(sync.paused_s)
+            tokens = [list(o.output.outputs[0].token_ids) for o in outs]
+            if rec.send(tokens, oldest, sync.version, None, paused) is None:
                 break
         done.set()
         await follower

@@ -65,9 +65,14 @@ s = json.loads((out / "summary.json").read_text())
 rows = [json.loads(l) for l in (out / "rollout.jsonl").read_text().splitlines() if l]
 first = [r["reward"] for r in rows if r["version"] == 0]
 reloads = sorted(r["reload_s"] for r in rows if r["reload_s"] is not None)
-median = f"{reloads[len(reloads) // 2] * 1e3:.0f} ms" if reloads else "(async: see the rollout line above)"
+pauses = sorted(p for r in rows for p in (r.get("paused_s") or []))  # --async: updates land between batches
+if reloads:
+    what, times = "update (reload + prefix-cache reset)", reloads
+else:
+    what, times = "pause per update (stage outside it; load + prefix-cache reset inside)", pauses
+median = f"{times[len(times) // 2] * 1e3:.0f} ms" if times else "-"
 print(f"== engine reward at version 0: {sum(first) / max(1, len(first)):.3f}; "
-      f"median engine update (reload + prefix-cache reset) {median} over {len(reloads)} updates")
+      f"median engine {what} {median} over {len(times)} updates")
 print(f"== {'SOLVED' if s['solved'] else 'NOT SOLVED'}: mean reward of the last batches {s['final_mean_reward']:.3f} "
       f"(target {s['target_reward']:g}) after {s['versions']} trainer steps, {s['batches']} batches"
       + (f", {s['seconds']:.1f} s" if s['solved'] else ""))

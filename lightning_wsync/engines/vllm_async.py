@@ -30,8 +30,15 @@
 Every output of :meth:`generate` says which weights produced it: ``version`` at the
 request's first token, and ``switches``, ``(token_index, version)`` for each update that
 landed while it ran: tokens from ``token_index`` on were generated with ``version``. The
-index is read from vLLM's output processor after the pause, when the engine core has
-sent every token of the last step before it (``pause_generation`` returns then).
+stamps come from vLLM's own per-token labels: while the engine is paused for an update,
+the engine core's weight-version label is set to the new version, and the core attaches
+it to every step's outputs from then on; the request's final output (also an aborted
+one) carries them as ``weight_versions`` spans, exact whatever the stream had read and
+whenever vLLM dropped the request's state. Outputs before the last are ``exact=False``:
+their switches are placed at the first token the stream had not yet seen when the update
+landed (the true index is that one or later). A load that fails in any worker labels
+every token after the resume ``None`` (unknown) until an update succeeds: the engine may
+hold a mix of two versions.
 """
 
 from __future__ import annotations
@@ -44,11 +51,13 @@ from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
+from lightning_wsync.engines.vllm_servers import UNKNOWN_LABEL
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "abort"]
+
 
 
 @dataclass
@@ -57,15 +66,38 @@ class VersionedOutput:
 
     output: Any
     version: int | None
-    switches: list[tuple[int, int]] = field(default_factory=list)
+    switches: list[tuple[int, int | None]] = field(default_factory=list)
+    exact: bool = False  # True on the final output: stamps from vLLM's labels of each token
 
     def version_of(self, token_index: int) -> int | None:
-        """The version that generated the token at ``token_index``."""
+        """The version that generated the token at ``token_index`` (None: unknown, after a
+        failed load, or the engine's own weights before the first version)."""
         version = self.version
         for start, v in self.switches:
             if token_index >= start:
                 version = v
         return version
+
+
+@dataclass
+class _Stream:
+    """What one request's stream has seen: tokens, and the switches that landed meanwhile."""
+
+    version: int | None
+    seen: int = 0
+    switches: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+def _version(label: str) -> int | None:
+    return int(label) if label.isdigit() else None  # "default" (the checkpoint), UNKNOWN_LABEL-...
+
+
+def _from_spans(out: Any, spans: Any, first: int | None) -> VersionedOutput:
+    """The final output's stamps from vLLM's per-token labels (``WeightVersionSpan``s)."""
+    if not spans:
+        return VersionedOutput(out, first, [], exact=True)  # no token generated
+    versions = [(span.start, _version(span.version)) for span in spans]
+    return VersionedOutput(out, versions[0][1], versions[1:], exact=True)
 
 
 class AsyncVllmWeightSync:
@@ -83,7 +115,7 @@ class AsyncVllmWeightSync:
         self.clear_cache = clear_cache
         self.version: int | None = None
         self.paused_s: list[float] = []  # engine paused time of each update
-        self._streams: dict[str, VersionedOutput] = {}
+        self._streams: dict[str, _Stream] = {}
         self._lock = asyncio.Lock()  # one update at a time
         self._switching = asyncio.Lock()  # held from pause to resume: no request starts half-way
 
@@ -147,11 +179,16 @@ class AsyncVllmWeightSync:
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[VersionedOutput]:
         """``AsyncLLM.generate``, each output stamped with the versions that produced it."""
         async with self._switching:
-            stamp = self._streams[request_id] = VersionedOutput(None, self.version)
+            stream = self._streams[request_id] = _Stream(self.version)
         try:
             async for out in self._engine.generate(prompt, params, request_id):
-                stamp.output = out
-                yield VersionedOutput(out, stamp.version, list(stamp.switches))
+                completion = out.outputs[0]
+                spans = completion.weight_versions
+                if completion.finish_reason is not None and spans is not None:
+                    yield _from_spans(out, spans, stream.version)
+                    continue
+                stream.seen = len(completion.token_ids)
+                yield VersionedOutput(out, stream.version, list(stream.switches))
         finally:
             del self._streams[request_id]
 
@@ -179,26 +216,28 @@ class AsyncVllmWeightSync:
         paused = loop.time()
         try:
             self.version = None  # until every worker has loaded it
-            await run_async(load(self.names, version, self.timeout_s), self._workers)
+            try:
+                await run_async(load(self.names, version, self.timeout_s), self._workers)
+            except BaseException:
+                await self._label(None, f"{UNKNOWN_LABEL}-{version}")  # the engine may hold a mix
+                raise
             if not await self._engine.reset_prefix_cache():
                 log.debug("prefix cache kept blocks of requests in flight (pause_mode=%r)", self.pause_mode)
             self.version = version
-            self._stamp(version)
+            await self._label(version, str(version))
         finally:
             await self._engine.resume_generation()
             self.paused_s.append(loop.time() - paused)
         return version
 
-    def _stamp(self, version: int) -> None:
-        """Record, for each request in flight, the token index from which ``version`` generates."""
-        states = {s.external_req_id: s for s in self._engine.output_processor.request_states.values()}
-        for request_id, stamp in self._streams.items():
-            state = states.get(request_id)
-            done = 0 if state is None else state.detokenizer.num_output_tokens()
-            if done == 0:
-                stamp.version, stamp.switches = version, []  # not started: all of it is the new version
+    async def _label(self, version: int | None, label: str) -> None:
+        """While paused: the core labels every later token ``label``; streams note the switch."""
+        await self._engine.update_weight_version(label)
+        for stream in self._streams.values():
+            if stream.seen == 0 and not stream.switches:
+                stream.version = version  # provisional: the final output's labels say for sure
             else:
-                stamp.switches.append((done, version))
+                stream.switches.append((stream.seen, version))
 
     async def _workers(self, call: Call) -> Results:
         return list(await self._engine.collective_rpc(call.method, timeout=call.timeout_s, args=call.args))

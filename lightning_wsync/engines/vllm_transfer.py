@@ -1,21 +1,28 @@
-"""vLLM's weight-transfer API on lightning_wsync: the ``wsync`` backend.
+"""vLLM's weight-transfer API on lightning_wsync: the ``wsync`` worker engine.
 
-For code that already drives vLLM's RL API; the trainer never takes part in the call::
+A vLLM server needs no code of ours: the ``vllm.general_plugins`` entry point registers
+the backend in every vLLM process (:mod:`~lightning_wsync.engines._vllm_plugin`)::
 
-    llm = make_llm(model_dir, weight_transfer_config={"backend": "wsync"})
+    VLLM_SERVER_DEV_MODE=1 WSYNC_SECRET=... python -m vllm.entrypoints.openai.api_server \
+        --model MODEL --weight-transfer-config '{"backend": "wsync"}'
+
+and a trainer drives it through vLLM's own trainer API
+(:class:`~lightning_wsync.engines.vllm_trainer.WsyncTrainerEngine`), or any code through
+the RL routes / ``LLM`` methods::
+
     llm.init_weight_transfer_engine({"init_info": {"store": "host:port", "job": "run1"}})
     llm.start_weight_update()
-    llm.update_weights({"update_info": {}})      # the newest verified version staged here
-    llm.finish_weight_update()
+    llm.update_weights({"update_info": {"version": 7}})   # exactly 7, in every worker, or none
+    llm.finish_weight_update(weight_version="7")
 
 Each worker's engine is a :class:`WeightReceiver` that stages and verifies versions in
-the background; ``update_weights`` loads the newest staged version (with ``min_version``,
-waits up to ``timeout_s`` for one at least that new) through vLLM's layer-by-layer
-reload, after the same start-up name check as :class:`VllmWeightSync`. vLLM calls each
-worker's ``update_weights`` on its own, so with tensor parallelism two workers can load
-different versions when a push lands in between: use :class:`VllmWeightSync` (all
-workers one version or none) there. The backend registers itself when this module is
-imported; ``make_llm``'s worker extension imports it in every worker process.
+the background. ``update_weights`` with ``version`` stages exactly that version (waiting
+up to ``timeout_s``), checks the names against the model, then the workers of the engine
+agree over vLLM's own CPU process group (all stage it, or all refuse before any model is
+written) and load it through vLLM's layer-by-layer reload. Without ``version`` it loads
+the newest staged version (``min_version``: one at least that new), each worker on its
+own: with tensor parallelism pass ``version``. Store, job and secret come from the init
+info or from ``WSYNC_STORE``, ``WSYNC_JOB``, ``WSYNC_SECRET`` in the server's environment.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -36,7 +44,7 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from lightning_wsync._pull.receiver import WeightReceiver
 from lightning_wsync.engines._commit import StagedVersion
 from lightning_wsync.engines._vllm_names import check_names
-from lightning_wsync.errors import WeightSyncSchemaError
+from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,8 @@ class WsyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM is un
 class WsyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     """``update_info`` of ``update_weights``: empty for the newest staged version."""
 
+    version: int | None = None  # exactly this version, in every worker of the engine or none
+    stage_only: bool = False  # with version: stage and agree, load nothing (the load follows, paused)
     min_version: int | None = None
     timeout_s: float | None = None
 
@@ -85,7 +95,13 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
     def receive_weights(self, update_info: WsyncUpdateInfo) -> None:
         receiver = self.receiver
         if receiver is None:
-            raise RuntimeError("wsync weight transfer: call init_weight_transfer_engine({'init_info': {...}}) first")
+            raise WeightSyncError(
+                "wsync weight transfer: call init_weight_transfer_engine({'init_info': {...}}) first "
+                "(the trainer engine does; store and job may come from WSYNC_STORE / WSYNC_JOB)"
+            )
+        if update_info.version is not None:
+            self._load_exactly(receiver, update_info.version, update_info.timeout_s, update_info.stage_only)
+            return
         if update_info.min_version is None:
             receiver.update()
         else:
@@ -93,16 +109,46 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         staged = self.staged.version
         if staged is None or staged == self.version:
             return
+        self._check_names(receiver.name)
+        self._reload(receiver.name, staged)
+
+    def _load_exactly(self, receiver: WeightReceiver, version: int, timeout_s: float | None, stage_only: bool) -> None:
+        """Stage ``version`` here; load it only once every worker of the engine has staged it."""
+        problem = None
+        try:
+            if self.staged.version != version:
+                receiver.wait_for_version(version, timeout_s)
+            if self.staged.version != version:
+                raise WeightSyncError(
+                    f"wsync weight transfer {receiver.name!r}: asked for version {version} but version "
+                    f"{self.staged.version!r} is the newest staged (a newer push overtook it); ask for that one"
+                )
+            self._check_names(receiver.name)
+        except WeightSyncError as exc:
+            problem = exc
+        if not _all_workers_agree(problem is None):  # every worker takes part, so none waits for another
+            if problem is not None:
+                raise problem
+            raise WeightSyncError(
+                f"wsync weight transfer {receiver.name!r}: another worker of the engine could not stage "
+                f"version {version}; no worker loaded it (the engine keeps version {self.version!r})"
+            )
+        if version != self.version and not stage_only:
+            self._reload(receiver.name, version)
+
+    def _check_names(self, name: str) -> None:
         refused, _ = check_names(self.vllm_config, self.staged.tensors.items())
         if refused:
             raise WeightSyncSchemaError(
-                f"wsync weight transfer {receiver.name!r}: the trainer's tensors {refused!r} would not load "
+                f"wsync weight transfer {name!r}: the trainer's tensors {refused!r} would not load "
                 f"into the engine's model; publish the checkpoint's names, or exclude=[...] them"
             )
-        self.version = None
+
+    def _reload(self, name: str, version: int) -> None:
+        self.version = None  # until the reload returns, the model may hold parts of two versions
         reload_weights(self.vllm_config, self.model, iter(self.staged.tensors.items()), None, True)
-        self.version = staged
-        log.debug("wsync weight transfer %r loaded version %d", receiver.name, staged)
+        self.version = version
+        log.debug("wsync weight transfer %r loaded version %d", name, version)
 
     def finish_weight_update(self) -> None:
         pass
@@ -111,6 +157,19 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             receiver.close()
+
+
+def _all_workers_agree(ok: bool) -> bool:
+    """True when every worker of this engine (all TP/PP ranks) says ``ok``: a MIN over vLLM's
+    CPU world group. vLLM calls ``update_weights`` in every worker, so all reach it."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    if group.world_size == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
 
 
 def register() -> None:

@@ -36,6 +36,7 @@ def test_llm_demo_reaches_the_reward_target(tmp_path, flags):
     assert first and sum(first) / len(first) < 0.4  # the rise is the trainer's doing, seen in the engine
     assert max(r["engine_version"] for r in rollouts) >= summary["versions"] - 2  # the engine followed the pushes
     assert "== SOLVED" in out
+    assert " over 0 updates" not in out  # the summary counts the engine's updates, --async too
     assert (tmp_path / "reward.png").stat().st_size > 10_000
     for log in ("trainer.log", "rollout.log"):
         assert "Traceback" not in (tmp_path / log).read_text(), log

@@ -1,8 +1,9 @@
 """``AsyncLLM`` with requests streaming while versions are pushed: stamps replayed exactly.
 
-Requests run the whole time; a new version is pushed and applied every few engine steps
-(``pause_mode="keep"``, KV kept). No request is aborted, and every output's tokens are
-replayed greedily with transformers: the stamped version at each token, with the KV
+Requests run the whole time; a new version is pushed and applied every few engine steps.
+``pause_mode="keep"`` (KV kept): no request is aborted; ``"abort"``: in-flight requests
+end at each update and keep the version that made their tokens. Every output's tokens
+are replayed greedily with transformers: the stamped version at each token, with the KV
 cache carried across a switch exactly as the engine keeps it.
 """
 
@@ -43,7 +44,8 @@ def replay(model: torch.nn.Module, weights: dict[int, dict], prompt: list[int], 
             feed = [token]
 
 
-def test_requests_stream_through_updates_and_say_which_version_made_each_token(tmp_path, port, children):
+@pytest.mark.parametrize("pause_mode", ["keep", "abort"])
+def test_requests_stream_through_updates_and_say_which_version_made_each_token(tmp_path, port, children, pause_mode):
     import psutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import AsyncEngineArgs, SamplingParams
@@ -66,7 +68,8 @@ def test_requests_stream_through_updates_and_say_which_version_made_each_token(t
 
     async def main() -> list[tuple[list[int], VersionedOutput]]:
         with WeightSender(trainer, store=store, job="async", timeout_s=60) as sender:
-            sync = await AsyncVllmWeightSync.start(engine, store=store, job="async", name="engine", timeout_s=60)
+            sync = await AsyncVllmWeightSync.start(engine, store=store, job="async", name="engine", timeout_s=60,
+                                                  pause_mode=pause_mode)  # fmt: skip
             try:
                 weights[0] = {k: v.clone() for k, v in trainer.state_dict().items()}
                 sender.push(0)
@@ -105,9 +108,14 @@ def test_requests_stream_through_updates_and_say_which_version_made_each_token(t
     finally:
         engine.shutdown()
     finished = [o.output.outputs[0] for _, o in outputs]
-    assert all(f.finish_reason == "length" and len(f.token_ids) == TOKENS for f in finished)  # none aborted
+    assert all(o.exact for _, o in outputs)  # final outputs: stamps from vLLM's label of each token
     switched_to = {v for _, o in outputs for _, v in o.switches}
-    assert len(switched_to) >= 2, [o.switches for _, o in outputs]  # updates landed mid-request
+    if pause_mode == "keep":
+        assert all(f.finish_reason == "length" and len(f.token_ids) == TOKENS for f in finished)  # none aborted
+        assert len(switched_to) >= 2, [o.switches for _, o in outputs]  # updates landed mid-request
+    else:  # an aborted request keeps the version that made its tokens: none spans an update
+        assert sum(f.finish_reason == "abort" for f in finished) >= 2
+        assert not switched_to, [o.switches for _, o in outputs]
     assert {o.version for _, o in outputs} | switched_to == {0, *VERSIONS}  # every version generated tokens
     for prompt, out in outputs:
         replay(reference, weights, prompt, out)
