@@ -128,8 +128,8 @@ class SenderConfig(_PeerConfig):
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
         cross_host: with ``transport="auto"``, how receivers on other hosts get a version:
             ``"relay"`` (one copy per host, to an elected leader, relayed down a chain of
-            leaders, or two binary trees each carrying half when the model prefers them and
-            ``delta="off"``: the trees carry full versions only), ``"chain"``/``"tree"``
+            leaders, or two binary trees each carrying half when the push-time model prefers
+            them; either shape carries deltas per ``delta``), ``"chain"``/``"tree"``
             (that shape always) or ``"star"`` (one copy per receiver).
         secret: shared secret (default ``$WSYNC_SECRET``): control records are HMAC-signed
             and peers without it are refused. See the README's trust model.

@@ -61,7 +61,7 @@ class SenderSpec:
     addr: str
     transport: str  # auto | shm | gloo | nccl
     cross_host: str  # relay | chain | tree | star
-    delta: str  # off | on | auto
+    delta: str  # off | always | auto
     device: torch.device  # where the module's tensors are
     timeout_s: float
     heartbeat_timeout_s: float

@@ -12,8 +12,9 @@
 A background thread (:mod:`~lightning_wsync._pull.watcher`) sends heartbeats and
 acknowledgements and follows the sender. From a sender on this host, ``update()`` pins
 the newest complete slot of the shared snapshot ring and copies it straight into the
-module; from a sender on another host, a network link stages each version privately
-and verifies it first (:mod:`~lightning_wsync._planes.open`). Either way the module is only
+module; from a sender on another host, through the host's relay leader by default (which receives
+and verifies each version into the host's ring) or, with ``cross_host="star"``, a link of its own
+that stages and verifies it (:mod:`~lightning_wsync._planes.open`). Either way the module is only
 ever written by ``update()`` on the caller's thread, and only with a complete version.
 """
 

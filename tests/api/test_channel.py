@@ -52,6 +52,7 @@ def test_bounded_queue_drops_or_times_out(port):
     del server
 
 
+@pytest.mark.slow
 def test_two_producer_processes_feed_a_dataloader(port, children):
     import torch.distributed as dist
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 CTX = mp.get_context("spawn")
 
 
+@pytest.mark.slow
 def test_reserved_id_without_record_does_not_hide_later_receivers(server, port, children):
     store = f"127.0.0.1:{port}"
     with WeightSender(make_policy(), store=store, job="reg", timeout_s=20) as sender:
@@ -61,6 +62,7 @@ _SAMPLE_S = 0.25
 
 
 @pytest.mark.timeout(_RUN_S + 100)
+@pytest.mark.slow
 def test_store_key_count_stays_bounded(server, port, children):
     store, job = f"127.0.0.1:{port}", "long"
     results = CTX.Queue()

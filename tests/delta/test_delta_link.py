@@ -62,6 +62,7 @@ def _stream(layout: Manifest, base: torch.Tensor, new: torch.Tensor, workers: in
                        base_sums=sums(layout, base))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_delta_over_gloo_rebuilds_bit_exact_in_place(port: int, children: Children) -> None:
     layout, base, new = versions()
     stream = _stream(layout, base, new)
@@ -75,6 +76,7 @@ def test_delta_over_gloo_rebuilds_bit_exact_in_place(port: int, children: Childr
     assert marker == 42
 
 
+@pytest.mark.slow
 def test_wrong_base_is_refused_and_the_link_stays_in_step(port: int, children: Children) -> None:
     layout, base, new = versions()
     *got, marker = _run(port, children, ["old", "digest", "none", "base"], _stream(layout, base, new), layout)
@@ -85,6 +87,7 @@ def test_wrong_base_is_refused_and_the_link_stays_in_step(port: int, children: C
     assert marker == 42
 
 
+@pytest.mark.slow
 def test_corrupted_record_fails_the_checksums(port: int, children: Children) -> None:
     layout, base, new = versions()
     stream = _stream(layout, base, new)

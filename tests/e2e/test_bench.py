@@ -49,6 +49,7 @@ def _children_alive() -> list[int]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_store_load_counts_every_request_at_a_proxy_and_idle_links_cost_nothing(capsys):
     """One receiver on this host, one on a simulated host with its own network link: every
     client's requests are parsed at the proxy, pushes arrive bit-exact, and at idle the
@@ -71,6 +72,7 @@ def test_store_load_counts_every_request_at_a_proxy_and_idle_links_cost_nothing(
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", ["auto", "gloo"])
+@pytest.mark.slow
 def test_bench_json_reports_every_push_applied_bit_exact(transport):
     # In a process of its own, as a user runs it: memory the test process frees during the run
     # (earlier tests' objects) would offset the sender's growth measured (CI once saw 0).
@@ -124,6 +126,7 @@ def test_bench_json_reports_every_push_applied_bit_exact(transport):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_bench_with_a_cast_also_runs_the_uncast_pushes_and_swap_apply(capsys):
     code = main(["bench", "--size-mb", "4", "--receivers", "2", "--pushes", "2", "--transport", "gloo",
                  "--dtype", "bfloat16", "--apply", "swap", "--bucket-mb", "1", "--json"])  # fmt: skip
@@ -211,6 +214,7 @@ def test_the_bench_command_runs_as_a_module_and_exits_2_on_a_bad_flag():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["auto", "gloo"])
+@pytest.mark.slow
 def test_bench_interval_reports_applied_fraction_and_age_per_receiver(capsys, transport):
     code = main(["bench", "--size-mb", "1", "--receivers", "2", "--interval-ms", "2", "--duration-s", "1",
                  "--transport", transport, "--json"])  # fmt: skip
@@ -243,6 +247,7 @@ def test_trainer_ranks_bench_reports_every_configuration(capsys):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_gpu_bench_parts_run_bit_exact_on_the_cpu(capsys):
     """``bench --gpu``'s pushes and Lightning run, with the module on the CPU (where CI has no
     GPU): every version reaches both receivers bit-exact, the trainer's last version too."""

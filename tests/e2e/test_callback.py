@@ -162,6 +162,7 @@ def _strategy(late: bool) -> dict[str, object]:
 
 @pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended")
 @pytest.mark.parametrize("restore", ["before_fit_start", "after_fit_start"])
+@pytest.mark.slow
 def test_resumed_trainer_serves_a_late_receiver_at_once(tmp_path, store, children, restore):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     fit(tmp_path, WeightSyncCallback(every_n_steps=2, module="policy", store=store, job="late"), max_steps=6,
@@ -194,6 +195,7 @@ def test_resumed_trainer_serves_a_late_receiver_at_once(tmp_path, store, childre
 
 
 # -- delivery ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_receiver_gets_every_version_bit_exact(tmp_path, store, children):
     results = CTX.Queue()
     proc = CTX.Process(target=receiver_main, args=(store, "exact", "r0", results), daemon=True)

@@ -5,14 +5,21 @@ store; rank 1: ``_shard_rank.py``), each holding the whole model as DDP replicas
 relaying only its share; hosts 2-5 run one receiver each (``_relay_receiver.py``). Every
 applied version's digest is checked against the trainer's.
 
-- ``egress``: pushes 1-4; the bytes each host sent and received over pushes 2-4 (push 1 sets
-  up the hops), read from each namespace's ``eth0`` counters.
-- ``delta``: as ``egress``, with ``delta="always"`` on both ranks and sparse steps (2% of
-  each tensor): each rank encodes its own share's delta, so pushes 2-4 move a few percent.
-- ``kill`` (``stop``): pushes 1-2, then rank 1 is SIGKILLed (SIGSTOPped) while its share of
-  version 3 is on the wire (host 1's link is shaped so that it takes a while), rank 0 pushes
-  3 and 4 alone; then the trainer is relaunched (a new sender epoch, a new rank 1) and pushes
-  5. No receiver may apply 3 or 4, and every receiver must apply 5, bit-exact.
+Each mode runs two phases on the same hosts and receivers (one set-up for two tests); the
+result holds each phase's figures under its name.
+
+- ``egress+delta``: ``egress``: pushes 1-4; the bytes each host sent and received over pushes
+  2-4 (push 1 sets up the hops), read from each namespace's ``eth0`` counters. Then the
+  trainer is relaunched (a new sender epoch, a new rank 1, both replicas rebuilt from the
+  seed) for ``delta``: the same with ``delta="always"`` on both ranks and sparse steps (2% of
+  each tensor), pushes 5-8: each rank encodes its own share's delta, so pushes 6-8 move a few
+  percent.
+- ``kill+stop``: ``kill``: pushes 1-2, then rank 1 is SIGKILLed while its share of version 3
+  is on the wire (host 1's link is shaped so that it takes a while), rank 0 pushes 3 and 4
+  alone; then the trainer is relaunched (a new sender epoch, a new rank 1) and pushes 5. No
+  receiver may apply 3 or 4, and every receiver must apply 5, bit-exact. Then ``stop``: the
+  same with rank 1 SIGSTOPped mid-share of version 6 (a stall past every timeout), rank 0
+  pushing 6 and 7 alone, and the relaunched trainer pushing 8.
 """
 
 from __future__ import annotations
@@ -62,6 +69,14 @@ class Trainer:
         self.rank1: dict[str, Any] = {}
         self.asked = 0  # push keys set for the current rank 1
 
+    def rebuild(self, delta: str) -> None:
+        """The model from the seed again and ``delta`` from the next launch (rank 1 builds its replica
+        from the seed at each launch and takes every step up to the version asked)."""
+        self.model = build_model(spec_for_size(self.size_mb), seed=0)
+        self.cfg = dataclasses.replace(self.cfg, delta=delta)
+        self.change = touch if delta == "always" else mutate
+        self.mutated = 0
+
     def start(self) -> WeightSender:
         self.launch += 1
         self.asked = 0
@@ -99,9 +114,10 @@ class Trainer:
 
 def scenario(argv: list[str]) -> dict[str, Any]:
     out, mode, size_mb = Path(argv[0]), argv[1], float(argv[2])
+    assert mode in ("egress+delta", "kill+stop"), mode
     events = out / "events.jsonl"
     with SimHosts(2 + len(ROLLOUT)) as hosts:
-        if mode != "egress":
+        if mode == "kill+stop":
             hosts.shape(1, "100mbit")  # rank 1's share of a version takes ~0.7 s on its link
         os.environ["WSYNC_HOST_ID"] = hosts.name(0)
         hosts.enter(0)
@@ -109,7 +125,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                               timeout=timedelta(seconds=60))  # fmt: skip
         address = f"{hosts.address(0)}:{store.port}"
         procs = Procs(hosts, out)
-        trainer = Trainer(hosts, procs, store, address, size_mb, delta="always" if mode == "delta" else "auto")
+        trainer = Trainer(hosts, procs, store, address, size_mb)
         sender = trainer.start()
         names = [f"h{h}r0" for h in ROLLOUT]
         for name, h in zip(names, ROLLOUT):
@@ -140,46 +156,78 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             push(version)
             wait_until(f"every receiver to apply version {version}", lambda: applied(version) >= set(names), 60, procs)
 
-        shares = [prepare_shares(trainer.model, trainer.cfg, r, 2).share.total_bytes for r in (0, 1)]
-        result: dict[str, Any] = {"names": names, "share_bytes": shares, "model_bytes": sender.layout.total_bytes}
-        everyone(1)
-        before = [hosts.counters(i) for i in range(hosts.n)]
-        everyone(2)
-        if mode in ("egress", "delta"):
-            everyone(3)
-            everyone(4)
+        def traffic(first: int) -> dict[str, list[float]]:
+            """Pushes ``first``..``first + 3`` to everyone; each host's bytes sent and received per push
+            over the last three (the first sets up the hops)."""
+            everyone(first)
+            before = [hosts.counters(i) for i in range(hosts.n)]
+            for version in range(first + 1, first + 4):
+                everyone(version)
             after = [hosts.counters(i) for i in range(hosts.n)]
-            result["tx_per_push"] = [(a[0] - b[0]) / 3 for a, b in zip(after, before)]
-            result["rx_per_push"] = [(a[1] - b[1]) / 3 for a, b in zip(after, before)]
-        else:
-            sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
-            result["killed"] = stop_rank1_mid_share(hosts, trainer, push, shares, procs, sig)
-            # Rank 0 alone pushes 4: its share reaches every host, rank 1's never does.
+            return {"versions": list(range(first, first + 4)),
+                    "tx_per_push": [(a[0] - b[0]) / 3 for a, b in zip(after, before)],
+                    "rx_per_push": [(a[1] - b[1]) / 3 for a, b in zip(after, before)]}  # fmt: skip
+
+        def relaunch(delta: str | None = None) -> None:
+            """A new sender epoch and a new rank 1 (the old one ended or killed); with ``delta``,
+            rank 1 ended by its ask and both replicas rebuilt for that setting."""
+            nonlocal sender
+            sender.close(0, final=False)  # as after a crash (or a restart): training goes on
+            if delta is not None:
+                trainer.stop_rank1()
+                trainer.rebuild(delta)
+            sender = trainer.start()
+            wait_until("both streams' chains of the new epoch to take in every rollout host", chains_formed, 60, procs)
+
+        def lose_rank1(first: int, sig: signal.Signals) -> dict[str, Any]:
+            """Pushes ``first`` and ``first + 1`` to everyone, then rank 1 is stopped by ``sig`` mid-share
+            of ``first + 2``; rank 0 pushes ``first + 3`` alone; the trainer is relaunched and pushes
+            ``first + 4`` to everyone."""
+            for version in (first, first + 1):
+                everyone(version)
+            killed = stop_rank1_mid_share(hosts, trainer, push, shares, procs, sig, first + 2)
+            # Rank 0 alone pushes the next: its share reaches every host, rank 1's never does.
             rx = [hosts.counters(h)[1] for h in ROLLOUT]
-            push(4, rank1=False)
-            wait_until("rank 0's share of version 4 to reach every rollout host",
+            push(first + 3, rank1=False)
+            wait_until(f"rank 0's share of version {first + 3} to reach every rollout host",
                        lambda: all(hosts.counters(h)[1] >= b + shares[0] for h, b in zip(ROLLOUT, rx)), 30, procs)
             os.kill(int(trainer.rank1["pid"]), signal.SIGKILL)  # a stalled rank 1 too: the trainer is relaunched
             procs.wait(f"rank1-l{trainer.launch}", 30)
-            sender.close(0, final=False)  # as after a crash: a new sender epoch, a new rank 1
-            sender = trainer.start()
-            wait_until("both streams' chains of the new epoch to take in every rollout host", chains_formed, 60, procs)
+            return {"killed": killed, "partial": (first + 2, first + 3), "relaunched": first + 4}
+
+        shares = [prepare_shares(trainer.model, trainer.cfg, r, 2).share.total_bytes for r in (0, 1)]
+        result: dict[str, Any] = {"names": names, "share_bytes": shares, "model_bytes": sender.layout.total_bytes}
+        phases: dict[str, dict[str, Any]] = {}
+        if mode == "egress+delta":
+            phases["egress"] = traffic(1)
+            relaunch(delta="always")  # both replicas from the seed: rank 1 steps from it too
+            phases["delta"] = traffic(5)
+        else:
+            phases["kill"] = lose_rank1(1, signal.SIGKILL)
+            relaunch()
             everyone(5)
-            result["partial_applied"] = sorted(applied(3) | applied(4))
+            phases["stop"] = lose_rank1(6, signal.SIGSTOP)
+            relaunch()
+            everyone(10)
         sender.close()
         trainer.stop_rank1()
-        result["applied"] = [{"name": r["name"], "version": r["version"],
-                              "exact": r["digest"] == expected.get(r["version"])}
-                             for r in read(events) if r["event"] == "applied"]  # fmt: skip
+        every = [{"name": r["name"], "version": r["version"], "exact": r["digest"] == expected.get(r["version"])}
+                 for r in read(events) if r["event"] == "applied"]  # fmt: skip
+        for name, phase in phases.items():
+            if "partial" in phase:  # who applied a version rank 1 never finished: nobody
+                cut = phase["partial"]
+                phase["partial_applied"] = sorted(f"{a['name']}@{a['version']}" for a in every if a["version"] in cut)
+            result[name] = phase
+        result["applied"] = every
         return result
 
 
 def stop_rank1_mid_share(
-    hosts: SimHosts, trainer: Trainer, push: Any, shares: list[int], procs: Procs, sig: signal.Signals
+    hosts: SimHosts, trainer: Trainer, push: Any, shares: list[int], procs: Procs, sig: signal.Signals, version: int
 ) -> dict[str, Any]:
-    """Version 3: rank 1 SIGKILLed (or SIGSTOPped) once 30% of its share has left its host."""
+    """Rank 1 SIGKILLed (or SIGSTOPped) once 30% of its share of ``version`` has left its host."""
     tx = hosts.counters(1)[0]
-    push(3)
+    push(version)
     goal = tx + 0.3 * shares[1]
     wait_until("30% of rank 1's share of version 3 to leave host 1", lambda: hosts.counters(1)[0] >= goal, 30, procs)
     os.kill(int(trainer.rank1["pid"]), sig)

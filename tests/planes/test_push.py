@@ -25,6 +25,7 @@ def start(children, store, job, name, spec, results, **options):
 
 
 @pytest.mark.parametrize("transport,apply", [("auto", "copy"), ("gloo", "copy"), ("gloo", "swap")])
+@pytest.mark.slow
 def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport, apply):
     spec = ("mixed", 0)
     model = build(spec)
@@ -48,6 +49,7 @@ def test_five_pushes_reach_three_receivers_bit_exact(children, port, transport, 
 
 
 @pytest.mark.parametrize("transport,apply", [("auto", "copy"), ("gloo", "copy"), ("gloo", "swap")])
+@pytest.mark.slow
 def test_sigkill_mid_push_isolated(children, port, transport, apply):
     spec = ("big", 256)
     model = build(spec)

@@ -59,6 +59,7 @@ def _receivers(
         yield out
 
 
+@pytest.mark.slow
 def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(server, port, monkeypatch):
     monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
     address = f"127.0.0.1:{port}"

@@ -22,7 +22,7 @@ from lightning_wsync import WeightSender
 
 FULL = os.environ.get("WSYNC_CHAOS_FULL") == "1"
 PUSHES = 100 if FULL else 12
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800 if FULL else 300)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(1800 if FULL else 300)]
 CTX = mp.get_context("spawn")
 TIMEOUT_S = 3.0
 CATCH_UP_S = 90.0  # bound on a live receiver holding the newest version (includes a cold start)

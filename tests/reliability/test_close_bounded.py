@@ -16,7 +16,7 @@ from _workers import Inbox, build, collect, mutate, receiver_main
 
 from lightning_wsync import WeightSender
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 CTX = mp.get_context("spawn")
 SPEC = ("big", 32)  # 32 MiB: a send to a stopped receiver blocks (far more than the socket buffers)
 

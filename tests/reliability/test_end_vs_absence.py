@@ -18,7 +18,7 @@ from _lightning_workers import PolicyModule, loader, make_policy
 from lightning_wsync.callback import WeightSyncCallback
 from lightning_wsync.testing.trainers import trainer_kwargs
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 CTX = mp.get_context("spawn")
 
 

@@ -79,6 +79,7 @@ def observe(conns: dict[str, Connection], names: str) -> dict[str, tuple[int | N
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_members_hold_the_same_version_at_every_observation(port):
     with fleet(port, "fleet-same", timeout_s=10) as (sender, model, conns, rids, _):
         with Pusher(sender, model) as pusher:
@@ -112,6 +113,7 @@ def until(what: str, conns: dict[str, Connection], names: str, cond: object, tim
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_a_stalled_member_is_left_out_and_rejoins(port):
     timeout_s = 1.5
     with fleet(port, "fleet-stall", timeout_s=timeout_s) as (sender, model, conns, rids, kids):
@@ -155,6 +157,7 @@ def test_a_stalled_member_is_left_out_and_rejoins(port):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_member_joining_later_never_holds_the_fleet_up(port):
     timeout_s = 20.0  # a round waiting on the newcomer would show as a gap this long
     with fleet(port, "fleet-join", timeout_s=timeout_s) as (sender, model, conns, rids, kids):

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 CTX = mp.get_context("spawn")
 
 
+@pytest.mark.slow
 def test_corrupted_bytes_are_rejected_and_previous_version_kept(children, port):
     spec = ("mixed", 0)
     model = build(spec)
@@ -52,6 +53,7 @@ def test_corrupted_bytes_are_rejected_and_previous_version_kept(children, port):
         assert collect(inbox, "version", {"r"}, 30)["r"][2:4] == (3, digest(model))
 
 
+@pytest.mark.slow
 def test_store_loss_keeps_weights_and_reports_clearly(children, port):
     spec = ("mixed", 0)
     inbox = Inbox(CTX)
@@ -79,6 +81,7 @@ def _rss_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 def test_memory_flat_over_many_small_pushes(children, port):
     spec = ("mixed", 0)
     model = build(spec)
