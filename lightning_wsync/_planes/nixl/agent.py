@@ -54,7 +54,7 @@ class Agent:
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-            self._nixl: Any = nixl_agent(name, nixl_agent_config(backends=[_BACKEND]))
+            self._nixl: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND]))
         except Exception as exc:  # noqa: BLE001 - the binding raises its own (untyped) errors
             raise NixlError(f"NIXL agent {name!r} could not start: {type(exc).__name__}: {exc}") from None
         if _BACKEND not in self._nixl.backends:
