@@ -118,6 +118,8 @@ def raw_hop(hosts: SimHosts, transport: str, nbytes: int, reps: int, timeout_s: 
             parent.send(("go",))
             if pg is not None:
                 pg.send([source], 1, 0).wait()
+            while agent is not None and not parent.poll(0.0002):
+                agent.get_new_notifs()  # the owner's side of UCX progresses only when polled (no progress thread)
             done = receive(parent, timeout_s, f"raw {transport} hop")
             if done[2] != 7:
                 raise BenchError(f"raw {transport} hop: the bytes did not arrive")
