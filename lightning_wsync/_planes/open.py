@@ -78,6 +78,7 @@ class SendSide:
             return
         from_device = spec.device.type == "cuda" and spec.transport == "nccl"
         segment = None
+        nixl = not from_device and _wants_nixl(spec)  # hook: the NIXL plane (before anything is made: it may refuse)
         if not from_device and spec.transport in ("auto", "shm", "nixl"):
             remove_stale_segments()
             segment = ShmSegment(segment_name(spec.job, spec.epoch), layout.total_bytes, create=True, slots=2)
@@ -102,9 +103,7 @@ class SendSide:
                 timeout_s=spec.timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s, deltas=self.deltas,
                 policy=policy, topology=spec.cross_host, previous_epoch=spec.epoch - 1 or None,
             ))  # fmt: skip
-        nixl = segment is not None and _wants_nixl(spec)  # hook: the NIXL plane
-        if nixl:
-            assert segment is not None
+        if nixl and segment is not None:
             planes.append(nixl_plane.open_send(nixl_plane.NixlSendParams(
                 ctl=ctl, ring=self.ring, segment=segment, epoch=spec.epoch, job=spec.job)))  # fmt: skip
         self.net = net
@@ -258,6 +257,8 @@ def open_source(
 def _wants_nixl(spec: SenderSpec) -> bool:
     """Hook (the NIXL plane): transport='nixl', or 'auto' with cross_host='star' where NIXL is usable; says which."""
     if spec.transport == "nixl":
+        if (refused := nixl_plane.unusable()) is not None:
+            raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {refused}; or use transport='auto'")
         return True
     if spec.transport != "auto" or spec.cross_host != "star":
         return False

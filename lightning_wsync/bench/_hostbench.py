@@ -18,6 +18,8 @@ into every host can beat it); ``per_hop_overhead_s`` is what is left of the late
 the trainer's own NIC time (egress at the link rate), divided by the hops a version
 travels (1 for the star). A reference run to one rollout host (same R, same links) gives
 the "latency to one host" the scale-out figures are judged against.
+
+Longer than 300 lines: the relay/star phases and the per-transport phases (--transport) share one phase runner.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from lightning_wsync._control.records import NixlAgentRecord, RecordShape, SenderRecord
 from lightning_wsync._planes import open as planes
 from lightning_wsync._planes.nixl import messages
+from lightning_wsync.errors import WeightSyncConfigError
 
 
 def spec(transport: str, cross_host: str) -> planes.SenderSpec:
@@ -24,7 +25,11 @@ def test_auto_picks_nixl_for_the_star_where_usable_and_says_which(monkeypatch, c
         assert planes._wants_nixl(spec("auto", "star")) is (why is None)
     said = caplog.text
     assert ("READ through NIXL" in said) if why is None else ("gloo links (NIXL is not installed (test))" in said)
-    assert planes._wants_nixl(spec("nixl", "relay")) is True
+    if why is None:
+        assert planes._wants_nixl(spec("nixl", "relay")) is True
+    else:
+        with pytest.raises(WeightSyncConfigError, match=r"transport='nixl', but NIXL is not installed \(test\)"):
+            planes._wants_nixl(spec("nixl", "relay"))
     assert planes._wants_nixl(spec("auto", "relay")) is False  # the relay's hops stay gloo
     assert planes._wants_nixl(spec("gloo", "star")) is False
 
