@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import MISSING
 
-TRANSPORTS = ("auto", "shm", "gloo", "nccl")
+TRANSPORTS = ("auto", "shm", "gloo", "nccl", "nixl")  # nixl: hook (the NIXL plane, docs/nixl.md)
 CROSS_HOST = ("relay", "chain", "tree", "star")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 DELTA_MODES = ("auto", "off", "always")
@@ -124,7 +124,10 @@ class SenderConfig(_PeerConfig):
         timeout_s: bound on every wait for a receiver (acknowledgement, group set-up, send).
         transport: ``"auto"`` (shared memory for receivers on this host, gloo for the
             rest; CUDA weights are snapshotted to host memory), ``"shm"``, ``"gloo"``, or
-            ``"nccl"`` (snapshot stays on the GPU; receivers on other GPUs get it over NCCL).
+            ``"nccl"`` (snapshot stays on the GPU; receivers on other GPUs get it over NCCL),
+            or ``"nixl"`` (receivers on other hosts READ the snapshot ring one-sided through
+            NIXL, the ``[nixl]`` extra; same-host receivers use shared memory). With ``"auto"``
+            and ``cross_host="star"``, NIXL is used where installed and usable (docs/nixl.md).
         heartbeat_timeout_s: a receiver silent this long is treated as gone.
         cross_host: with ``transport="auto"``, how receivers on other hosts get a version:
             ``"relay"`` (one copy per host, to an elected leader, relayed down a chain of

@@ -73,6 +73,9 @@ relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions
 relay/<stream>/leaders          JSON    ``{leaders: {rid: host}}``: the live host leaders of a sharded
                                         sender's stream (below), written by trainer rank 0 for the
                                         stream of each rank > 0 (overwritten; read by value)
+nixl/<epoch>/agent/<who>        JSON    a NIXL agent's metadata and registered regions (who:
+                                        ``sender``, or ``r<rid>`` for a receiver); the NIXL plane's
+                                        (docs/nixl.md), deleted by its writer when it closes
 channel/<name>/queue            queue   experience items, MAC-prefixed when a secret is set
 ==============================  ======  =========================================================
 
@@ -248,6 +251,12 @@ def relay_chain(epoch: int) -> str:
 
 def relay_broken(epoch: int, rid: int) -> str:
     return f"relay/{epoch}/broken/{rid}"
+
+
+# -- the NIXL plane (hook: lightning_wsync._planes.nixl) --
+def nixl_agent(epoch: int, who: str) -> str:
+    """A NIXL agent's record: ``who`` is ``sender`` or ``r<rid>``."""
+    return f"nixl/{epoch}/agent/{who}"
 
 
 def relay_moved(epoch: int) -> str:

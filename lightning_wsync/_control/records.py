@@ -34,8 +34,8 @@ from lightning_wsync._control.shards import ShardPlan
 
 __all__ = [
     "ChainRecord", "ClosedRecord", "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
-    "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer", "SenderRecord",
-    "ShardsRecord", "SumsRecord", "VersionRecord",
+    "NixlAgentRecord", "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer",
+    "SenderRecord", "ShardsRecord", "SumsRecord", "VersionRecord",
 ]  # fmt: skip
 
 
@@ -87,9 +87,13 @@ class SenderRecord:
     relay: bool
     shm: str | None
     sharded: bool = False  # every trainer rank writes its share: read shards/<epoch>
+    nixl: bool = False  # hook (NIXL plane): other hosts READ the ring through NIXL (nixl/<epoch>/agent/sender)
 
     def encode(self) -> object:
-        return asdict(self)
+        value = asdict(self)
+        if not self.nixl:
+            del value["nixl"]  # as before the NIXL plane: older readers see the same record
+        return value
 
     @classmethod
     def decode(cls, value: object) -> Self:
@@ -102,7 +106,42 @@ class SenderRecord:
             as_float(v["timeout_s"], "timeout_s"), as_str(v["transport"], "transport"),
             as_str(v["backend"], "backend"), as_bool(v["relay"], "relay"),
             None if shm is None else as_str(shm, "shm"), as_bool(v.get("sharded", False), "sharded"),
+            as_bool(v.get("nixl", False), "nixl"),
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NixlAgentRecord:
+    """``nixl/<epoch>/agent/<who>``: a NIXL agent (hook: the NIXL plane, docs/nixl.md).
+
+    ``regions``: the (address, bytes) ranges the agent registered for remote READs, in
+    the owner's order: the ring's header, then each slot (empty for a receiver's agent).
+    """
+
+    EXPECTED: ClassVar[str] = '{"name", "pid", "metadata": <base64>, "regions": [[address, bytes], ...]}'
+    name: str
+    pid: int
+    metadata: str  # base64 of nixl_agent.get_agent_metadata()
+    regions: tuple[tuple[int, int], ...] = ()
+
+    def encode(self) -> object:
+        regions = [list(r) for r in self.regions]
+        return {"name": self.name, "pid": self.pid, "metadata": self.metadata, "regions": regions}
+
+    @classmethod
+    def decode(cls, value: object) -> Self:
+        v = fields(value, "name", "pid", "metadata", "regions")
+        regions: list[tuple[int, int]] = []
+        for r in as_list(v["regions"], "regions"):
+            pair = as_list(r, "regions[]")
+            if len(pair) != 2:
+                raise RecordShape(f"regions[] entry {pair!r:.40} is not [address, bytes]")
+            address, size = as_int(pair[0], "regions[][0]"), as_int(pair[1], "regions[][1]")
+            if address <= 0 or size <= 0:
+                raise RecordShape(f"region [{address}, {size}] is not a positive address and size")
+            regions.append((address, size))
+        return cls(as_str(v["name"], "name"), as_int(v["pid"], "pid"), as_str(v["metadata"], "metadata"),
+                   tuple(regions))  # fmt: skip
 
 
 @dataclass(frozen=True)

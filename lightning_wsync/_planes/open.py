@@ -9,6 +9,7 @@ and takes the ring when it is on this host, its host's relay when the sender rel
 else its own network link. No other module branches on the transport.
 
 Longer than 300 lines: every plane choice, sender's and receiver's, in the one place that makes it.
+Longer than 60 lines: `open_source()` holds the NIXL plane's two-line hook until a table of planes takes every pick.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
+from lightning_wsync._planes.nixl import open as nixl_plane  # hook: the NIXL plane (one entry each way)
 from lightning_wsync._planes.relay.mates import MateDesk
 from lightning_wsync._planes.relay.receive import open_relay_source
 from lightning_wsync._planes.relay.send import RelaySendPlane
@@ -59,7 +61,7 @@ class SenderSpec:
     epoch: int
     host: str
     addr: str
-    transport: str  # auto | shm | gloo | nccl
+    transport: str  # auto | shm | gloo | nccl | nixl
     cross_host: str  # relay | chain | tree | star
     delta: str  # off | always | auto
     device: torch.device  # where the module's tensors are
@@ -84,7 +86,8 @@ class SendSide:
             return
         from_device = spec.device.type == "cuda" and spec.transport == "nccl"
         segment = None
-        if not from_device and spec.transport in ("auto", "shm"):
+        nixl = not from_device and _wants_nixl(spec)  # hook: the NIXL plane (before anything is made: it may refuse)
+        if not from_device and spec.transport in ("auto", "shm", "nixl"):
             remove_stale_segments()
             segment = ShmSegment(segment_name(spec.job, spec.epoch), layout.total_bytes, create=True, slots=2)
         self.segment = segment
@@ -107,6 +110,9 @@ class SendSide:
                 timing=self.timing, deltas=self.deltas, policy=policy, topology=spec.cross_host,
                 previous_epoch=spec.epoch - 1 or None,
             ))  # fmt: skip
+        if nixl and segment is not None:
+            planes.append(nixl_plane.open_send(nixl_plane.NixlSendParams(
+                ctl=ctl, ring=self.ring, segment=segment, epoch=spec.epoch, job=spec.job)))  # fmt: skip
         self.net = net
         self.planes: tuple[SendPlane, ...] = tuple(planes)
         # What receivers read from the sender's record to pick their plane (open_source).
@@ -114,7 +120,7 @@ class SendSide:
             epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
             heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s,  # timeout_s bounds every relay hop
             transport=spec.transport, backend=self.backend, relay=relay,
-            shm=segment.name if segment is not None else None,
+            shm=segment.name if segment is not None else None, nixl=nixl,
         )  # fmt: skip
 
     def _open_sharded(self, ctl: Control, layout: Manifest, spec: SenderSpec, plan: ShardPlan) -> None:
@@ -218,12 +224,14 @@ def open_source(
         )  # fmt: skip
     transport, backend, shm = record.transport, record.backend, record.shm
     same_host = record.host == host and shm is not None
+    if record.nixl and not same_host and (nixl := _open_nixl(epoch, layout, record, ordered, me)) is not None:
+        return nixl  # hook: the NIXL plane
     if transport == "shm" and not same_host:
         raise WeightSyncConfigError(
             f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
             f"{record.host!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
         )
-    if transport in ("auto", "shm") and same_host:
+    if transport in ("auto", "shm", "nixl") and same_host:
         try:
             return SharedMemorySource(epoch, layout, ordered, ShmReader(str(shm), layout), name)
         except (FileNotFoundError, PermissionError) as exc:
@@ -250,6 +258,37 @@ def open_source(
         on_rejected=me.on_rejected, newest=me.newest, pinned=backend == "gloo" and me.device.type == "cuda",
     )  # fmt: skip
     return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
+
+
+def _wants_nixl(spec: SenderSpec) -> bool:
+    """Hook (the NIXL plane): transport='nixl', or 'auto' with cross_host='star' where NIXL is usable; says which."""
+    if spec.transport == "nixl":
+        if (refused := nixl_plane.unusable()) is not None:
+            raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {refused}; or use transport='auto'")
+        return True
+    if spec.transport != "auto" or spec.cross_host != "star":
+        return False
+    why = nixl_plane.unusable()
+    if why is None:
+        log.info("WeightSender: transport='auto', cross_host='star': receivers on other hosts READ through NIXL")
+    else:
+        log.info("WeightSender: transport='auto', cross_host='star': receivers on other hosts get gloo links (%s)", why)
+    return why is None
+
+
+def _open_nixl(
+    epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec
+) -> ReceiveSource | None:
+    """Hook (the NIXL plane): a reader of the sender's ring; None: NIXL is not usable here and the
+    sender also serves gloo links (transport='auto'), said once in the log."""
+    why = nixl_plane.unusable()
+    if why is not None and record.transport == "auto":
+        log.warning("receiver %r: the sender offers NIXL, but %s; receiving over a gloo link instead", me.name, why)
+        return None
+    return nixl_plane.open_receive(nixl_plane.NixlReceiveParams(
+        ctl=me.ctl, layout=layout, ordered=ordered, epoch=epoch, rid=me.rid, name=me.name, timeout_s=me.timeout_s,
+        newest=me.newest, on_staged=me.on_staged, on_rejected=me.on_rejected,
+    ))  # fmt: skip
 
 
 def _open_sharded(

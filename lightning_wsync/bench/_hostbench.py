@@ -18,6 +18,8 @@ into every host can beat it); ``per_hop_overhead_s`` is what is left of the late
 the trainer's own NIC time (egress at the link rate), divided by the hops a version
 travels (1 for the star). A reference run to one rollout host (same R, same links) gives
 the "latency to one host" the scale-out figures are judged against.
+
+Longer than 300 lines: the relay/star phases and the per-transport phases (--transport) share one phase runner.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from lightning_wsync.bench import _hostdelta
 from lightning_wsync.bench._push import PushRun
+from lightning_wsync.bench._rawhop import raw_hop, session_cpu_s
 from lightning_wsync.bench._receivers import Placement
 from lightning_wsync.errors import WeightSyncError
 from lightning_wsync.testing.hosts import (
@@ -82,6 +85,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.receivers_per_host < 1:
         raise ValueError(f"--receivers-per-host={args.receivers_per_host!r} must be >= 1")
     link_bits_per_s(args.link)
+    if args.transports != ["auto"] and not set(args.transports) <= {"gloo", "nixl"}:
+        raise ValueError(f"--transport {args.transports!r} with --hosts: give gloo and/or nixl (each measured in "
+                         f"turn, star) or none (the relay and the star over gloo)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +120,8 @@ def _run_isolated(args: argparse.Namespace) -> int:
         argv += ["--delta", "--lr", str(args.lr), "--delta-mode", args.delta_mode]
     for topology in args.topology or ():
         argv += ["--topology", topology]
+    for transport in args.transports if args.transports != ["auto"] else ():
+        argv += ["--transport", transport]
     if args.dtype is not None:
         argv += ["--dtype", args.dtype]
     if args.no_reference:
@@ -149,7 +157,35 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         if args.delta:
             result = _hostdelta.measure(args, hosts, placements(hosts, args.hosts, args.receivers_per_host))
             return {"config": {**config, "lr": args.lr, "delta_mode": args.delta_mode}, **result}
+        if args.transports != ["auto"]:
+            return _measure_transports(args, hosts, rate, config)
         return _measure_phases(args, hosts, rate, config)
+
+
+def _measure_transports(
+    args: argparse.Namespace, hosts: SimHosts, rate: float, config: dict[str, object]
+) -> dict[str, object]:
+    """Each ``--transport`` (gloo links, NIXL READs: the star) in turn, one host and all, with its raw hop bound."""
+    if "nixl" in args.transports:
+        os.environ["UCX_TLS"] = "tcp"  # UCX would take shared memory between simulated hosts of one machine
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints each agent's start on stdout (--json)
+    spec = spec_for_size(args.size_mb)
+    model = build_model(spec, seed=args.seed)
+    phases: dict[str, dict[str, object]] = {}
+    for transport in args.transports:
+        ones = None
+        if not args.no_reference and args.hosts > 1:
+            ones = _phase(model, spec, hosts, args, rate, n_hosts=1, topology="star", transport=transport)
+            phases[f"one_host/{transport}"] = ones
+        phase = _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology="star", transport=transport)
+        raw = raw_hop(hosts, transport, int(phase["pushed_bytes"]), reps=3, timeout_s=args.timeout_s)  # type: ignore[call-overload]
+        phase["raw_hop"] = raw
+        phase["cpu_vs_raw"] = _ratio(phase["cpu_s_per_gb_per_hop"], raw["cpu_s_per_gb"])
+        if ones is not None:
+            phase["latency_vs_one_host"] = _ratio(phase["latency_s"], ones["latency_s"])
+        phases[transport] = phase
+    return {"config": {**config, "transports": args.transports}, "phases": phases,
+            "ok": all(bool(p["ok"]) for p in phases.values())}  # fmt: skip
 
 
 def _measure_phases(
@@ -188,10 +224,10 @@ def placements(hosts: SimHosts, n_hosts: int, per_host: int) -> list[Placement]:
 
 def _phase(
     model: torch.nn.Module, spec: ModelSpec, hosts: SimHosts, args: argparse.Namespace, rate: float, *,
-    n_hosts: int, topology: str,
+    n_hosts: int, topology: str, transport: str = "auto",
 ) -> dict[str, object]:  # fmt: skip
     placement = placements(hosts, n_hosts, args.receivers_per_host)
-    run = PushRun(model, spec, n_receivers=len(placement), transport="auto", dtype=args.dtype,
+    run = PushRun(model, spec, n_receivers=len(placement), transport=transport, dtype=args.dtype,
                   bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, store_host=hosts.address(0),
                   placement=placement, cross_host=topology, count_store=True)  # fmt: skip
     samples: list[dict[str, object]] = []
@@ -201,12 +237,14 @@ def _phase(
         for version in range(1, args.pushes + 2):
             tx0, _ = hosts.counters(0)
             asked0 = sum(run.proxy.snapshot().values())
+            cpu0 = session_cpu_s()
             sample = run.push(version, warmup=version == 1)
+            cpu_s = session_cpu_s() - cpu0
             tx1, _ = hosts.counters(0)
             samples.append({"version": version, "warmup": version == 1, "latency_s": sample.latency_s,
                             "egress_bytes": tx1 - tx0, "egress_models": (tx1 - tx0) / pushed,
                             "store_requests": sum(run.proxy.snapshot().values()) - asked0,
-                            "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
+                            "cpu_s": cpu_s, "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
         idle = _idle_store_rate(run.proxy)
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate
@@ -215,7 +253,11 @@ def _phase(
     latency = statistics.median(float(s["latency_s"]) for s in timed)  # type: ignore[arg-type]
     egress = statistics.median(float(s["egress_models"]) for s in timed)  # type: ignore[arg-type]
     nic_s = egress * wire_bound_s
+    # Copies that crossed a hop per push: one per receiver over links (the star), one per host through the relay.
+    copies = len(placement) if topology == "star" or transport != "auto" else n_hosts
+    cpu_s = statistics.median(float(s["cpu_s"]) for s in timed)  # type: ignore[arg-type]
     return {
+        "transport": transport, "cpu_s_per_push": cpu_s, "cpu_s_per_gb_per_hop": cpu_s / (pushed * copies / 1e9),
         "topology": topology, "hosts": n_hosts, "receivers": len(placement), "pushed_bytes": pushed,
         "latency_s": latency, "wire_bound_s": wire_bound_s, "latency_vs_wire_bound": latency / wire_bound_s,
         "egress_models_per_push": egress, "hops": hops, "shape": "tree" if tree else topology,
@@ -249,7 +291,7 @@ def format_table(result: dict[str, object]) -> str:
     header = (
         f"{'phase':<10} {'hosts':>5} {'recv':>5} {'latency s':>10} {'wire bound s':>13} {'x bound':>8} "
         f"{'x 1 host':>9} {'egress models':>14} {'hop overhead s':>15} {'store req/push':>15} "
-        f"{'idle req/s/host':>16} {'bit-exact':>10}"
+        f"{'idle req/s/host':>16} {'bit-exact':>10} {'CPU s/GB/hop':>13} {'x raw':>6}"
     )
     lines = [title, header]
     phases = result["phases"]
@@ -261,6 +303,11 @@ def format_table(result: dict[str, object]) -> str:
             f"{p['latency_vs_wire_bound']:>8.2f} {'-' if vs_one is None else f'{vs_one:.2f}':>9} "
             f"{p['egress_models_per_push']:>14.2f} {p['per_hop_overhead_s']:>15.2f} "
             f"{p.get('store_requests_per_push', 0):>15.0f} {p.get('store_idle_requests_per_s_per_host', 0):>16.1f} "
-            f"{'yes' if p['ok'] else 'NO':>10}"
+            f"{'yes' if p['ok'] else 'NO':>10} {p.get('cpu_s_per_gb_per_hop', 0):>13.2f} "
+            f"{'-' if p.get('cpu_vs_raw') is None else format(p['cpu_vs_raw'], '.2f'):>6}"
         )
+        raw = p.get("raw_hop")
+        if isinstance(raw, dict):
+            lines.append(f"{'  raw ' + name:<10} {'':>5} {1:>5} {raw['latency_s']:>10.2f} {'':>13} {'':>8} {'':>9} "
+                         f"{'':>14} {'':>15} {'':>15} {'':>16} {'':>10} {raw['cpu_s_per_gb']:>13.2f}")  # fmt: skip
     return "\n".join(lines)

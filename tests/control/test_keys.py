@@ -18,7 +18,7 @@ def _table_rows() -> list[re.Pattern[str]]:
     rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
     body = lines[rules[1] + 1 : rules[2]]  # between the header's rule and the closing one
     firsts = [line.split()[0] for line in body if line and not line.startswith(" ")]
-    parts = {"<name>": "[^/]+", "<group>": "[^/]+", "<hostkey>": "[0-9a-f]{16}"}
+    parts = {"<name>": "[^/]+", "<group>": "[^/]+", "<who>": "(?:sender|r[0-9]+)", "<hostkey>": "[0-9a-f]{16}"}
     return [re.compile(re.sub(r"<[a-z]+>", lambda m: parts.get(m[0], "[0-9]+"), first)) for first in firsts]
 
 
@@ -60,12 +60,13 @@ def _built() -> dict[str, str]:
         "relay_received": keys.relay_received(3, 7),
         "relay_stream_leaders": keys.relay_stream_leaders(keys.relay_stream(3, 1)),
         "channel_queue": keys.channel_queue("experience"),
+        "nixl_agent": keys.nixl_agent(3, "r7"),
     }
 
 
 def test_every_key_built_has_a_row_in_the_table_and_every_row_a_builder():
     rows = _table_rows()
-    assert len(rows) == 34, [r.pattern for r in rows]
+    assert len(rows) == 35, [r.pattern for r in rows]
     unmatched_rows = set(range(len(rows)))
     for name, key in _built().items():
         hits = [i for i, row in enumerate(rows) if row.fullmatch(key)]

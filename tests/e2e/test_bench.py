@@ -195,6 +195,7 @@ def test_digest_sees_wire_rounding_but_not_equal_copies():
         (["--trainer-ranks", "1"], r"--trainer-ranks=1 must be >= 2"),
         (["--store-load", "--idle-s", "0"], r"--idle-s=0.0 must be > 0"),
         (["--store-load", "--store-hosts", "-1"], r"--store-hosts=-1 must be >= 0"),
+        (["--transport", "gloo", "--transport", "nixl"], r"--transport more than once needs --hosts"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(capsys, argv, match):

@@ -102,7 +102,7 @@ def test_mismatched_module_gets_schema_error(port):
     ("options", "match"),
     [
         ({"bucket_mb": 0}, r"bucket_mb=0 must be a number > 0"),
-        ({"transport": "carrier-pigeon"}, r"transport='carrier-pigeon' is unknown; choose one of \('auto', 'shm', 'gloo', 'nccl'\)"),
+        ({"transport": "carrier-pigeon"}, r"transport='carrier-pigeon' is unknown; choose one of \('auto', 'shm', 'gloo', 'nccl', 'nixl'\)"),
         ({"dtype": "int8"}, r"dtype='int8' is not supported"),
         ({"timeout_s": -1}, r"timeout_s=-1 must be a number > 0"),
         ({"include": "*.weight"}, r"include='\*.weight' must be a list of glob patterns"),

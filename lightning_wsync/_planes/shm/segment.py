@@ -58,6 +58,12 @@ def segment_name(job: str, epoch: int) -> str:
     return f"wsync-{os.getpid()}-{epoch}-{safe}"
 
 
+def seq_word_offset(slot: int) -> int:
+    """Byte offset of ``slot``'s sequence word (its version word follows) in the header page:
+    for a remote reader that reads the words itself (the NIXL plane)."""
+    return (_SLOT_BASE + 2 * slot) * 8
+
+
 def _stride(nbytes: int) -> int:
     return max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
 

@@ -1,0 +1,167 @@
+"""The one module that imports NIXL: whether it is usable here, agents, their records.
+
+NIXL (``nixl-cu12``, the ``[nixl]`` extra) is optional. :func:`unusable` says why it
+cannot be used here (not installed, no UCX backend), once per process; everything else
+goes through :class:`Agent`, a small wrapper over ``nixl_agent`` that owns its
+registrations and remote agents and drops them all in :meth:`Agent.close`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_wsync._control.records import NixlAgentRecord
+
+log = logging.getLogger(__name__)
+
+_BACKEND = "UCX"
+
+
+class NixlError(RuntimeError):
+    """A NIXL call failed (a peer gone, metadata that does not load, a transfer in error)."""
+
+
+@functools.lru_cache(maxsize=1)
+def unusable() -> str | None:
+    """Why NIXL cannot be used in this process (None: it can), found once."""
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa: F401
+    except ImportError as exc:
+        return f"NIXL is not installed ({exc}); pip install 'lightning-wsync[nixl]' (docs/nixl.md)"
+    except Exception as exc:  # noqa: BLE001 - a broken native library must mean "not usable", never a crash
+        return f"NIXL does not load here ({type(exc).__name__}: {exc})"
+    try:
+        probe = Agent(f"wsync-probe-{os.getpid()}")
+    except NixlError as exc:
+        return str(exc)
+    probe.close()
+    return None
+
+
+class Agent:
+    """One NIXL agent with the UCX backend, its registered memory and its remote agents."""
+
+    def __init__(self, name: str) -> None:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+            self._nixl: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND]))
+        except Exception as exc:  # noqa: BLE001 - the binding raises its own (untyped) errors
+            raise NixlError(f"NIXL agent {name!r} could not start: {type(exc).__name__}: {exc}") from None
+        if _BACKEND not in self._nixl.backends:
+            raise NixlError(f"NIXL agent {name!r}: no {_BACKEND} backend (plugins: {self._nixl.plugin_list})")
+        self.name = name
+        self._registered: list[Any] = []
+        self._remote: set[str] = set()
+        self._handles: list[Any] = []
+        self.lock = threading.RLock()  # one thread at a time through the agent (close from another)
+
+    # -- memory -------------------------------------------------------------------------
+    def register(self, tensors: Sequence[torch.Tensor]) -> None:
+        try:
+            self._registered.append(self._nixl.register_memory(list(tensors)))
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"NIXL agent {self.name!r} could not register memory: {exc}") from None
+
+    def metadata(self) -> str:
+        return base64.b64encode(self._nixl.get_agent_metadata()).decode("ascii")
+
+    def record(self, regions: Sequence[tuple[int, int]] = ()) -> NixlAgentRecord:
+        return NixlAgentRecord(self.name, os.getpid(), self.metadata(), tuple(regions))
+
+    # -- peers --------------------------------------------------------------------------
+    def add_remote(self, record: NixlAgentRecord) -> None:
+        """Load a peer's metadata (idempotent); NixlError when it does not decode or load."""
+        if record.name in self._remote:
+            return
+        try:
+            metadata = base64.b64decode(record.metadata, validate=True)
+        except (binascii.Error, ValueError):
+            raise NixlError(f"NIXL agent {record.name!r}: its metadata is not base64") from None
+        try:
+            loaded = self._nixl.add_remote_agent(metadata)
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"NIXL agent {record.name!r}: its metadata does not load ({exc})") from None
+        got = loaded.decode("utf-8", "replace") if isinstance(loaded, bytes) else str(loaded)
+        self._remote.add(got)
+        if got != record.name:
+            self.remove_remote(got)
+            raise NixlError(f"NIXL agent {record.name!r}: its metadata names another agent, {got!r}")
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remote:
+            self._remote.discard(name)
+            try:
+                self._nixl.remove_remote_agent(name)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("NIXL agent %r: removing %r: %s", self.name, name, exc)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        try:
+            self._nixl.send_notif(peer, message)
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"NIXL agent {self.name!r}: a message to {peer!r} failed ({exc})") from None
+
+    def messages(self) -> dict[str, list[bytes]]:
+        """New notifications: agent name -> messages in arrival order."""
+        try:
+            got: dict[str, list[bytes]] = self._nixl.get_new_notifs()
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"NIXL agent {self.name!r}: reading notifications failed ({exc})") from None
+        return got
+
+    # -- transfers ----------------------------------------------------------------------
+    def post_read(self, peer: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
+                  note: bytes = b"") -> Any:  # fmt: skip
+        """Post a one-sided READ of ``remote`` (address, bytes) ranges of ``peer`` into ``local``; a handle."""
+        try:
+            ld = self._nixl.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+            rd = self._nixl.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            handle = self._nixl.initialize_xfer("READ", ld, rd, peer, note)
+        except Exception as exc:  # noqa: BLE001
+            raise NixlError(f"NIXL agent {self.name!r}: a READ from {peer!r} could not be set up ({exc})") from None
+        self._handles.append(handle)
+        state = self._nixl.transfer(handle)
+        if state == "ERR":
+            self.release(handle)
+            raise NixlError(f"NIXL agent {self.name!r}: a READ from {peer!r} failed to start")
+        return handle
+
+    def done(self, handle: Any) -> bool:
+        """Whether a posted READ completed; NixlError when it failed."""
+        state = self._nixl.check_xfer_state(handle)
+        if state == "ERR":
+            raise NixlError(f"NIXL agent {self.name!r}: a READ failed (its peer gone or unreachable)")
+        return bool(state == "DONE")
+
+    def release(self, handle: Any) -> None:
+        if handle in self._handles:
+            self._handles.remove(handle)
+        try:
+            handle.release()
+        except Exception as exc:  # noqa: BLE001 - still in flight after a peer died: NIXL keeps it for its __del__
+            log.debug("NIXL agent %r: releasing a transfer: %s", self.name, exc)
+
+    def close(self) -> None:
+        """Release every transfer, remote agent and registration; the agent goes with the last reference."""
+        with self.lock:
+            for handle in list(self._handles):
+                self.release(handle)
+            for name in list(self._remote):
+                self.remove_remote(name)
+            for registered in self._registered:
+                try:
+                    self._nixl.deregister_memory(registered)
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("NIXL agent %r: deregistering: %s", self.name, exc)
+            self._registered.clear()
+            self._nixl = None

@@ -1,0 +1,256 @@
+"""The NIXL plane's receive side: a thread READs each new version from the owner's ring
+into a staging buffer of two halves, verifies it, and ``update()`` copies the newest
+verified half into the module (never waiting on the network).
+
+One version, in order (docs/nixl.md): ask the owner for a pin and get its grant (slot,
+sequence, signed trailer); READ the slot chunk by chunk (each completed chunk tells the
+owner the reader is alive); READ the slot's sequence and version words again; unpin.
+The version is staged only if the words did not move and every bucket's checksum
+matches the signed trailer (:func:`~lightning_wsync._planes.wire.verify`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest, copy_out
+from lightning_wsync._control.records import NixlAgentRecord
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import ReceiveSource, Reject, SumsLookup
+from lightning_wsync._planes.nixl import messages
+from lightning_wsync._planes.nixl.agent import Agent, NixlError
+from lightning_wsync._planes.nixl.send import reader_name
+from lightning_wsync._planes.shm.ring import bucket_checksums
+from lightning_wsync._planes.shm.segment import seq_word_offset
+from lightning_wsync._planes.wire import Arrival, to_int64, verify
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.005  # a new version is looked for (in this process: the watcher's latest) this often
+_WINDOW = 4  # chunk READs in flight
+
+
+class Torn(Exception):
+    """The slot moved under the READ (this reader stalled past the owner's lease)."""
+
+
+class NixlReader:
+    """Stages versions READ from the owner's ring; :class:`NixlSource` applies them."""
+
+    def __init__(
+        self, ctl: Control, layout: Manifest, *, epoch: int, rid: int, timeout_s: float, chunk_bytes: int,
+        newest: Callable[[], int | None], on_staged: Callable[[int], None], on_rejected: Callable[[int, str], None],
+    ) -> None:  # fmt: skip
+        self._ctl = ctl
+        self.layout = layout
+        self._epoch = epoch
+        self._rid = rid
+        self._timeout_s = timeout_s
+        self._chunk = max(1 << 16, chunk_bytes)
+        self._newest = newest
+        self._on_staged = on_staged
+        self._on_rejected = on_rejected
+        nbytes = layout.total_bytes
+        self._staging = torch.empty(2 * nbytes, dtype=torch.uint8)
+        self.halves = [self._staging[:nbytes], self._staging[nbytes:]]
+        self._words = torch.zeros(2, dtype=torch.int64)  # the slot's (seq, version) as READ after the payload
+        self._agent = Agent(reader_name(rid, os.getpid(), secrets.token_hex(4)))
+        self._key = keys.nixl_agent(epoch, f"r{rid}")
+        try:
+            self._agent.register([self._staging, self._words])
+            ctl.put(self._key, self._agent.record())
+        except BaseException:
+            self._agent.close()
+            raise
+        self._owner: NixlAgentRecord | None = None
+        self._tag = 0
+        self.lock = threading.Lock()  # the ready half and its version
+        self.ready: int | None = None  # the half holding the newest verified version
+        self.version: int | None = None
+        self._rejected: int | None = None  # the newest version that failed verification: not READ again
+        self.failures = 0
+        self.error: str | None = None  # the last failure, for describe()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-nixl-read-{rid}", daemon=True)
+        self._thread.start()
+
+    # -- the reader's thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            newest = self._newest()
+            have = max((v for v in (self.version, self._rejected) if v is not None), default=None)
+            if newest is None or (have is not None and newest <= have):
+                self._stop.wait(_IDLE_POLL_S)
+                continue
+            try:
+                self._fetch(have)
+                self.failures = 0
+            except Torn as exc:
+                log.debug("NIXL reader %d: %s; reading again", self._rid, exc)
+            except (NixlError, WeightSyncError, RuntimeError) as exc:
+                self.failures += 1
+                self.error = str(exc)
+                log.warning("NIXL reader %d (sender epoch %d): %s", self._rid, self._epoch, exc)
+                self._forget_owner()
+                self._stop.wait(min(1.0, 0.05 * 2**self.failures))
+
+    def _owner_record(self) -> NixlAgentRecord:
+        if self._owner is None:
+            record = self._ctl.get_record(keys.nixl_agent(self._epoch, "sender"), NixlAgentRecord)
+            if record is None:
+                raise NixlError(f"sender epoch {self._epoch} published no NIXL agent")
+            regions = record.regions
+            slot_sizes = {size for _, size in regions[1:]}
+            if len(regions) < 2 or slot_sizes != {self.layout.total_bytes} or regions[0][1] < 4096:
+                raise NixlError(f"the sender's NIXL record lists regions {regions!r:.80} that do not fit this layout")
+            self._agent.add_remote(record)
+            self._owner = record
+        return self._owner
+
+    def _forget_owner(self) -> None:
+        if self._owner is not None:
+            self._agent.remove_remote(self._owner.name)
+            self._owner = None
+
+    def _fetch(self, have: int | None) -> None:
+        owner = self._owner_record()
+        grant = self._ask_pin(owner.name, have)
+        if grant is None:
+            self._stop.wait(_IDLE_POLL_S)  # announced, not yet in the ring (or dropped): look again
+            return
+        half = 0 if self.ready != 0 else 1
+        if grant.slot + 1 >= len(owner.regions):
+            raise NixlError(f"the owner granted slot {grant.slot}, which its record does not list")
+        try:
+            self._read(owner, grant, self.halves[half])
+        finally:
+            try:
+                self._agent.notify(owner.name, messages.unpin(grant.tag))
+            except NixlError as exc:
+                log.debug("NIXL reader %d: %s", self._rid, exc)
+        seq, version = (int(w) for w in self._words.tolist())
+        if (seq, version) != (grant.seq, grant.version):
+            raise Torn(f"version {grant.version}'s slot moved during the READ (sequence {grant.seq} -> {seq})")
+        sums = [to_int64(s) for s in bucket_checksums(self.halves[half], self.layout)]
+        got = Arrival(grant.version, grant.seq, grant.trailer, sums, None)
+        verdict = verify(self._ctl, self.layout, epoch=self._epoch, rid=self._rid, got=got, where=" over NIXL")
+        if not verdict.accepted:
+            if verdict.reason is not None:
+                self._on_rejected(grant.version, verdict.reason)
+                self._rejected = grant.version
+            return
+        with self.lock:
+            self.ready, self.version = half, grant.version
+        self._on_staged(grant.version)
+
+    def _ask_pin(self, owner: str, have: int | None) -> messages.Grant | None:
+        self._tag += 1
+        tag = self._tag
+        self._agent.notify(owner, messages.pin(tag, have))
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            for note in self._agent.messages().get(owner, []):
+                parsed = messages.parse(note)
+                if parsed is None or parsed[1][0] != tag:
+                    continue  # an answer to an earlier pin
+                if parsed[0] == "N":
+                    return None
+                grant = messages.as_grant(parsed[1]) if parsed[0] == "G" else None
+                if grant is not None:
+                    return grant
+            time.sleep(0.0005)
+        raise NixlError(f"the owner {owner!r} did not answer a pin within timeout_s={self._timeout_s}")
+
+    def _read(self, owner: NixlAgentRecord, grant: messages.Grant, into: torch.Tensor) -> None:
+        base, size = owner.regions[1 + grant.slot]
+        local = into.data_ptr()
+        chunks = [(o, min(self._chunk, size - o)) for o in range(0, size, self._chunk)]
+        note = messages.touch(grant.tag)
+        pending: list[tuple[Any, float]] = []
+        deadline = time.monotonic() + self._timeout_s  # renewed at each completed chunk
+        try:
+            while chunks or pending:
+                while chunks and len(pending) < _WINDOW:
+                    o, n = chunks.pop(0)
+                    pending.append((self._agent.post_read(owner.name, [(local + o, n)], [(base + o, n)], note), 0.0))
+                handle = pending[0][0]
+                if self._agent.done(handle):
+                    self._agent.release(handle)
+                    pending.pop(0)
+                    deadline = time.monotonic() + self._timeout_s
+                    self.after_chunk()
+                elif time.monotonic() > deadline or self._stop.is_set():
+                    raise NixlError(f"a chunk READ of version {grant.version} made no progress within "
+                                    f"timeout_s={self._timeout_s} (the sender stalled or is gone)")  # fmt: skip
+                else:
+                    time.sleep(0.0002)
+            header = owner.regions[0][0]
+            words = self._agent.post_read(owner.name, [(self._words.data_ptr(), 16)],
+                                          [(header + seq_word_offset(grant.slot), 16)])  # fmt: skip
+            pending.append((words, 0.0))
+            while not self._agent.done(words):
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise NixlError(f"the READ of version {grant.version}'s slot words did not complete")
+                time.sleep(0.0002)
+        finally:
+            for handle, _ in pending:
+                self._agent.release(handle)
+
+    def after_chunk(self) -> None:
+        """Called after each chunk landed (a seam for tests of a reader slower than the lease)."""
+
+    # -- for the source -------------------------------------------------------------
+    def describe(self) -> str:
+        return "NIXL" if self.error is None or self.failures == 0 else f"NIXL (last failure: {self.error})"
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self._timeout_s + 1.0)
+        if self._thread.is_alive():
+            log.warning("NIXL reader %d: its thread did not end within timeout_s; leaving its agent", self._rid)
+            return
+        try:
+            self._ctl.delete(self._key)
+        except (WeightSyncError, RuntimeError) as exc:
+            log.debug("NIXL reader %d: deleting %r: %s", self._rid, self._key, exc)
+        self._agent.close()
+
+
+class NixlSource(ReceiveSource):
+    """A sender epoch's versions as a :class:`NixlReader` stages them, copied into the module."""
+
+    def __init__(self, epoch: int, ordered: list[torch.Tensor], reader: NixlReader) -> None:
+        self.epoch = epoch
+        self._ordered = ordered
+        self.reader = reader
+
+    def apply(self, held: int | None, sums: SumsLookup | None, reject: Reject) -> int | None:
+        r = self.reader
+        with r.lock:
+            if r.ready is None or r.version is None or (held is not None and r.version <= held):
+                return None
+            copy_out(r.layout, r.halves[r.ready], self._ordered)
+            return r.version
+
+    def pending_above(self, held: int | None) -> bool:
+        r = self.reader
+        return r.ready is not None and r.version is not None and (held is None or r.version > held)
+
+    def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
+        return False  # the reader's on_staged callback wakes the receiver's waiters
+
+    def describe(self) -> str:
+        return self.reader.describe()
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,59 @@
+"""The NIXL plane's pieces that need no NIXL: the pick, its records, its messages."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_wsync._control.records import NixlAgentRecord, RecordShape, SenderRecord
+from lightning_wsync._planes import open as planes
+from lightning_wsync._planes.nixl import messages
+from lightning_wsync.errors import WeightSyncConfigError
+
+
+def spec(transport: str, cross_host: str) -> planes.SenderSpec:
+    return planes.SenderSpec(job="j", epoch=1, host="h", addr="127.0.0.1", transport=transport, cross_host=cross_host,
+                             delta="off", device=torch.device("cpu"), timeout_s=5, heartbeat_timeout_s=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("why", [None, "NIXL is not installed (test)"])
+def test_auto_picks_nixl_for_the_star_where_usable_and_says_which(monkeypatch, caplog, why):
+    monkeypatch.setattr(planes.nixl_plane, "unusable", lambda: why)
+    with caplog.at_level(logging.INFO, logger=planes.__name__):
+        assert planes._wants_nixl(spec("auto", "star")) is (why is None)
+    said = caplog.text
+    assert ("READ through NIXL" in said) if why is None else ("gloo links (NIXL is not installed (test))" in said)
+    if why is None:
+        assert planes._wants_nixl(spec("nixl", "relay")) is True
+    else:
+        with pytest.raises(WeightSyncConfigError, match=r"transport='nixl', but NIXL is not installed \(test\)"):
+            planes._wants_nixl(spec("nixl", "relay"))
+    assert planes._wants_nixl(spec("auto", "relay")) is False  # the relay's hops stay gloo
+    assert planes._wants_nixl(spec("gloo", "star")) is False
+
+
+def test_agent_record_round_trips_and_refuses_bad_regions():
+    record = NixlAgentRecord("wsync-s1-5-j", 5, "QUJD", ((4096, 4096), (8192, 100)))
+    assert NixlAgentRecord.decode(record.encode()) == record
+    for regions in ([[0, 10]], [[10, -1]], [[1, 2, 3]], "x"):
+        with pytest.raises((RecordShape, ValueError, TypeError)):
+            NixlAgentRecord.decode({**record.encode(), "regions": regions})  # type: ignore[dict-item]
+
+
+def test_sender_record_says_nixl_only_when_offered():
+    plain = SenderRecord(1, "h", 1, "a", 5.0, 5.0, "auto", "gloo", False, "seg")
+    assert "nixl" not in plain.encode()  # type: ignore[operator]
+    offered = SenderRecord(1, "h", 1, "a", 5.0, 5.0, "nixl", "gloo", False, "seg", nixl=True)
+    assert SenderRecord.decode(offered.encode()) == offered and SenderRecord.decode(plain.encode()) == plain
+
+
+def test_messages_round_trip_and_ignore_strangers():
+    g = messages.Grant(3, 7, 1, 12, [12, -5, 9])
+    kind, numbers = messages.parse(messages.grant(g)) or ("", [])
+    assert kind == "G" and messages.as_grant(numbers) == g
+    assert messages.parse(messages.pin(4, None)) == ("P", [4, -1])
+    assert messages.parse(messages.touch(4)) == ("T", [4])
+    for stranger in (b"", b"X 1", b"G", b"P x", b"\xff\xfe"):
+        assert messages.parse(stranger) is None
