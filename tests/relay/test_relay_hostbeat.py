@@ -35,6 +35,7 @@ from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
+from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.relay.head import leader_record
 from lightning_wsync.testing.procs import Children
 
@@ -127,13 +128,14 @@ def host(children, tmp_path, monkeypatch, port, request):  # type: ignore[no-unt
         env.setenv("WSYNC_HOST_ID", "trainer")
         sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, timeout_s=10,
                               heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)  # fmt: skip
+    names = getattr(request, "param", NAMES)  # parametrized indirectly: fewer host-mates
     with sender:
         host = Host(children, tmp_path, sender, job)
-        for name in NAMES:
+        for name in names:
             host.start(name)
         host.registered()
-        host.push(model, 1, NAMES)
-        host.wait("the sender to see all three live", lambda: set(sender.receivers()) == set(NAMES))
+        host.push(model, 1, names)
+        host.wait("the sender to see them all live", lambda: set(sender.receivers()) == set(names))
         yield host, model
         for pid in host.pids.values():  # a SIGSTOPped one is let go on before it is killed
             try:
@@ -224,3 +226,63 @@ def test_a_host_mate_forgotten_while_stopped_registers_again_and_stays_forgotten
     assert all(set(NAMES) <= live for live in later), later
     left = {key: host.ctl.get_text(key) for key in (keys.member_heartbeat(old), keys.member_state(old))}
     assert set(left.values()) == {None}, left
+
+
+def test_a_garbled_leader_record_is_replaced_once_and_leadership_stays_put(host) -> None:
+    """Issue 32 (chaos with garbage, seed 32): after a host's leader record was overwritten with
+    junk, old code took over from it at term 0 and rang nobody (the leader it replaced kept
+    serving on what its bell last read). Now the record is replaced once (its leader, which reads
+    it again at the latest when its bell's backstop rings, takes it back), the term goes on, nobody
+    takes the host from anyone afterwards, and everyone gets the next versions bit-exact."""
+    host, model = host
+    old = host.wait("a leader", host.leader)
+    key = keys.relay_leader(host.sender.epoch, HOST)
+    host.ctl.set_text(key, "not json {")  # what the chaos run wrote
+    garbled = time.monotonic()
+    bell_backstop_s = timing(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, timeout_s=10).bell_backstop_s  # no read sooner
+    bound_s = bell_backstop_s + HEARTBEAT_TIMEOUT_S + 1.0
+    first = host.wait("a readable leader record again", host.leader, timeout_s=bound_s + 30)
+    took_s = time.monotonic() - garbled
+    assert took_s <= bound_s, (took_s, host.logs())
+    assert first.term > old.term, (old, first)  # the term goes on
+    holders = leadership(host, 2 * HEARTBEAT_TIMEOUT_S)
+    assert holders == [first.rid], (f"leadership changed {len(holders) - 1} times after the garble "
+                                    f"(old leader rid={old.rid}): {holders[:40]}\n{host.logs()}")  # fmt: skip
+    for version in (2, 3):
+        host.push(model, version, NAMES)
+    assert host.leader() == first or host.leader().rid == first.rid, host.logs()
+
+
+def leadership(host: Host, seconds: float) -> list[int]:
+    """The rids the host's leader record named over ``seconds`` (-1: none readable), in order, repeats dropped."""
+    holders: list[int] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        record = host.leader()
+        rid = -1 if record is None else record.rid
+        if not holders or holders[-1] != rid:
+            holders.append(rid)
+        time.sleep(0.02)  # a sampling period, not a synchronisation
+    return holders
+
+
+@pytest.mark.parametrize("host", [["a", "b"]], indirect=True)
+def test_two_leaders_stopped_in_turn_do_not_take_the_host_from_each_other_for_ever(host) -> None:
+    """Issue 32 (the flip found by the chaos run with garbage): each of two host-mates took over
+    once from the other, stopped, on its board's silence (a "suspect"). Old code kept that suspect
+    after it led, and judged the next record with it: the leader that lost the host (rung by the
+    taker) took it straight back from its live host-mate, which did the same, every 50-200 ms."""
+    host, model = host
+    for _ in range(2):  # each one stopped once while it leads: each takes over from the other once
+        leader = host.wait("a leader", host.leader)
+        os.kill(leader.pid, signal.SIGSTOP)
+        try:
+            host.wait("a host-mate to take over", lambda old=leader.rid: (r := host.leader()) is not None
+                      and r.rid != old, timeout_s=4 * HEARTBEAT_TIMEOUT_S)  # fmt: skip
+        finally:
+            os.kill(leader.pid, signal.SIGCONT)
+        host.wait("the stopped one to beat again", lambda: set(host.sender.receivers()) == {"a", "b"})
+    holders = leadership(host, 2 * HEARTBEAT_TIMEOUT_S)
+    assert len(holders) == 1, f"leadership changed {len(holders) - 1} times: {holders[:40]}\n{host.logs()}"
+    for version in (2, 3):
+        host.push(model, version, ["a", "b"])

@@ -52,6 +52,7 @@ class Election:
         self._complaints = Complaints(log, f"relay: host {host}'s election")
         self._next_check = 0.0  # when the leader's gone key and heartbeat are read next
         self._refused: str | None = None  # the last unreadable record, reported once
+        self._last: LeaderRecord | None = None  # the last readable record: what an unreadable one replaced
 
     def read(self, ctl: Control) -> tuple[str | None, LeaderRecord | None]:
         """The raw record and what it says; an unreadable (forged, garbled) one reads as no leader."""
@@ -59,12 +60,15 @@ class Election:
         if raw is None:
             return None, None
         try:
-            return raw, ctl.decode(self.key, raw, LeaderRecord)
+            record = ctl.decode(self.key, raw, LeaderRecord)
         except WeightSyncError as exc:  # WeightSyncRecordError, WeightSyncAuthError: replaced like a dead one
             if self._refused != raw:
                 log.warning("relay: host %s: %s; a host-mate replaces it", self._host, exc)
                 self._refused = raw
             return raw, None
+        if self._last is None or record.term >= self._last.term:
+            self._last = record
+        return raw, record
 
     def elect(self, ctl: Control, *, suspect: tuple[int, str] | None = None) -> LeaderRecord | None:
         """The host's leader after this poll: the current one, or this receiver if it took over.
@@ -75,21 +79,24 @@ class Election:
         if not self.standing:
             return record
         if record is None:
-            reason: str | None = "no leader"
+            reason: str | None = "no leader" if raw is None else "its record is unreadable"
         elif suspect is not None and suspect[0] == record.rid != self._rid:
             reason = suspect[1]
         else:
             reason = self._gone(ctl, record)
         if reason is None:
             return record
-        mine = LeaderRecord(rid=self._rid, pid=os.getpid(), term=0 if record is None else record.term + 1,
+        # An unreadable record replaces the last one read (issue 32): its term goes on, and its
+        # leader, which may still serve on what its bell last read, is rung like any replaced one.
+        replaced = record if record is not None or raw is None else self._last
+        mine = LeaderRecord(rid=self._rid, pid=os.getpid(), term=0 if replaced is None else replaced.term + 1,
                             shm=self._shm, pidns=self._pidns, ready=False)  # fmt: skip
         sealed = ctl.seal(self.key, mine.encode())
         now = ctl.compare_set(self.key, raw or "", sealed).decode("utf-8", "replace")
         if now == sealed:
             log.info("relay: receiver rid=%d leads host %s (term %d; %s)", self._rid, self._host, mine.term, reason)
-            if record is not None:  # the one replaced stops serving at once if it still can
-                ring_bell(ctl, self._epoch, record.rid)
+            if replaced is not None:  # the one replaced stops serving at once if it still can
+                ring_bell(ctl, self._epoch, replaced.rid)
             ctl.bump(keys.relay_moved(self._epoch))  # the sender reads the leader records again
             return mine
         return self.read(ctl)[1] if now else None

@@ -156,8 +156,12 @@ class RelayMember:
             self._stop.wait(CHAIN_POLL_S)
             return
         record = self._leader  # a leader's bell reads its record again when rung, and every few seconds
+        # A suspect is what this step's look at the host found (as a host-mate), used once: kept, it
+        # named a leader of long ago when this receiver, leading meanwhile, lost the host and read its
+        # record again, and it took the host straight back from a live host-mate (issue 32).
+        suspect, self._suspect = self._suspect, None
         if self._bell is None or not self._bell.leads or record is None:
-            record = self._leader = self._election.elect(ctl, suspect=self._suspect)
+            record = self._leader = self._election.elect(ctl, suspect=suspect)
             self._store_due = time.monotonic() + self._timing.leader_record_backstop_s
         leading = record is not None and record.rid == self._rid
         if record is not None and leading and self._own is None:
