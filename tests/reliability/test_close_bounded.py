@@ -15,6 +15,7 @@ import torch.distributed as dist
 from _workers import Inbox, build, collect, mutate, receiver_main
 
 from lightning_wsync import WeightSender
+from lightning_wsync._planes.nixl import open as nixl_plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 CTX = mp.get_context("spawn")
@@ -51,6 +52,9 @@ def test_close_with_stalled_receivers_is_bounded_whatever_their_count(children, 
     model = build(SPEC)
     results = Inbox(CTX)
     store, job, names = f"127.0.0.1:{port}", "close", {"r0", "r1", "r2", "r3"}
+    # The sends under test are gloo links: where NIXL is installed, transport="auto" would serve this
+    # star over NIXL (one-sided READs, no sends to stall), so the sender is told NIXL is not usable.
+    monkeypatch.setattr(nixl_plane, "unusable", lambda: "not used by this test (gloo links under test)")
     sender = WeightSender(model, store=store, job=job, timeout_s=timeout_s, cross_host="star")
     segment = f"/dev/shm/{sender._ring.segment.name}"
     try:
