@@ -90,7 +90,7 @@ def test_shm_transport_across_hosts_is_a_configuration_error(server, port, monke
         sender.push(1)
         monkeypatch.setenv("WSYNC_HOST_ID", "host-b")
         with (
-            WeightReceiver(mixed_model(1), store=store, job="h", timeout_s=3) as receiver,
+            WeightReceiver(mixed_model(1), store=store, job="h", timeout_s=30) as receiver,
             pytest.raises(WeightSyncConfigError, match="the sender uses transport='shm' but runs on host 'host-a'"),
         ):
             receiver.wait_for_version(1, timeout_s=3)
