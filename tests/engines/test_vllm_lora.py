@@ -121,3 +121,98 @@ def test_lora_options_are_checked_before_any_worker_starts():
         VllmWeightSync(object(), lora={"r": 8, "lora_alpha": 16})
     with pytest.raises(ValueError, match=r"keep_adapters=2 without lora"):
         VllmWeightSync(object(), keep_adapters=2)
+
+
+def test_async_requests_keep_the_adapter_they_started_with_while_versions_land(tmp_path, port, children):
+    """AsyncLLM, clients streaming while adapter versions are pushed: no pause, each request runs
+    whole on its starting version's adapter (replayed with transformers + PEFT), the newest
+    ``keep_adapters`` and those in use stay loaded."""
+    import asyncio
+
+    import psutil
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lightning_wsync import WeightSender
+    from lightning_wsync.engines.vllm import WORKER_EXTENSION
+    from lightning_wsync.engines.vllm_async import AsyncVllmWeightSync
+
+    path = write_tiny_llama(tmp_path / "model", init_std=0.5)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+    trainer = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config).eval()
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok(p).input_ids[:40] for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    args = AsyncEngineArgs(str(path), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                           kv_cache_memory_bytes=64 << 20, enable_lora=True, max_lora_rank=8, max_loras=4,
+                           worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+    engine = AsyncLLM.from_engine_args(args)
+    for child in psutil.Process().children(recursive=True):
+        children.track(child.pid)
+    adapters: dict[int, dict[str, torch.Tensor]] = {}
+    g = torch.Generator().manual_seed(0)
+
+    def next_adapter(version: int) -> None:
+        with torch.no_grad():
+            for name, p in trainer.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        adapters[version] = {n: p.clone() for n, p in trainer.named_parameters() if "lora_" in n}
+
+    async def main() -> tuple[list, list]:
+        with WeightSender(trainer, store=f"127.0.0.1:{port}", job="alora", timeout_s=60,
+                          include=ADAPTER_TENSORS) as sender:  # fmt: skip
+            sync = await AsyncVllmWeightSync.start(engine, store=f"127.0.0.1:{port}", job="alora", timeout_s=60,
+                                                  lora=config, keep_adapters=1)  # fmt: skip
+            try:
+                finals, held = [], []
+                streaming, progress = [True], asyncio.Event()
+
+                async def client(c: int) -> None:
+                    n = 0
+                    while streaming[0]:
+                        prompt = prompts[(c + n) % len(prompts)]
+                        async for out in sync.generate({"prompt_token_ids": prompt}, params, f"c{c}-{n}"):
+                            progress.set()
+                            last = out
+                        finals.append((prompt, last, sync.version))
+                        n += 1
+
+                next_adapter(0)
+                sender.push(0)
+                assert await sync.wait_for_version(0) == 0
+                tasks = [asyncio.create_task(client(c)) for c in range(3)]
+                for version in range(1, 5):
+                    for _ in range(3):  # a few engine steps between versions
+                        progress.clear()
+                        await asyncio.wait_for(progress.wait(), 60)
+                    next_adapter(version)
+                    sender.push(version)
+                    assert await sync.wait_for_version(version) == version
+                    held.append((await sync.state())[0]["adapters"])
+                streaming[0] = False
+                await asyncio.wait_for(asyncio.gather(*tasks), 120)
+                assert sync.paused_s == []  # adapters land between steps: the engine never paused
+                return finals, held
+            finally:
+                await sync.close()
+
+    try:
+        finals, held = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert all(h[-1] == v for h, v in zip(held, range(1, 5)))
+    assert all(len(h) <= 4 for h in held)  # keep_adapters=1 plus the versions requests still ran on
+    assert all(o.exact and not o.switches for _, o, _ in finals)
+    assert any(o.version < newest for _, o, newest in finals)  # a version landed while a request ran on an older one
+    assert len({o.version for _, o, _ in finals}) >= 3
+    expected: dict[tuple[int, int], list[int]] = {}  # (version, prompt): one reference each
+    for prompt, out, _ in finals:
+        key = (out.version, prompts.index(prompt))
+        if key not in expected:
+            reference.load_state_dict(adapters[out.version], strict=False)
+            expected[key] = hf_greedy(reference, prompt)[0]
+        assert list(out.output.outputs[0].token_ids) == expected[key], f"version {out.version}"
