@@ -45,12 +45,12 @@ class AdapterVersions:
     def __init__(self, model_runner: Any, config: Mapping[str, Any], keep: int | None) -> None:
         from vllm.lora.peft_helper import PEFTHelper
 
-        manager = getattr(model_runner, "lora_manager", None)  # set only when vLLM runs with LoRA on
-        if manager is None:
+        if model_runner.vllm_config.lora_config is None:  # the runner has no lora_manager then
             raise WeightSyncError(
                 "vLLM worker: lora=... needs an engine with LoRA on: create it with enable_lora=True, "
                 f"max_lora_rank >= {config.get('r')!r} and max_loras >= the versions to keep"
             )
+        manager = model_runner.lora_manager
         self._worker = manager
         self._manager = manager._adapter_manager
         lora_config = manager.lora_config

@@ -29,7 +29,8 @@ run the stage-then-load round itself; the extension gives it ``wsync_stage`` and
 engine's own model and tokenizer loading untouched.
 
 Longer than 300 lines: the public adapter (``make_llm``, ``VllmWeightSync``) and the
-worker extension it drives, with their docstrings; staging and commit are in ``_commit.py``.
+worker extension it drives, with their docstrings; staging and commit are in ``_commit.py``,
+LoRA adapters by version in ``_vllm_lora.py``.
 """
 
 from __future__ import annotations

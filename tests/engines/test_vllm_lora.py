@@ -14,7 +14,7 @@ import torch
 from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy
 from tiny_llama import write_tiny_llama
 
-from lightning_wsync import WeightSyncCallback
+from lightning_wsync import WeightSender, WeightSyncCallback, WeightSyncError, WeightSyncSchemaError
 from lightning_wsync.engines.lora import ADAPTER_TENSORS, lora_request
 from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
@@ -113,6 +113,14 @@ def test_a_peft_policy_pushes_its_adapter_and_the_engine_serves_each_version(tmp
         lora_bytes = sum(p.numel() * 4 for n, p in peft_model.named_parameters() if "lora_" in n)
         assert check.wire_bytes == lora_bytes  # the adapter only, never the base model
 
+    # Refused in the worker, on the same engine: more adapters than it can hold, or a whole model.
+    with pytest.raises(WeightSyncError, match=r"keep_adapters=3 must be between 1 and the engine's max_cpu_loras=2"):
+        VllmWeightSync(llm, store=store, job="lora", lora=peft_model, keep_adapters=3)
+    with WeightSender(peft_model, store=store, job="whole", timeout_s=60):  # no include: the base model too
+        with pytest.raises(WeightSyncSchemaError, match=r"would not load into the engine's LoRA layers: .*"
+                           r"base_layer\.weight \(.*include=ADAPTER_TENSORS"):  # fmt: skip
+            VllmWeightSync(llm, store=store, job="whole", lora=peft_model)
+
 
 def test_lora_options_are_checked_before_any_worker_starts():
     with pytest.raises(ValueError, match=r"keep_adapters=0 must be an int >= 1"):
@@ -135,7 +143,6 @@ def test_async_requests_keep_the_adapter_they_started_with_while_versions_land(t
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from lightning_wsync import WeightSender
     from lightning_wsync.engines.vllm import WORKER_EXTENSION
     from lightning_wsync.engines.vllm_async import AsyncVllmWeightSync
 
