@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q torch==2.13.0
-"$venv/bin/python" -m pip install -q -e ".[test,demo,vllm]"
+# The constraint holds torch where a package (peft) asks for it unpinned: pip never swaps the build.
+"$venv/bin/python" -m pip install -q -c <(echo torch==2.13.0) -e ".[test,demo,vllm,lora]"
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
-"$venv/bin/python" -c "import torch, vllm, transformers; print('== vLLM', vllm.__version__, 'on torch', torch.__version__)"
+"$venv/bin/python" -c "import torch, vllm, transformers, peft; print('== vLLM', vllm.__version__, 'peft', peft.__version__, 'on torch', torch.__version__)"

@@ -134,14 +134,14 @@ def agree(names: Sequence[str], min_version: int | None, timeout_s: float) -> St
             ) from exc
 
 
-def load(names: Sequence[str], version: int, timeout_s: float) -> Steps[None]:
-    """Every worker loads its staged ``version``.
+def load(names: Sequence[str], version: int, timeout_s: float, in_use: Sequence[int] = ()) -> Steps[None]:
+    """Every worker loads its staged ``version`` (LoRA: keeping the adapters ``in_use`` by requests).
 
     Raises:
         WeightSyncError: a worker's load failed; the engine may hold part of ``version``.
     """
     try:
-        loaded = unwrap((yield Call("wsync_load", (version,), timeout_s + RPC_MARGIN_S)), names, "load")
+        loaded = unwrap((yield Call("wsync_load", (version, sorted(in_use)), timeout_s + RPC_MARGIN_S)), names, "load")
     except WeightSyncError as exc:
         raise type(exc)(
             f"engine: loading version {version} failed ({exc}); workers may hold parts of different "

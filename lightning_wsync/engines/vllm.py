@@ -29,7 +29,8 @@ run the stage-then-load round itself; the extension gives it ``wsync_stage`` and
 engine's own model and tokenizer loading untouched.
 
 Longer than 300 lines: the public adapter (``make_llm``, ``VllmWeightSync``) and the
-worker extension it drives, with their docstrings; staging and commit are in ``_commit.py``.
+worker extension it drives, with their docstrings; staging and commit are in ``_commit.py``,
+LoRA adapters by version in ``_vllm_lora.py``.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ from typing_extensions import Self
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run, unwrap, zero_copy_option
 from lightning_wsync.engines._vllm_names import check_names
+from lightning_wsync.engines.lora import lora_options, lora_request
 from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
 
 if TYPE_CHECKING:
     from lightning_wsync._pull.loan import SharedLender
     from lightning_wsync._pull.receiver import WeightReceiver
+    from lightning_wsync.engines._vllm_lora import AdapterVersions
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class _Worker(Protocol):
 
     rank: int
     vllm_config: Any
+    model_runner: Any
 
     def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -100,6 +104,7 @@ class WsyncWorkerExtension:
     _wsync_loaded: int | None = None
     _wsync_checked: frozenset[str] = frozenset()
     _wsync_refused: tuple[frozenset[str], str] | None = None  # names refused, and why
+    _wsync_lora: AdapterVersions | None = None  # with lora: versions become adapters, the base stays
 
     def wsync_start(self, store: str | None, job: str | None, options: dict[str, Any]) -> str:
         """Join the job as a receiver that stages versions for this worker; return its name."""
@@ -113,6 +118,11 @@ class WsyncWorkerExtension:
         options = dict(options)  # workers in one process share the caller's dict
         base = options.pop("name", None) or f"vllm-{os.getpid()}"
         zero_copy = bool(options.pop("zero_copy", False))
+        lora, keep = options.pop("lora", None), options.pop("keep_adapters", None)
+        if lora is not None:
+            from lightning_wsync.engines._vllm_lora import AdapterVersions
+
+            self._wsync_lora = AdapterVersions(cast(_Worker, self).model_runner, lora, keep)
         self._wsync_staged = StagedVersion()
         self._wsync_receiver = WeightReceiver(self._wsync_staged, store, job, name=f"{base}-w{rank}", **options)
         if zero_copy:
@@ -165,7 +175,11 @@ class WsyncWorkerExtension:
         if names == self._wsync_checked:
             return
         if self._wsync_refused is None or self._wsync_refused[0] != names:
-            refused, missing = check_names(cast(_Worker, self).vllm_config, tensors.items())
+            missing: list[str] = []
+            if self._wsync_lora is not None:
+                refused = self._wsync_lora.refused(names)
+            else:
+                refused, missing = check_names(cast(_Worker, self).vllm_config, tensors.items())
             if not refused:
                 if missing:
                     log.warning("vLLM worker %r: no trainer tensor reaches %s; they keep their values", name, missing)
@@ -173,13 +187,15 @@ class WsyncWorkerExtension:
                 return
             self._wsync_refused = names, (
                 f"vLLM worker {name!r}: {len(refused)} of the trainer's {len(names)} tensors would not load "
-                f"into the engine's model: {refused!r}. Publish the names the model's Hugging Face "
-                f"checkpoint uses, or leave these out with exclude=[...] on the sender and VllmWeightSync"
+                f"into the engine's {'LoRA layers' if self._wsync_lora else 'model'}: {refused!r}. Publish the names "
+                f"the model's Hugging Face checkpoint uses, or leave these out with exclude=[...] on the sender and "
+                f"VllmWeightSync"
             )
         raise WeightSyncSchemaError(self._wsync_refused[1])
 
-    def wsync_load(self, version: int) -> dict[str, Any]:
-        """Load the staged ``version`` into the model (vLLM's layer-by-layer reload)."""
+    def wsync_load(self, version: int, in_use: list[int] | None = None) -> dict[str, Any]:
+        """Load the staged ``version`` into the model (vLLM's layer-by-layer reload); with ``lora``,
+        hold it as an adapter, keeping the versions ``in_use`` by requests in flight."""
 
         def load() -> int:
             self._wsync_get()
@@ -193,7 +209,10 @@ class WsyncWorkerExtension:
             lent = lender is not None and lender.loan is not None and lender.loan.version == version
             intact = True
             try:
-                cast(_Worker, self).reload_weights(weights_iterator=iter(staged.tensors.items()))
+                if self._wsync_lora is not None:
+                    self._wsync_lora.add(version, staged.tensors, in_use or ())
+                else:
+                    cast(_Worker, self).reload_weights(weights_iterator=iter(staged.tensors.items()))
             finally:
                 if lender is not None and lent:
                     intact = lender.give_back()
@@ -219,6 +238,7 @@ class WsyncWorkerExtension:
             "sender_closed": r.sender_closed,
             "fleet_switch": None if not r.fleet_switches else asdict(r.fleet_switches[-1]),
             "zero_copy": self._wsync_lender is not None and not self._wsync_lender.copies,
+            "adapters": None if self._wsync_lora is None else list(self._wsync_lora.versions),
         }
 
     def wsync_close(self) -> None:
@@ -266,6 +286,12 @@ class VllmWeightSync:
         zero_copy: workers on the trainer's host load each version straight out of the host's
             shared memory (the pinned snapshot slot) instead of a private copy each; elsewhere
             they copy as usual. Not with ``fleet``. See docs/engines.md.
+        lora: the trainer pushes a LoRA adapter (``include=ADAPTER_TENSORS``): its config (a peft
+            model, ``LoraConfig`` or mapping; :func:`~lightning_wsync.engines.lora.adapter_config`).
+            Each version is then held as an in-memory adapter, named by :meth:`lora_request`; the
+            base model is never written. The engine needs ``enable_lora=True``.
+        keep_adapters: with ``lora``, how many of the newest versions stay loaded (default: the
+            engine's ``max_loras``); at most ``max_cpu_loras``.
         options: :class:`~lightning_wsync.ReceiverConfig` fields (``timeout_s``, ``secret``,
             ``verify``, ``include``, ``exclude``), as for :class:`WeightReceiver` (``secret``
             default ``$WSYNC_SECRET``, read in the workers).
@@ -279,6 +305,8 @@ class VllmWeightSync:
         *,
         name: str | None = None,
         zero_copy: bool = False,
+        lora: object = None,
+        keep_adapters: int | None = None,
         **options: object,
     ) -> None:
         # Validated here, before any worker starts: bad input fails in the caller's process.
@@ -286,6 +314,8 @@ class VllmWeightSync:
         self._llm = cast(_Engine, llm)
         self.timeout_s = ReceiverConfig(**values).timeout_s
         values.update(zero_copy_option("VllmWeightSync", zero_copy, values))
+        values.update(lora_options("VllmWeightSync", lora, keep_adapters))
+        self.lora = lora is not None
         self.version: int | None = None
         try:
             self.names: list[str] = self._llm.collective_rpc("wsync_start", args=(store, job, values))
@@ -330,10 +360,20 @@ class VllmWeightSync:
         assert self.version is not None
         return self.version
 
+    def lora_request(self) -> Any:
+        """With ``lora``: the ``LoRARequest`` of the version loaded (pass it to ``generate``)."""
+        if not self.lora or self.version is None:
+            raise WeightSyncError(
+                f"VllmWeightSync: no adapter to name (lora={'on' if self.lora else 'off'}, version={self.version!r}); "
+                f"create it with lora=..., and wait_for_version() first"
+            )
+        return lora_request(self.version)
+
     def state(self) -> list[dict[str, Any]]:
         """Per worker: version loaded, version staged, rejected count, newest published, sender
-        closed, with ``fleet`` the newest switch seen (version, ``at``, rids, ``excluded``), and
-        whether it loads straight out of shared memory (``zero_copy``)."""
+        closed, with ``fleet`` the newest switch seen (version, ``at``, rids, ``excluded``),
+        whether it loads straight out of shared memory (``zero_copy``), and with ``lora`` the
+        versions held as adapters (``adapters``)."""
         return list(self._llm.collective_rpc("wsync_state"))
 
     @property
@@ -349,7 +389,8 @@ class VllmWeightSync:
             return None
         self.version = None  # until every worker has loaded it
         run(load(self.names, version, self.timeout_s), self._workers)
-        if not self._llm.reset_prefix_cache():
+        # An adapter's name is part of vLLM's prefix-cache keys: a new version shares no cached block.
+        if not self.lora and not self._llm.reset_prefix_cache():
             raise WeightSyncError(
                 f"VllmWeightSync: version {version} is loaded but the prefix cache could not be reset "
                 f"(requests still running); call update() between generate() calls"

@@ -39,6 +39,13 @@ their switches are placed at the first token the stream had not yet seen when th
 landed (the true index is that one or later). A load that fails in any worker labels
 every token after the resume ``None`` (unknown) until an update succeeds: the engine may
 hold a mix of two versions.
+
+With ``lora=...`` (the trainer pushes a LoRA adapter; :mod:`~lightning_wsync.engines.lora`)
+there is no pause and no switch: ``update()`` adds the new version as an in-memory adapter
+between two engine steps, every request runs with the adapter of the newest version at its
+start (``lora_request`` passed for it) and keeps it to its end, so its output carries one
+``version`` and no ``switches`` (``exact`` from the first output on). Older adapters are
+dropped once no request uses them and ``keep_adapters`` newer ones are loaded.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
+from lightning_wsync.engines.lora import lora_options, lora_request
 from lightning_wsync.engines.vllm_servers import UNKNOWN_LABEL
 from lightning_wsync.errors import WeightSyncError
 
@@ -103,12 +111,17 @@ def _from_spans(out: Any, spans: Any, first: int | None) -> VersionedOutput:
 class AsyncVllmWeightSync:
     """Keeps a ``vllm.AsyncLLM``'s workers at the newest version; stamps outputs with it.
 
-    Create with :meth:`start`. Args as :class:`~lightning_wsync.engines.vllm.VllmWeightSync`, plus
-    ``pause_mode`` and ``clear_cache`` (see the module docs).
+    Create with :meth:`start`. Args as :class:`~lightning_wsync.engines.vllm.VllmWeightSync`
+    (``lora`` and ``keep_adapters`` included), plus ``pause_mode`` and ``clear_cache`` (see the
+    module docs).
     """
 
-    def __init__(self, engine: Any, names: list[str], timeout_s: float, pause_mode: PauseMode, clear_cache: bool):
+    def __init__(
+        self, engine: Any, names: list[str], timeout_s: float, pause_mode: PauseMode, clear_cache: bool,
+        lora: bool = False,
+    ) -> None:  # fmt: skip
         self._engine = engine
+        self.lora = lora
         self.names = names
         self.timeout_s = timeout_s
         self.pause_mode: PauseMode = pause_mode
@@ -130,6 +143,8 @@ class AsyncVllmWeightSync:
         pause_mode: PauseMode = "keep",
         clear_cache: bool = False,
         zero_copy: bool = False,
+        lora: object = None,
+        keep_adapters: int | None = None,
         **options: object,
     ) -> AsyncVllmWeightSync:
         """Start a receiver in every worker of ``engine`` (created with ``worker_extension_cls=WORKER_EXTENSION``)."""
@@ -141,6 +156,7 @@ class AsyncVllmWeightSync:
         values = config_values(ReceiverConfig, None, {"name": name, **options}, owner="AsyncVllmWeightSync")
         timeout_s = ReceiverConfig(**values).timeout_s
         values.update(zero_copy_option("AsyncVllmWeightSync", zero_copy, values))
+        values.update(lora_options("AsyncVllmWeightSync", lora, keep_adapters))
         try:
             names = list(await engine.collective_rpc("wsync_start", args=(store, job, values)))
         except Exception as exc:
@@ -155,7 +171,7 @@ class AsyncVllmWeightSync:
         except WeightSyncError:
             await engine.collective_rpc("wsync_close")
             raise
-        return cls(engine, names, timeout_s, pause_mode, clear_cache)
+        return cls(engine, names, timeout_s, pause_mode, clear_cache, lora is not None)
 
     async def update(self) -> int | None:
         """Stage the newest version everywhere, then pause, load it in every worker, resume.
@@ -180,6 +196,10 @@ class AsyncVllmWeightSync:
         """``AsyncLLM.generate``, each output stamped with the versions that produced it."""
         async with self._switching:
             stream = self._streams[request_id] = _Stream(self.version)
+        if self.lora:
+            async for adapted in self._generate_adapted(prompt, params, request_id, stream.version):
+                yield adapted
+            return
         try:
             async for out in self._engine.generate(prompt, params, request_id):
                 completion = out.outputs[0]
@@ -189,6 +209,17 @@ class AsyncVllmWeightSync:
                     continue
                 stream.seen = len(completion.token_ids)
                 yield VersionedOutput(out, stream.version, list(stream.switches))
+        finally:
+            del self._streams[request_id]
+
+    async def _generate_adapted(
+        self, prompt: Any, params: Any, request_id: str, version: int | None
+    ) -> AsyncIterator[VersionedOutput]:
+        """With ``lora``: the whole request on ``version``'s adapter (the base model before the first)."""
+        request = None if version is None else lora_request(version)
+        try:
+            async for out in self._engine.generate(prompt, params, request_id, lora_request=request):
+                yield VersionedOutput(out, version, [], exact=True)
         finally:
             del self._streams[request_id]
 
@@ -207,7 +238,12 @@ class AsyncVllmWeightSync:
     async def _switch(self, version: int | None) -> int | None:
         if version is None or version == self.version:
             return None
-        async with self._switching:
+        async with self._switching:  # with lora: no request starts while the adapters in use are read
+            if self.lora:
+                in_use = {s.version for s in self._streams.values() if s.version is not None}
+                await run_async(load(self.names, version, self.timeout_s, sorted(in_use)), self._workers)
+                self.version = version
+                return version
             return await self._load(version)
 
     async def _load(self, version: int) -> int:
