@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 
 import torch
+import xxhash
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.manifest import Manifest, checksum
+from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.delta.wire import Held, held_of, ready_note, recv_records
@@ -258,11 +259,18 @@ class NetReceiveLink:
             return got.sums or [], got.error
         sums: list[int] = []
         works = [pg.recv([staging[a:b]], 0, 0) for a, b, _ in self._pieces]
-        for (_, b, bucket), work in zip(self._pieces, works):
+        hasher = None if staging.is_cuda else xxhash.xxh3_64()
+        for (a, b, bucket), work in zip(self._pieces, works):
             work.wait()
-            start, end = self.layout.buckets[bucket]
-            if b == end and not staging.is_cuda:  # hash bucket i while bucket i+1 arrives
-                sums.append(to_int64(checksum(staging, start, end)))
+            if hasher is None:
+                continue
+            # Each piece is hashed as it lands, still in the cache the kernel's copy left it
+            # in (a bucket hashed once all of it is in is read back from memory: 0.07 against
+            # 0.11 CPU-s/GB here, docs/benchmarks.md). xxh3 streamed equals xxh3 in one go.
+            hasher.update(staging[a:b].numpy().data)
+            if b == self.layout.buckets[bucket][1]:
+                sums.append(to_int64(hasher.intdigest()))
+                hasher.reset()
         return sums, None
 
     def close(self, timeout_s: float = 5.0) -> None:
