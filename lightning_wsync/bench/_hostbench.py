@@ -16,8 +16,11 @@ trainer's egress (bytes its ``eth0`` sent, from the interface counters, in model
 against the wire bound (model bytes at the link rate: no design that sends every byte
 into every host can beat it); ``per_hop_overhead_s`` is what is left of the latency after
 the trainer's own NIC time (egress at the link rate), divided by the hops a version
-travels (1 for the star). A reference run to one rollout host (same R, same links) gives
-the "latency to one host" the scale-out figures are judged against.
+travels (1 for the star). CPU per push is every process's (user and kernel) from ``push()``
+until the last receiver applied it: the model's change before and the digests of the
+bit-exact check after are the bench's work, left out (``cpu_s_with_bench`` has them). A
+reference run to one rollout host (same R, same links) gives the "latency to one host"
+the scale-out figures are judged against.
 
 Longer than 300 lines: the relay/star phases and the per-transport phases (--transport) share one phase runner.
 """
@@ -238,13 +241,14 @@ def _phase(
             tx0, _ = hosts.counters(0)
             asked0 = sum(run.proxy.snapshot().values())
             cpu0 = session_cpu_s()
-            sample = run.push(version, warmup=version == 1)
-            cpu_s = session_cpu_s() - cpu0
+            sample = run.push(version, warmup=version == 1, cpu=session_cpu_s)
+            bench_cpu_s = session_cpu_s() - cpu0
             tx1, _ = hosts.counters(0)
             samples.append({"version": version, "warmup": version == 1, "latency_s": sample.latency_s,
                             "egress_bytes": tx1 - tx0, "egress_models": (tx1 - tx0) / pushed,
                             "store_requests": sum(run.proxy.snapshot().values()) - asked0,
-                            "cpu_s": cpu_s, "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
+                            "cpu_s": sample.cpu_s, "cpu_s_with_bench": bench_cpu_s,
+                            "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
         idle = _idle_store_rate(run.proxy)
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate

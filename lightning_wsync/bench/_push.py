@@ -55,6 +55,7 @@ class PushSample:
     delta_changed_share: float | None = None
     delta_encode_s: float | None = None
     delta_decode_s: float | None = None
+    cpu_s: float | None = None  # push(cpu=...): CPU from push() until every receiver applied it
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -73,6 +74,7 @@ class PushSample:
             "delta_changed_share": self.delta_changed_share,
             "delta_encode_s": self.delta_encode_s,
             "delta_decode_s": self.delta_decode_s,
+            "cpu_s": self.cpu_s,
         }
 
 
@@ -179,12 +181,18 @@ class PushRun:
             raise
         return self
 
-    def push(self, version: int, *, warmup: bool = False) -> PushSample:
-        """Change the model, push ``version``, wait until every receiver applied and hashed it."""
+    def push(self, version: int, *, warmup: bool = False, cpu: Callable[[], float] | None = None) -> PushSample:
+        """Change the model, push ``version``, wait until every receiver applied and hashed it.
+
+        ``cpu``: a CPU clock (seconds) read just before ``push()`` and again once every
+        receiver said it applied the version, before the bench's own hashing (the model's
+        change and the digests are the bench's work, not the plane's).
+        """
         sender, phase, timeout_s = self._sender, self.phase, self._timeout_s
         assert sender is not None and phase is not None, "use PushRun as a context manager"
         self._change(self._model, version)
         expected = digest(self._model, self._wire_dtype)
+        cpu0 = None if cpu is None else cpu()
         started = time.monotonic()
         handle = sender.push(version)
         stall = time.monotonic() - started
@@ -197,6 +205,7 @@ class PushRun:
             assert isinstance(got, int) and isinstance(at, float) and isinstance(mem, dict)
             applied[n], applied_at[n], self._last_mem[n] = got, at, mem
             digest_ok = digest_ok and got == version
+        cpu_s = None if cpu is None or cpu0 is None else cpu() - cpu0
         for conn in self._conns.values():
             conn.send(("digest",))
         for n, conn in self._conns.items():
@@ -208,7 +217,7 @@ class PushRun:
             delivered=report.delivered, failed=dict(report.failed), applied=applied, digest_ok=digest_ok,
             delta_receivers=report.delta_receivers, delta_bytes=report.delta_bytes,
             delta_changed_share=report.delta_changed_share, delta_encode_s=report.delta_encode_s,
-            delta_decode_s=report.delta_decode_s,
+            delta_decode_s=report.delta_decode_s, cpu_s=cpu_s,
         )  # fmt: skip
         phase.samples.append(sample)
         log.debug("push %d: %s", version, sample)

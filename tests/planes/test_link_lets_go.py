@@ -24,7 +24,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import build_manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.wire import ready_note
-from lightning_wsync._planes.net.link import NetSendLink
+from lightning_wsync._planes.net.sendlink import NetSendLink
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.wire import HEADER_WORDS, make_group
 

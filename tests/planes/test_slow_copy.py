@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_wsync._control.manifest import build_manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.encode import AutoPolicy
-from lightning_wsync._planes.net import link as net_link
+from lightning_wsync._planes.net import sendlink as net_link
 from lightning_wsync._planes.shm import segment as shm_segment
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, unlink_segment

@@ -2,7 +2,7 @@
 that asked for one, made, replaced and pruned as receivers come and go.
 
 A receiver asks for a link by bumping ``member/<rid>/net`` (its link number); the
-plane then builds a :class:`~lightning_wsync._planes.net.link.NetSendLink` under that
+plane then builds a :class:`~lightning_wsync._planes.net.sendlink.NetSendLink` under that
 number. A link whose receiver is gone is stopped and dropped at once (its process group
 with it: an aborted gloo group holds threads and file descriptors), and a retired
 receiver's process-group keys are deleted from the store.
@@ -20,7 +20,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
-from lightning_wsync._planes.net.link import NetSendLink
+from lightning_wsync._planes.net.sendlink import NetSendLink
 from lightning_wsync._planes.shm.ring import SnapshotRing
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 its ``ready`` notes read ahead, never waited on long (see :mod:`relay_hop` for the
 receiving side).
 
-The notes are read as the network links read theirs (:class:`~lightning_wsync._planes.net.link.NoteWaiter`):
+The notes are read as the network links read theirs (:class:`~lightning_wsync._planes.net.notes.NoteWaiter`):
 one blocking store wait per note, on a connection of the hop's own, instead of a ``check``
 every 2 ms while a version goes down (~5.5 requests per host per push) and every few
 seconds at idle. Nothing but the note ends a wait, except the hop's end: the leader's bell
@@ -24,7 +24,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaHeader
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
-from lightning_wsync._planes.net.link import NoteWaiter
+from lightning_wsync._planes.net.notes import NoteWaiter
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     Chain,
