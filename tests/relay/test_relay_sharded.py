@@ -64,8 +64,8 @@ def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(s
     monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
     address = f"127.0.0.1:{port}"
     model = _model()
-    # heartbeat_timeout_s above timeout_s: rank 0 waits up to timeout_s for a missing share in its background
-    # thread, which meanwhile reads no heartbeats (as on one host).
+    # Rank 0 waits for a missing share on a thread of its own (heartbeats are read meanwhile: that case,
+    # heartbeat_timeout_s below timeout_s, is tests/planes/test_sharded.py's); here the notes across hosts.
     cfg = SenderConfig(job="xshard", timeout_s=3, heartbeat_timeout_s=10)
     mine = prepare_shares(model, cfg, 0, 2)
     theirs = dataclasses.replace(prepare_shares(model, cfg, 1, 2), host="trainer-b")

@@ -1,7 +1,12 @@
 """The sharded plane's send side, on trainer rank 0: it watches the other ranks' rings (read
 only, on this host; a relaying rank on another host by its note on the store) to tell push
 reports which rank's share of a version is missing, and publishes every share's checksums for
-receivers that verify (all ranks on this host)."""
+receivers that verify (all ranks on this host).
+
+The watching runs on a thread of its own (``wsync-shard-wait``), never the sender's background
+thread: that one goes on publishing versions and reading heartbeats while a share is awaited,
+so a rank that never writes its share is named in the push report, not every receiver called
+silent. Versions are watched side by side, each against its own deadline."""
 
 from __future__ import annotations
 
@@ -24,6 +29,10 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.001
 _AWAY_POLL_S = 0.02  # a rank on another host is read from the store, not its ring: less often
+# A push report gives up on a receiver timeout_s after the push; its version is published (and
+# watched here) a little later. The verdict on a missing share comes this much earlier, so the
+# report names the rank instead of calling its receivers silent.
+_AHEAD_MAX_S = 0.5
 
 
 class ShardSendPlane:
@@ -47,6 +56,8 @@ class ShardSendPlane:
         self._away_wrote: dict[int, int] = {}  # rank -> the newest version it noted
         self._away_read_at = 0.0
         self._complaints = Complaints(log, "the sharded plane's rank 0")
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
         self._others: list[ShmReader] = []
         try:
             for rank in self._ranks:
@@ -55,7 +66,10 @@ class ShardSendPlane:
             self.close(0.0)
             raise
         self._missing: tuple[int, int] | None = None  # (version, rank) of the newest incomplete version
-        self._stop = threading.Event()
+        self._warned: set[int] = set()  # ranks whose missing share was logged (again once they complete one)
+        self._watched: dict[int, tuple[float, bool]] = {}  # version -> (deadline, publish checksums)
+        self._thread = threading.Thread(target=self._run, name="wsync-shard-wait", daemon=True)
+        self._thread.start()
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         pass  # readers pin slots themselves; a dead reader's pin expires
@@ -80,21 +94,52 @@ class ShardSendPlane:
         return sorted(here + away)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
-        """Wait (at most ``timeout_s``) for every rank's share of ``version``, then publish checksums."""
-        deadline = time.monotonic() + self._timeout_s
-        while (missing := self._missing_ranks(version)) and time.monotonic() < deadline:
-            if self._stop.wait(_POLL_S):
-                return
+        """Watch ``version`` (on this plane's thread; returns at once): once every rank's share of it is
+        complete, publish checksums for verifying receivers; past ``timeout_s``, name the missing rank."""
+        ahead = min(_AHEAD_MAX_S, self._timeout_s / 10)
+        verify = self._everyone_here and any(p.verify for p in live)
+        with self._cond:
+            self._watched[version] = (time.monotonic() + self._timeout_s - ahead, verify)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._watched) or self._stop.is_set())
+                watched = sorted(self._watched.items())
+            for version, (deadline, verify) in watched:
+                try:
+                    done = self._watch(version, deadline, verify)
+                except Exception:  # noqa: BLE001 - a dead watcher would name no rank again
+                    log.exception("the sharded plane's watch of version %d failed", version)
+                    done = True
+                if done:
+                    with self._cond:
+                        self._watched.pop(version, None)
+            self._stop.wait(_POLL_S)
+
+    def _watch(self, version: int, deadline: float, verify: bool) -> bool:
+        """One look at ``version``; True once it is settled (complete, or past its deadline)."""
+        missing = self._missing_ranks(version)
+        if missing and time.monotonic() < deadline:
+            return False
         if missing:
-            self._missing = (version, missing[0])
-            log.warning("trainer rank %d did not complete its share of version %d within timeout_s=%s: no receiver "
-                        "applies that version (all shares or none)", missing[0], version, self._timeout_s)  # fmt: skip
-            return
-        self._missing = None
-        if self._everyone_here and any(p.verify for p in live):
+            if self._missing is None or self._missing[0] <= version:
+                self._missing = (version, missing[0])
+            level = logging.DEBUG if missing[0] in self._warned else logging.WARNING
+            self._warned.add(missing[0])
+            log.log(level, "trainer rank %d did not complete its share of version %d within timeout_s=%s: no "
+                    "receiver applies that version (all shares or none)", missing[0], version,
+                    self._timeout_s)  # fmt: skip
+            return True
+        if self._missing is not None and self._missing[0] < version:
+            self._missing = None
+        self._warned.clear()
+        if verify:
             sums = self._checksums(version)
             if sums is not None:
                 self._ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
+        return True
 
     def _checksums(self, version: int) -> list[int] | None:
         """Every rank's bucket checksums of ``version``, rank by rank; None once any was overwritten."""
@@ -139,9 +184,17 @@ class ShardSendPlane:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self, deadline: float) -> list[str]:
-        others, self._others = self._others, []
-        for reader in others:
-            reader.close()
-        return []
+        self.stop()
+        thread = getattr(self, "_thread", None)  # absent when __init__ failed before starting it
+        if thread is not None:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [thread.name] if thread is not None and thread.is_alive() else []
+        if not stuck:
+            others, self._others = self._others, []
+            for reader in others:
+                reader.close()
+        return stuck
