@@ -1,7 +1,8 @@
 """The sharded plane's send side, on trainer rank 0: it watches the other ranks' rings (read
 only, on this host; a relaying rank on another host by its note on the store) to tell push
 reports which rank's share of a version is missing, and publishes every share's checksums for
-receivers that verify (all ranks on this host).
+receivers that verify: of the rings on this host as it reads them, of a relaying rank on another
+host as that rank noted them on the store (``shards/<epoch>/sums/<rank>``).
 
 The watching runs on a thread of its own (``wsync-shard-wait``), never the sender's background
 thread: that one goes on publishing versions and reading heartbeats while a share is awaited,
@@ -24,6 +25,7 @@ from lightning_wsync._control.untrusted import Untrusted, counter
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,8 @@ class ShardSendPlane:
         timeout_s: float, epoch: int, relayed: bool,
     ) -> None:  # fmt: skip
         """The rings of ranks on this host (``host``) are read; a rank on another host notes each version it
-        wrote on the store when it relays (``relayed``), else it is not watched. With ranks on other hosts no
-        checksums are published (their receivers rely on each relay hop's check of every rank's signed trailer)."""
+        wrote, and its share's checksums, on the store when it relays (``relayed``), else it is not watched
+        and no checksums are published (no receiver on another host could be served then)."""
         self._ctl = ctl
         self._ring = ring
         self._timeout_s = timeout_s
@@ -53,6 +55,10 @@ class ShardSendPlane:
         self._everyone_here = len(self._ranks) == plan.world - 1
         away = [rank for rank in range(1, plan.world) if hosts[rank] != host] if relayed else []
         self._away = {rank: keys.shard_written(epoch, rank) for rank in away}
+        self._away_sums = {rank: keys.shard_sums(epoch, rank) for rank in away}
+        self._sums_read_at = 0.0
+        self._world = plan.world
+        self._checks = self._everyone_here or relayed  # every rank's checksums can be had
         self._away_wrote: dict[int, int] = {}  # rank -> the newest version it noted
         self._away_read_at = 0.0
         self._complaints = Complaints(log, "the sharded plane's rank 0")
@@ -97,7 +103,7 @@ class ShardSendPlane:
         """Watch ``version`` (on this plane's thread; returns at once): once every rank's share of it is
         complete, publish checksums for verifying receivers; past ``timeout_s``, name the missing rank."""
         ahead = min(_AHEAD_MAX_S, self._timeout_s / 10)
-        verify = self._everyone_here and any(p.verify for p in live)
+        verify = self._checks and any(p.verify for p in live)
         with self._cond:
             self._watched[version] = (time.monotonic() + self._timeout_s - ahead, verify)
             self._cond.notify()
@@ -137,12 +143,47 @@ class ShardSendPlane:
         self._warned.clear()
         if verify:
             sums = self._checksums(version)
+            if sums is None and self._away_pending(version) and time.monotonic() < deadline:
+                return False  # a rank on another host notes its checksums after its share: look again
             if sums is not None:
                 self._ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
         return True
 
+    def _away_sums_of(self, version: int) -> dict[int, list[int]] | None:
+        """The checksums of ``version`` that every rank on another host noted (read every ``_AWAY_POLL_S``);
+        None while any has not (or noted a newer version: then they are gone)."""
+        if not self._away_sums:
+            return {}
+        if time.monotonic() < self._sums_read_at:
+            return None
+        self._sums_read_at = time.monotonic() + _AWAY_POLL_S
+        found: dict[int, list[int]] = {}
+        for rank, key in self._away_sums.items():
+            try:
+                note = self._ctl.get_json(key)
+                self._complaints.good(key)
+            except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # said once; read as not noted
+                self._complaints.bad(key, exc)
+                return None
+            if not isinstance(note, dict) or note.get("version") != version:
+                return None
+            sums = note.get("sums")
+            if not isinstance(sums, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in sums):
+                self._complaints.bad(key, WeightSyncRecordError(f"{key}: checksums are not a list of ints"))
+                return None
+            found[rank] = sums
+        return found
+
+    def _away_pending(self, version: int) -> bool:
+        """Some rank on another host has not noted checksums of ``version`` nor of a newer one (so they may come)."""
+        return any(self._away_wrote.get(rank, -1) <= version for rank in self._away_sums)
+
     def _checksums(self, version: int) -> list[int] | None:
-        """Every rank's bucket checksums of ``version``, rank by rank; None once any was overwritten."""
+        """Every rank's bucket checksums of ``version``, rank by rank; None once any was overwritten, or while a
+        rank on another host has not noted its own."""
+        away = self._away_sums_of(version)
+        if away is None:
+            return None
         ref = self._ring.find(version)
         lease = None if ref is None else self._ring.acquire(ref)
         if lease is None:
@@ -153,7 +194,8 @@ class ShardSendPlane:
             lease.release()
         if sums is None:
             return None
-        for reader in self._others:
+        by_rank: dict[int, list[int]] = {0: sums, **away}
+        for rank, reader in zip(self._ranks, self._others):
             theirs: SlotRef | None = next((r for r in reader.complete() if r.version == version), None)
             if theirs is None or not reader.pin(theirs):
                 return None
@@ -163,8 +205,8 @@ class ShardSendPlane:
                 intact = reader.unpin(theirs)
             if not intact:
                 return None
-            sums += part
-        return sums
+            by_rank[rank] = part
+        return [s for rank in range(self._world) for s in by_rank[rank]]
 
     def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
         return {}  # always the whole version, copied from the rings
