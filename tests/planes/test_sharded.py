@@ -173,3 +173,42 @@ def test_a_rank_that_never_writes_is_named_while_the_sender_keeps_its_pace(serve
             assert third.wait().delivered == (receiver.name,)  # it holds 4
     finally:
         writer.close()
+
+
+def test_a_fleet_switches_together_to_versions_every_rank_wrote(server):
+    """Fleet receivers of a sharded sender stage each round's target itself from every rank's ring
+    (not the newest), verifying or not; at every switch both hold that version, bit-exact."""
+    model = _model()
+    cfg = SenderConfig(job="shfleet", timeout_s=10)
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+    mods = {n: _zeroed() for n in "ab"}
+    digests: dict[int, str] = {}
+    try:
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(mods["a"], store=server, job="shfleet", name="a", fleet="g", verify=True) as a, \
+                WeightReceiver(mods["b"], store=server, job="shfleet", name="b", fleet="g") as b:
+            deadline = time.monotonic() + 60
+            for version in range(1, 10**6):
+                mutate(model, version)
+                digests[version] = digest(model)
+                writer.write(version)
+                sender.push(version)
+                a.update(), b.update()
+                switches = sender.fleet_switches("g")
+                if len({s.version for s in switches if {a.rid, b.rid} <= set(s.rids)}) >= 4:
+                    break
+                assert time.monotonic() < deadline, f"the fleet did not move: {switches}"
+                time.sleep(0.02)  # the trainer's pace, not a synchronisation
+            while True:  # pushes have stopped: the fleet settles on one last switch
+                a.update(), b.update()
+                final = sender.fleet_switches("g")[-1]
+                if a.version == b.version == final.version and {a.rid, b.rid} <= set(final.rids):
+                    break
+                assert time.monotonic() < deadline, (a.version, b.version, final)
+                time.sleep(0.01)
+            assert digest(mods["a"]) == digest(mods["b"]) == digests[final.version]
+            assert a.rejected == b.rejected == 0
+    finally:
+        writer.close()
