@@ -17,11 +17,15 @@ the module's own tensors; the other ranks never talk to rollout workers. FSDP
 push every rank takes part in gathering the full weights
 (``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``), and rank 0 copies
 them into a CPU mirror that it sends. Other strategies (DeepSpeed, XLA) are refused.
-With ``sharded=True`` (DDP and FSDP2, several ranks, on one host or several)
-there is no gather and no funnel: every rank snapshots its own share (FSDP2: its local
-shards; replicated tensors: ~1/world of their bytes) into a shared-memory ring of its own,
-and receivers apply a version only once every rank's share of it is complete
-(docs/sharded.md). ``wsync/stall_s`` is then rank 0's own share.
+By default (``sharded="auto"``) a trainer of several ranks under DDP or FSDP2, on one
+host or several, pushes *sharded*: no gather and no funnel; every rank snapshots its own
+share (FSDP2: its local shards; replicated tensors: ~1/world of their bytes) into a
+shared-memory ring of its own, and receivers apply a version only once every rank's share
+of it is complete (docs/sharded.md). ``wsync/stall_s`` is then rank 0's own share. Where it
+cannot (one rank, ``FSDPStrategy``, a tensor placement it cannot split, ``transport`` other
+than ``"auto"``/``"shm"``, ``cross_host`` ``"star"`` or ``"tree"``) the push is unsharded as
+above and rank 0 says why once in the log (:attr:`WeightSyncCallback.unsharded_reason`).
+``sharded=False`` always pushes unsharded; ``sharded=True`` fails where it cannot shard.
 
 **Blocking.** A push blocks for the snapshot only (plus the gather under FSDP); delivery
 reports are awaited by a daemon thread (``wsync-callback-reports``). With
@@ -67,7 +71,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
@@ -95,9 +99,11 @@ class WeightSyncCallback(Callback):
         job: the job (run) name shared with the receivers (default ``$WSYNC_JOB``).
         max_version_lag: None (default) never waits for receivers; K >= 0 bounds how
             far the slowest receiver may fall behind (see the module docs).
-        sharded: with several ranks (DDP, FSDP2), every rank snapshots its own share
-            into shared memory instead of rank 0 sending everything (after a gather
-            under FSDP2); other hosts get each rank's share relayed (a chain per rank). See
+        sharded: ``"auto"`` (default): with several ranks under DDP or FSDP2, every rank
+            snapshots its own share into shared memory instead of rank 0 sending everything
+            (after a gather under FSDP2); other hosts get each rank's share relayed (a chain
+            per rank). Where it cannot, rank 0 sends everything and says why once
+            (:attr:`unsharded_reason`). ``True``: sharded or an error; ``False``: never. See
             docs/sharded.md.
         sender: a whole :class:`~lightning_wsync.SenderConfig` instead of the flat options
             (``job``, when given, overrides its ``job``).
@@ -114,7 +120,7 @@ class WeightSyncCallback(Callback):
         job: str | None = None,
         *,
         max_version_lag: int | None = None,
-        sharded: bool = False,
+        sharded: bool | str = "auto",
         sender: SenderConfig | None = None,
         **options: object,
     ) -> None:
@@ -145,6 +151,9 @@ class WeightSyncCallback(Callback):
         self._pushes = 0
         self._held: dict[str, int] = {}  # receiver name -> index of the newest push it is known to hold
         self._failing: set[str] = set()  # receivers that failed the newest report (warned once)
+        self._sharded_push = False  # this fit pushes sharded (kept after it ends, unlike _shares)
+        self._unsharded_reason: str | None = None  # this fit's, when it pushes unsharded
+        self._said: set[str] = set()  # reasons already logged (once per callback)
 
     @property
     @override
@@ -155,6 +164,16 @@ class WeightSyncCallback(Callback):
     def sender(self) -> WeightSender | None:
         """The :class:`~lightning_wsync.WeightSender` on this rank (global rank 0 while training), else None."""
         return self._sender
+
+    @property
+    def sharded_push(self) -> bool:
+        """Whether this fit pushes sharded (every rank its share); False before it starts."""
+        return self._sharded_push
+
+    @property
+    def unsharded_reason(self) -> str | None:
+        """Why this fit pushes unsharded (rank 0 sends everything), or None when it pushes sharded."""
+        return self._unsharded_reason
 
     @property
     def last_pushed_version(self) -> int | None:
@@ -187,7 +206,11 @@ class WeightSyncCallback(Callback):
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, push: bool) -> None:
         self._target = submodule(pl_module, self.config.module)
         self._pushes, self._held, self._failing = 0, {}, set()
-        self._shares = self._start_shares(trainer) if self.config.sharded and trainer.world_size > 1 else None
+        self._shares, self._unsharded_reason = None, self._why_unsharded(trainer)
+        if self._unsharded_reason is None:  # None under sharded="auto" when a share cannot be cut (reason kept)
+            self._shares = self._start_shares(trainer)
+        self._sharded_push = self._shares is not None
+        self._say_path(trainer)
         full = self._gather(trainer) if self._gathers else None
         latest: int | None = None
         error: str | None = None
@@ -220,13 +243,52 @@ class WeightSyncCallback(Callback):
         if push:
             self._maybe_push(trainer, full)
 
-    def _start_shares(self, trainer: pl.Trainer) -> Shares:
-        """Every rank's share and, on ranks other than 0, its ring; rank 0 learns every ring's name."""
-        if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError(
-                "WeightSyncCallback: sharded=True needs DDP or ModelParallelStrategy (FSDP2, DTensor shards); "
-                "FSDPStrategy's flat parameters cannot be split by tensor: use sharded=False (rank 0 gathers)"
-            )
+    def _why_unsharded(self, trainer: pl.Trainer) -> str | None:
+        """None: this fit pushes sharded; else why not (``sharded="auto"``, or False). The same on every rank."""
+        setting, cfg, strategy = self.config.sharded, self.sender_config, trainer.strategy
+        if setting is False:
+            return "sharded=False"
+        if trainer.world_size <= 1:
+            return "one trainer rank: its share would be the whole version"
+        if isinstance(strategy, FSDPStrategy):
+            if setting is True:
+                raise ValueError(
+                    "WeightSyncCallback: sharded=True needs DDP or ModelParallelStrategy (FSDP2, DTensor shards); "
+                    "FSDPStrategy's flat parameters cannot be split by tensor: use sharded=False (rank 0 gathers)"
+                )
+            return ("FSDPStrategy's flat parameters cannot be split by tensor, so rank 0 gathers them; "
+                    "ModelParallelStrategy with fully_shard (FSDP2) pushes sharded")  # fmt: skip
+        if setting is True:
+            return None  # the sender refuses settings it cannot serve, naming them
+        if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
+            return f"strategy {type(strategy).__name__} is neither DDP nor ModelParallelStrategy (FSDP2)"
+        if cfg.transport not in ("auto", "shm"):
+            return f"transport={cfg.transport!r}: a sharded push goes through shared memory ('auto' or 'shm')"
+        if cfg.cross_host == "star":
+            return ("cross_host='star': a sharded push reaches other hosts only by relaying each rank's share, "
+                    "never one link per receiver")  # fmt: skip
+        if cfg.cross_host == "tree":
+            return "cross_host='tree': a sharded push relays each rank's share down a chain, not trees"
+        return None
+
+    def _say_path(self, trainer: pl.Trainer) -> None:
+        """Rank 0 says once which path a fit pushes by, and why when unsharded with several ranks."""
+        why = self._unsharded_reason
+        said = "sharded" if why is None else why
+        if not trainer.is_global_zero or said in self._said:
+            return
+        self._said.add(said)
+        if why is None:
+            log.info("WeightSyncCallback: sharded push: each of the %d trainer ranks writes its own share "
+                     "(sharded=%r; docs/sharded.md)", trainer.world_size, self.config.sharded)  # fmt: skip
+            return
+        level = logging.WARNING if trainer.world_size > 1 and self.config.sharded == "auto" else logging.INFO
+        gathers = " after gathering the full weights" if self._sharded else ""
+        log.log(level, "WeightSyncCallback: unsharded push (rank 0 sends every version%s): %s", gathers, why)
+
+    def _start_shares(self, trainer: pl.Trainer) -> Shares | None:
+        """Every rank's share and, on ranks other than 0, its ring; rank 0 learns every ring's name.
+        None (``sharded="auto"``) when some rank cannot cut its share: the reason is kept."""
         assert self._target is not None
         rank, world = trainer.global_rank, trainer.world_size
         error: str | None = None
@@ -242,6 +304,12 @@ class WeightSyncCallback(Callback):
         gathered: list[tuple[str, str, str | None]] = [("", "", None)] * world
         dist.all_gather_object(gathered, (name, host, error))
         failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e is not None]
+        if failed and self.config.sharded == "auto":  # every rank sees the same list: all fall back
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            self._unsharded_reason = f"trainer rank {failed[0][0]} cannot cut its share: {failed[0][1]}"
+            return None
         if failed:
             raise WeightSyncError(f"WeightSyncCallback: sharded push: trainer rank {failed[0][0]} could not "
                                   f"prepare its share: {failed[0][1]}")  # fmt: skip

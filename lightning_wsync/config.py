@@ -275,10 +275,13 @@ class CallbackConfig(SenderConfig):
         max_version_lag: when set, after each push the trainer waits (at most
             ``timeout_s``) until every live receiver holds one of the last
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
-        sharded: with several trainer ranks (DDP, FSDP2), every rank snapshots its own
-            share (~1/world of the bytes) into shared memory, with no gather; other hosts
-            get each rank's share down a relay chain of its own (see docs/sharded.md).
-            Default False.
+        sharded: ``"auto"`` (default): with several trainer ranks under DDP or FSDP2, every
+            rank snapshots its own share (~1/world of the bytes) into shared memory, with no
+            gather; other hosts get each rank's share down a relay chain of its own. Off, said
+            once in the log, for one rank, ``FSDPStrategy``, a tensor placement it cannot split,
+            ``transport`` other than ``"auto"``/``"shm"`` and ``cross_host`` ``"star"``/``"tree"``.
+            ``True`` forces it (an error where it cannot), ``False`` keeps rank 0 sending
+            everything (see docs/sharded.md).
 
     The sender's fields are as in :class:`SenderConfig`. Leave ``secret`` unset in YAML
     (Hydra writes configs to its output folder) and set ``$WSYNC_SECRET`` instead.
@@ -292,7 +295,7 @@ class CallbackConfig(SenderConfig):
     module: str | None = None
     store: str | None = None
     max_version_lag: int | None = None
-    sharded: bool = False
+    sharded: bool | str = "auto"  # True, False or "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -314,8 +317,8 @@ class CallbackConfig(SenderConfig):
                 f"{owner}: max_version_lag={lag!r} must be an int >= 0 (versions a receiver may fall "
                 f"behind), or None to never wait for receivers"
             )
-        if not isinstance(self.sharded, bool):
-            raise TypeError(f"{owner}: sharded={self.sharded!r} must be True or False")
+        if not isinstance(self.sharded, bool) and self.sharded != "auto":
+            raise TypeError(f"{owner}: sharded={self.sharded!r} must be 'auto', True or False")
         if self.store is not None and not isinstance(self.store, str):
             raise TypeError(f"{owner}: store={self.store!r} must be a 'host:port' string or None for $WSYNC_STORE")
 

@@ -23,6 +23,9 @@ shards/<epoch>                  JSON    a sharded sender's plan: each trainer ra
                                         shared-memory segment of its ring
 shards/<epoch>/wrote/<rank>     text    the newest version trainer rank <rank> (relaying, rank > 0)
                                         wrote its share of (overwritten; read by value by rank 0)
+shards/<epoch>/sums/<rank>      JSON    ``{version, sums}``: the bucket checksums of the newest share
+                                        trainer rank <rank> wrote, when on another host than rank 0
+                                        (overwritten): rank 0 publishes them in ``v/<version>/sums``
 latest                          JSON    ``{version, epoch}`` of the newest published version
 news                            count   bumped by the sender after each change receivers follow (a
                                         version, a sender epoch, closed): an idle watcher reads it alone
@@ -144,6 +147,10 @@ def shards(epoch: int) -> str:
 
 def shard_written(epoch: int, rank: int) -> str:
     return f"shards/{epoch}/wrote/{rank}"
+
+
+def shard_sums(epoch: int, rank: int) -> str:
+    return f"shards/{epoch}/sums/{rank}"
 
 
 def closed(epoch: int) -> str:

@@ -145,6 +145,7 @@ def _retire_shares(ctl: Control, epoch: int) -> None:
         return  # not a plan this sender can read: its notes stay (bounded by the ranks of one epoch)
     for rank in range(0 if record is None else record.plan.world):
         ctl.delete(keys.shard_written(epoch, rank))
+        ctl.delete(keys.shard_sums(epoch, rank))
 
 
 class Control:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import local_address
+from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.shards import Shares
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import Control, connect_store, resolve_job
@@ -30,7 +32,7 @@ from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync.config import SenderConfig
-from lightning_wsync.errors import WeightSyncError
+from lightning_wsync.errors import WeightSyncError, WeightSyncStoreError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class ShareWriter:
         self.stall_s: float | None = None  # the last write's
         self._stream: StreamHead | None = None  # across hosts: this rank's relay of its share
         self._closed_key: str | None = None  # rank 0's sender's, once relaying
+        self._sums: _SumsNotes | None = None  # on another host than rank 0: each share's checksums, for rank 0
         log.info("trainer rank %d writes its share of each version (%.1f MiB of %.1f MiB) into %s", shares.rank,
                  shares.share.total_bytes / 2**20, shares.layout.total_bytes / 2**20, self.segment.name)  # fmt: skip
 
@@ -72,6 +75,8 @@ class ShareWriter:
             self._ring.wake_readers()
             if self._stream is not None:
                 self._stream.wrote(version)
+            if self._sums is not None:
+                self._sums.wrote(version)
         return written is not None
 
     def relay(self, store: dist.Store | str | None, epoch: int, config: SenderConfig) -> None:
@@ -91,12 +96,18 @@ class ShareWriter:
             written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
             addr=local_address(handle.address), timing=self._timing, delta=config.delta,
         )  # fmt: skip
+        sender = ctl.get_record(keys.sender_record(epoch), SenderRecord)  # published before epoch reached us
+        if sender is not None and sender.host != self._shares.host:  # rank 0 cannot read this ring: it reads
+            self._sums = _SumsNotes(ctl.clone(), self._ring, keys.shard_sums(epoch, self._shares.rank))  # these
         log.info("trainer rank %d relays its share of sender epoch %d to other hosts", self._shares.rank, epoch)
 
     def close(self, flush_timeout_s: float = 0.0) -> None:
         """Stop relaying and free the ring; with ``flush_timeout_s``, first wait (at most that long) for
         rank 0's sender to close: it waits for the last push's delivery, which may still need this share."""
         stream, self._stream = self._stream, None
+        sums, self._sums = self._sums, None
+        if sums is not None:
+            sums.close()
         if stream is not None:
             if flush_timeout_s > 0 and self._closed_key is not None:
                 try:
@@ -106,3 +117,55 @@ class ShareWriter:
             stream.close()
         self._ring.close()
         self.segment.close()
+
+
+class _SumsNotes:
+    """On a thread of its own (never the training loop): the bucket checksums of each share this rank
+    wrote, noted on the store for rank 0, which publishes every rank's for receivers that verify across
+    hosts (docs/sharded.md). The newest version only: one rank 0 missed is published without them."""
+
+    def __init__(self, ctl: Control, ring: SnapshotRing, key: str) -> None:
+        self._ctl, self._ring, self._key = ctl, ring, key
+        self._cond = threading.Condition()
+        self._pending: int | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="wsync-share-sums", daemon=True)
+        self._thread.start()
+
+    def wrote(self, version: int) -> None:
+        with self._cond:
+            self._pending = version
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._stopped)
+                if self._stopped:
+                    return
+                version, self._pending = self._pending, None
+            assert version is not None
+            ref = self._ring.find(version)
+            lease = None if ref is None else self._ring.acquire(ref)
+            if lease is None:
+                continue  # overwritten already: a newer version is pending
+            try:
+                sums = self._ring.checksums(lease)
+            finally:
+                lease.release()
+            if sums is None:
+                continue
+            try:
+                self._ctl.set_json(self._key, {"version": version, "sums": sums})
+            except WeightSyncStoreError as exc:  # the store went with rank 0: nobody reads them
+                log.debug("share checksums of version %d not noted: %s", version, exc)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=5.0)
+        try:
+            self._ctl.delete(self._key)
+        except WeightSyncError as exc:
+            log.debug("share checksums key not deleted: %s", exc)

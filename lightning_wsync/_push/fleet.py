@@ -69,6 +69,8 @@ class FleetCoordinator:
         ring: the snapshot ring the targets are leased from.
         published: the newest version the sender has published, or None.
         timing: the sender's (``timeout_s``: how long a round waits for its members; its polls).
+        partial: ``ring`` holds trainer rank 0's share only (a sharded push): a round carries no
+            checksums, and verifying members check the version's own sums record (every rank's).
     """
 
     def __init__(
@@ -78,8 +80,11 @@ class FleetCoordinator:
         ring: Snapshots,
         published: Callable[[], int | None],
         timing: Timing,
+        *,
+        partial: bool = False,
     ) -> None:
         self._ctl = ctl
+        self._partial = partial
         self._members = members
         self._ring = ring
         self._published = published
@@ -207,7 +212,7 @@ class FleetCoordinator:
         sums: tuple[int, ...] = ()
         if any(m.verify for m in live if m.rid in rids):
             found = lease.checksums()
-            if found is None:  # a GPU ring: members verify against the version's own sums record
+            if found is None or self._partial:  # a GPU ring, one share: members check the version's own sums record
                 found = []
             sums = tuple(found)
         g.open, g.lease, g.opened_at = FleetRound(g.next_round, version, rids, sums), lease, time.monotonic()

@@ -7,7 +7,7 @@
     lightning-wsync bench --size-mb 256 --dtype bfloat16 --compare torchrl
     lightning-wsync bench --size-mb 64 --interval-ms 20 --duration-s 10   # pushes at a fixed pace
     lightning-wsync bench --delta --dtype bfloat16 --lr 1e-6   # deltas between AdamW steps
-    lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128  # sharded push vs one rank
+    lightning-wsync bench --trainer-ranks 2 --size-mb 128  # the default (sharded) push vs one rank, DDP and FSDP2
     lightning-wsync bench --gpu --size-mb 1024  # a CUDA module: copy bounds, pushes, a Lightning trainer
     lightning-wsync bench --store-load --store-hosts 4 --receivers-per-host 2  # control-plane requests
 
@@ -84,10 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _hostbench.add_arguments(parser)
     _storeload.add_arguments(parser)
     parser.add_argument("--trainer-ranks", type=int, default=None,
-                        help="a Lightning trainer of this many CPU ranks pushing every step, unsharded and sharded, "
-                             "against one rank (see --strategy)")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                        help="the --trainer-ranks trainer's strategy (fsdp: FSDP2 over every rank)")
+                        help="a Lightning trainer of this many CPU ranks pushing every step, with sharded=False and "
+                             "with the callback's default (sharded), against one rank (see --strategy)")
+    parser.add_argument("--strategy", choices=("both", "ddp", "fsdp"), default="both",
+                        help="the --trainer-ranks trainer's strategy (fsdp: FSDP2 over every rank; both: DDP, then "
+                             "FSDP2, each against a one-rank run of its own; default)")
     parser.add_argument("--delta", action="store_true",
                         help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
                              "(changed share, delta bytes vs full push, encode/decode time); with --hosts: "

@@ -1,11 +1,12 @@
 """``lightning-wsync bench --trainer-ranks W --strategy ddp|fsdp``: a Lightning trainer of W
-ranks on CPU (gloo) pushing the benchmark model every step, unsharded (rank 0 sends
-everything, after a gather under FSDP2) and sharded (every rank writes its share), against
-one rank pushing the same model, in the same run.
+ranks on CPU (gloo) pushing the benchmark model every step, with ``sharded=False`` (rank 0
+sends everything, after a gather under FSDP2) and with the callback's default (``"auto"``:
+every rank writes its share), against one rank pushing the same model, in the same run; by
+default under DDP, then FSDP2 (``--strategy both``).
 
 ::
 
-    lightning-wsync bench --trainer-ranks 2 --strategy fsdp --size-mb 128
+    lightning-wsync bench --trainer-ranks 2 --size-mb 128
 
 Each configuration is its own trainer (:mod:`~lightning_wsync.bench._ranks_trainer`, one
 torch thread per rank) with ``--receivers`` receiver processes on this host following
@@ -46,29 +47,31 @@ _WARMUP = 2  # pushes left out of the medians: first touches of buffers and page
 def run_ranks(args: argparse.Namespace) -> int:
     """Run every configuration; print the table (or JSON); return the exit status."""
     spec = spec_for_size(args.size_mb)
-    configs = [(1, False), (args.trainer_ranks, False), (args.trainer_ranks, True)]
+    strategies = ["ddp", "fsdp"] if args.strategy == "both" else [args.strategy]
     rows: list[dict[str, Any]] = []
     try:
-        for ranks, sharded in configs:
-            rows.append(_one(args, spec, ranks, sharded))
+        for strategy in strategies:
+            group = [_one(args, spec, strategy, ranks, sharded)
+                     for ranks, sharded in [(1, "auto"), (args.trainer_ranks, "false"), (args.trainer_ranks, "auto")]]
+            base = group[0]["stall_s"]
+            for row in group:
+                row["vs_one_rank"] = row["stall_s"] / base if base else None
+            rows += group
     except BenchError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
         return 1
-    base = rows[0]["stall_s"]
-    for row in rows:
-        row["vs_one_rank"] = row["stall_s"] / base if base else None
     result = {"size_mb": args.size_mb, "strategy": args.strategy, "trainer_ranks": args.trainer_ranks,
               "receivers": args.receivers, "pushes": args.pushes, "rows": rows}  # fmt: skip
     print(json.dumps(result, indent=2) if args.json else _table(args, rows))
     return 0
 
 
-def _one(args: argparse.Namespace, spec: ModelSpec, ranks: int, sharded: bool) -> dict[str, Any]:
+def _one(args: argparse.Namespace, spec: ModelSpec, strategy: str, ranks: int, sharded: str) -> dict[str, Any]:
     """One trainer run and its receivers; the medians of what its ranks measured."""
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=args.timeout_s))  # fmt: skip
-    job = f"ranks{ranks}{'s' if sharded else ''}"
+    job = f"ranks{ranks}{strategy}{sharded}"
     steps = args.pushes + _WARMUP
     with tempfile.TemporaryDirectory(prefix="wsync-bench-ranks-") as out, Children() as children:
         conns = [children.start(_receiver, (f"127.0.0.1:{port}", job, spec, args.timeout_s), name=f"receiver-{i}")
@@ -76,9 +79,9 @@ def _one(args: argparse.Namespace, spec: ModelSpec, ranks: int, sharded: bool) -
         for conn in conns:
             receive(conn, args.timeout_s, "a receiver's start")
         cmd = [sys.executable, "-m", "lightning_wsync.bench._ranks_trainer", "--d-model", str(spec.d_model),
-               "--vocab", str(spec.vocab), "--ranks", str(ranks), "--strategy", args.strategy, "--steps", str(steps),
+               "--vocab", str(spec.vocab), "--ranks", str(ranks), "--strategy", strategy, "--steps", str(steps),
                "--store", f"127.0.0.1:{port}", "--job", job, "--out", out, "--timeout-s", str(args.timeout_s),
-               *(["--sharded"] if sharded else [])]  # fmt: skip
+               "--sharded", sharded]  # fmt: skip
         # A fixed mmap threshold: blocks of 1 MiB and more go back to the system when freed, so a
         # push's peak resident rise is what it allocates, not hidden by pages glibc kept from the last.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
@@ -100,9 +103,13 @@ def _one(args: argparse.Namespace, spec: ModelSpec, ranks: int, sharded: bool) -
     del store
     stalls = [_median(r["stall_s"]) for r in per_rank]
     slowest = [max(s) for s in zip(*(r["stall_s"][_WARMUP:] for r in per_rank))]
+    pushed_sharded = bool(per_rank[0].get("sharded_push"))
     return {
-        "config": f"{ranks} rank{'s' if ranks > 1 else ''}" + (f", {args.strategy}" if ranks > 1 else "")
-        + (", sharded" if sharded else ""),
+        "config": f"{ranks} rank{'s' if ranks > 1 else ''}" + (f", {strategy}" if ranks > 1 else "")
+        + ("" if ranks == 1 else ", sharded=False" if sharded == "false" else ", default"),
+        "strategy": strategy,
+        "sharded_push": pushed_sharded,
+        "unsharded_reason": per_rank[0].get("unsharded_reason"),
         "stall_s": statistics.median(slowest),
         "rank_stall_s": stalls,
         "rank_push_rise_mib": [_median(r["push_rise_mib"]) for r in per_rank],

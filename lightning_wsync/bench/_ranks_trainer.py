@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), required=True)
-    parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--sharded", choices=("auto", "true", "false"), default="auto",
+                        help="the callback's sharded= (auto: its default)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--store", required=True)
     parser.add_argument("--job", required=True)
@@ -132,7 +133,8 @@ def main() -> None:
     spec = ModelSpec(d_model=args.d_model, vocab=args.vocab)
     fsdp = args.strategy == "fsdp" and args.ranks > 1
     sync = WeightSyncCallback(every_n_steps=1, module="policy", store=args.store, job=args.job,
-                              timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
+                              timeout_s=args.timeout_s,
+                              **({} if args.sharded == "auto" else {"sharded": args.sharded == "true"}))  # fmt: skip
     before = _Before()
     after = _After(before)
     metrics = RecordingLogger()
@@ -155,6 +157,8 @@ def main() -> None:
         "push_rise_mib": after.rise_mib,
         "delivery_s": metrics.values("wsync/delivery_s"),
         "logged_stall_s": metrics.values("wsync/stall_s"),
+        "sharded_push": sync.sharded_push,
+        "unsharded_reason": sync.unsharded_reason,
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

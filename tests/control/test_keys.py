@@ -39,6 +39,7 @@ def _built() -> dict[str, str]:
         "manifest": keys.manifest(3),
         "shards": keys.shards(3),
         "shard_written": keys.shard_written(3, 1),
+        "shard_sums": keys.shard_sums(3, 1),
         "closed": keys.closed(3),
         "version_record": keys.version_record(12),
         "version_sums": keys.version_sums(12),
@@ -66,7 +67,7 @@ def _built() -> dict[str, str]:
 
 def test_every_key_built_has_a_row_in_the_table_and_every_row_a_builder():
     rows = _table_rows()
-    assert len(rows) == 35, [r.pattern for r in rows]
+    assert len(rows) == 36, [r.pattern for r in rows]
     unmatched_rows = set(range(len(rows)))
     for name, key in _built().items():
         hits = [i for i, row in enumerate(rows) if row.fullmatch(key)]
@@ -136,7 +137,9 @@ def test_retiring_an_old_sharded_epoch_takes_every_ranks_note_with_it():
     ctl.put(keys.shards(1), ShardsRecord(plan))
     for rank in range(3):
         ctl.set_text(keys.shard_written(1, rank), "7")
+        ctl.set_json(keys.shard_sums(1, rank), {"version": 7, "sums": [1]})
     ctl.set_text(keys.shard_written(2, 0), "9")  # the epoch before the current one stays
     retire_old_epochs(ctl, 3, None)
     assert [ctl.has(keys.shard_written(1, r)) for r in range(3)] == [False, False, False]
+    assert [ctl.has(keys.shard_sums(1, r)) for r in range(3)] == [False, False, False]
     assert not ctl.has(keys.shards(1)) and ctl.get_text(keys.shard_written(2, 0)) == "9"

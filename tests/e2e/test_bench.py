@@ -238,7 +238,10 @@ def test_trainer_ranks_bench_reports_every_configuration(capsys):
             "--receivers", "1", "--timeout-s", "60", "--json"]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [r["config"] for r in result["rows"]] == ["1 rank", "2 ranks, fsdp", "2 ranks, fsdp, sharded"]
+    assert [r["config"] for r in result["rows"]] == ["1 rank", "2 ranks, fsdp, sharded=False", "2 ranks, fsdp, default"]
+    assert [r["sharded_push"] for r in result["rows"]] == [False, False, True]  # the default shards FSDP2 x 2
+    assert [r["unsharded_reason"] for r in result["rows"]] == [
+        "one trainer rank: its share would be the whole version", "sharded=False", None]
     for row in result["rows"]:
         assert row["stall_s"] > 0 and row["delivery_s"] is not None and row["delivery_s"] > 0, row
         ranks = 1 if row["config"] == "1 rank" else 2

@@ -1,4 +1,6 @@
-"""WeightSyncCallback under 2-rank DDP and FSDP2 (CPU, gloo), Lightning launching the ranks."""
+"""WeightSyncCallback under 2-rank DDP and FSDP2 (CPU, gloo), Lightning launching the ranks: with
+the default (sharded="auto": every rank writes its share) and with sharded=False (rank 0 sends
+everything, after a full gather under FSDP2)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ CTX = mp.get_context("spawn")
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "_lightning_workers.py"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_only_rank0_sends_every_version(tmp_path, port, children, strategy):
+@pytest.mark.parametrize(("strategy", "sharded"), [("ddp", "auto"), ("ddp", "false"), ("fsdp2", "auto")])
+def test_two_ranks_only_rank0_sends_every_version(tmp_path, port, children, strategy, sharded):
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
@@ -33,7 +35,7 @@ def test_two_ranks_only_rank0_sends_every_version(tmp_path, port, children, stra
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--store", store, "--job", strategy,
-           "--out", str(tmp_path), "--every", "2", "--max-steps", "5"]  # fmt: skip
+           "--out", str(tmp_path), "--every", "2", "--max-steps", "5", "--sharded", sharded]  # fmt: skip
     # Its own session, so the rank Lightning starts can be ended with it, by group id.
     trainer = subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -56,6 +58,9 @@ def test_two_ranks_only_rank0_sends_every_version(tmp_path, port, children, stra
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["had_sender"] for r in ranks] == [True, False]
+    reason = None if sharded == "auto" else "sharded=False"
+    assert [(r["sharded_push"], r["unsharded_reason"]) for r in ranks] == [(sharded == "auto", reason)] * 2
+    assert [r["gathers"] for r in ranks] == [0, 0]  # DDP has nothing to gather; FSDP2 by default pushes shards
     assert ranks[0]["versions"] == versions == [0, 2, 4, 5]
     assert ranks[0]["delivered"] == [1, 1, 1, 1]
     assert [r["last_pushed"] for r in ranks] == [5, 5]  # the checkpointed state agrees on every rank

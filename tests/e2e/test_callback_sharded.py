@@ -1,6 +1,6 @@
-"""WeightSyncCallback(sharded=True) under 2-rank DDP and FSDP2 (CPU, gloo): every rank writes
-its own share (and relays it to other hosts); receivers apply whole versions only, bit-exact
-with the full weights."""
+"""WeightSyncCallback with its default (sharded="auto") under 2-rank DDP and FSDP2 (CPU, gloo):
+every rank writes its own share (and relays it to other hosts); receivers apply whole versions
+only, bit-exact with the full weights."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _trainer(tmp_path: Path, store: str, strategy: str, *extra: str) -> subproce
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--store", store, "--job", strategy,
-           "--out", str(tmp_path), "--sharded", *extra]  # fmt: skip
+           "--out", str(tmp_path), *extra]  # fmt: skip  (no --sharded: the callback's default)
     # Its own session, so the rank Lightning starts can be ended with it, by group id.
     return subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -82,6 +82,7 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["had_sender"] for r in ranks] == [True, False]
+    assert [(r["sharded_push"], r["unsharded_reason"]) for r in ranks] == [(True, None)] * 2  # the default path
     assert [r["gathers"] for r in ranks] == [0, 0]  # no rank gathered the full weights for a push
     shares = [r["share"] for r in ranks]
     full = shares[0]["full_bytes"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import time
 from typing import Any
 
 import pytest
@@ -132,3 +133,82 @@ def test_the_shard_plan_record_round_trips_and_refuses_a_plan_without_segments()
     assert ShardsRecord.decode(ShardsRecord(plan).encode()).plan == plan
     with pytest.raises(RecordShape, match="0 segment names and 0 hosts for 2 shares"):
         ShardsRecord.decode(dataclasses.replace(plan, segments=()).to_json())
+
+
+def test_a_rank_that_never_writes_is_named_while_the_sender_keeps_its_pace(server):
+    """Rank 0 waits for rank 1's missing shares on a thread of its own, not the sender's background
+    thread: the report of a version rank 1 never wrote, awaited as the callback does (the sender's
+    timeout_s, from the push, with heartbeat_timeout_s far below it), names rank 1 rather than a silent
+    receiver; and while a version is awaited the next complete one is published and applied at once."""
+    model = _model()
+    cfg = SenderConfig(job="lapse", timeout_s=4, heartbeat_timeout_s=1)
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+    rollout = _zeroed()
+    try:
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(rollout, store=server, job="lapse", timeout_s=10) as receiver:
+            mutate(model, 1)
+            assert writer.write(1)
+            sender.push(1)
+            assert receiver.wait_for_version(1, timeout_s=10) == 1  # live from here on
+
+            mutate(model, 2)  # rank 1 never writes its share of 2; nothing newer comes
+            report = sender.push(2).wait()
+            assert report.delivered == () and list(report.failed) == [receiver.name], report
+            assert report.failed[receiver.name].startswith(
+                "trainer rank 1 did not complete its share of version 2 within timeout_s=4"), report
+            assert receiver.version == 1 and sender.receivers() == [receiver.name]
+
+            mutate(model, 3)  # nor of 3; but it writes 4 while rank 0 still waits for its share of 3
+            pushed = time.monotonic()
+            third = sender.push(3)
+            mutate(model, 4)
+            assert writer.write(4)
+            sender.push(4)
+            assert receiver.wait_for_version(4, timeout_s=10) == 4
+            assert time.monotonic() - pushed < cfg.timeout_s / 2, "version 4 was held behind the wait for 3"
+            assert digest(rollout) == digest(model)
+            assert third.wait().delivered == (receiver.name,)  # it holds 4
+    finally:
+        writer.close()
+
+
+def test_a_fleet_switches_together_to_versions_every_rank_wrote(server):
+    """Fleet receivers of a sharded sender stage each round's target itself from every rank's ring
+    (not the newest), verifying or not; at every switch both hold that version, bit-exact."""
+    model = _model()
+    cfg = SenderConfig(job="shfleet", timeout_s=10)
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+    mods = {n: _zeroed() for n in "ab"}
+    digests: dict[int, str] = {}
+    try:
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(mods["a"], store=server, job="shfleet", name="a", fleet="g", verify=True) as a, \
+                WeightReceiver(mods["b"], store=server, job="shfleet", name="b", fleet="g") as b:
+            deadline = time.monotonic() + 60
+            for version in range(1, 10**6):
+                mutate(model, version)
+                digests[version] = digest(model)
+                writer.write(version)
+                sender.push(version)
+                a.update(), b.update()
+                switches = sender.fleet_switches("g")
+                if len({s.version for s in switches if {a.rid, b.rid} <= set(s.rids)}) >= 4:
+                    break
+                assert time.monotonic() < deadline, f"the fleet did not move: {switches}"
+                time.sleep(0.02)  # the trainer's pace, not a synchronisation
+            while True:  # pushes have stopped: the fleet settles on one last switch
+                a.update(), b.update()
+                final = sender.fleet_switches("g")[-1]
+                if a.version == b.version == final.version and {a.rid, b.rid} <= set(final.rids):
+                    break
+                assert time.monotonic() < deadline, (a.version, b.version, final)
+                time.sleep(0.01)
+            assert digest(mods["a"]) == digest(mods["b"]) == digests[final.version]
+            assert a.rejected == b.rejected == 0
+    finally:
+        writer.close()

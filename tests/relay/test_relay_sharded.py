@@ -15,6 +15,7 @@ from _sharded import sharded_model, zeroed_sharded_model
 from torch import nn
 
 from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
+from lightning_wsync._control import keys
 from lightning_wsync._planes.shares import ShareWriter
 from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.models import digest, mutate
@@ -53,7 +54,9 @@ def _receivers(
         for i, host in enumerate(hosts):
             monkeypatch.setenv("WSYNC_HOST_ID", host)
             module = _zeroed()
-            receiver = WeightReceiver(module, store=address, job="xshard", name=f"r{i}-{host}", timeout_s=10)
+            # Every other receiver verifies: rank 0 publishes every share's checksums, rank 1's as it noted them.
+            receiver = WeightReceiver(module, store=address, job="xshard", name=f"r{i}-{host}", timeout_s=10,
+                                      verify=i % 2 == 0)  # fmt: skip
             out.append((stack.enter_context(receiver), module))
         monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
         yield out
@@ -64,8 +67,8 @@ def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(s
     monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
     address = f"127.0.0.1:{port}"
     model = _model()
-    # heartbeat_timeout_s above timeout_s: rank 0 waits up to timeout_s for a missing share in its background
-    # thread, which meanwhile reads no heartbeats (as on one host).
+    # Rank 0 waits for a missing share on a thread of its own (heartbeats are read meanwhile: that case,
+    # heartbeat_timeout_s below timeout_s, is tests/planes/test_sharded.py's); here the notes across hosts.
     cfg = SenderConfig(job="xshard", timeout_s=3, heartbeat_timeout_s=10)
     mine = prepare_shares(model, cfg, 0, 2)
     theirs = dataclasses.replace(prepare_shares(model, cfg, 1, 2), host="trainer-b")
@@ -85,6 +88,9 @@ def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(s
                         assert digest(module, None) == digest(model, None), receiver.name
                     report = handle.wait(timeout_s=_WAIT_S)
                     assert sorted(report.delivered) == sorted(r.name for r, _ in receivers), report
+                    sums = sender._ctl.get_json(keys.version_sums(version))
+                    assert isinstance(sums, dict) and len(sums["sums"]) == len(mine.share.buckets) + len(
+                        theirs.share.buckets), sums  # rank 0's, then rank 1's (noted from trainer-b)
                 described = [r._watcher.source.describe() for r, _ in receivers]  # type: ignore[union-attr]
                 assert described == ["relay across hosts, sharded over 2 trainer ranks (2 streams relayed)"] * 3 + [
                     "relay across hosts, sharded over 2 trainer ranks (1 streams relayed)"]

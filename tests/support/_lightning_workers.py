@@ -229,7 +229,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=5)
-    parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--sharded", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
+                        help="the callback's sharded= (default: its own default, 'auto'); bare: true")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--kill-share-at", type=int, default=None, help="rank 1 dies mid-share of this version")
     parser.add_argument("--fsdp-shards", type=int, default=0, help="FSDP2's data-parallel size (0: Lightning's auto)")
@@ -240,7 +241,8 @@ def main() -> None:
     gathers = _count_gathers()
 
     sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
-                              max_version_lag=0, timeout_s=args.timeout_s, sharded=args.sharded)  # fmt: skip
+                              max_version_lag=0, timeout_s=args.timeout_s,
+                              **({} if args.sharded == "auto" else {"sharded": args.sharded == "true"}))  # fmt: skip
     probe = _Probe(sync, args.out)
     logger = RecordingLogger()
     fsdp = args.strategy == "fsdp2"
@@ -259,6 +261,8 @@ def main() -> None:
         "digests": {str(v): d for v, d in probe.digests.items()},
         "share": probe.share,
         "gathers": gathers[0],
+        "sharded_push": sync.sharded_push,
+        "unsharded_reason": sync.unsharded_reason,
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

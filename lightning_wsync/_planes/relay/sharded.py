@@ -117,7 +117,7 @@ def open_sharded_relay(
     source = ShardedSource(
         epoch, layout, plan, shares, ordered, name, rings, owned=[m.close for m in members],
         describe=f"relay across hosts, sharded over {plan.world} trainer ranks ({len(members)} streams relayed)",
-        verify=False,  # each share was checked against its rank's signed trailer at every hop
+        verify=True,  # with ReceiverConfig.verify, also against every rank's checksums as rank 0 publishes them
     )  # fmt: skip
     holder.append(source)
     return source

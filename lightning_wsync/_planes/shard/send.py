@@ -1,7 +1,13 @@
 """The sharded plane's send side, on trainer rank 0: it watches the other ranks' rings (read
 only, on this host; a relaying rank on another host by its note on the store) to tell push
 reports which rank's share of a version is missing, and publishes every share's checksums for
-receivers that verify (all ranks on this host)."""
+receivers that verify: of the rings on this host as it reads them, of a relaying rank on another
+host as that rank noted them on the store (``shards/<epoch>/sums/<rank>``).
+
+The watching runs on a thread of its own (``wsync-shard-wait``), never the sender's background
+thread: that one goes on publishing versions and reading heartbeats while a share is awaited,
+so a rank that never writes its share is named in the push report, not every receiver called
+silent. Versions are watched side by side, each against its own deadline."""
 
 from __future__ import annotations
 
@@ -19,11 +25,16 @@ from lightning_wsync._control.untrusted import Untrusted, counter
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
+from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.001
 _AWAY_POLL_S = 0.02  # a rank on another host is read from the store, not its ring: less often
+# A push report gives up on a receiver timeout_s after the push; its version is published (and
+# watched here) a little later. The verdict on a missing share comes this much earlier, so the
+# report names the rank instead of calling its receivers silent.
+_AHEAD_MAX_S = 0.5
 
 
 class ShardSendPlane:
@@ -34,8 +45,8 @@ class ShardSendPlane:
         timeout_s: float, epoch: int, relayed: bool,
     ) -> None:  # fmt: skip
         """The rings of ranks on this host (``host``) are read; a rank on another host notes each version it
-        wrote on the store when it relays (``relayed``), else it is not watched. With ranks on other hosts no
-        checksums are published (their receivers rely on each relay hop's check of every rank's signed trailer)."""
+        wrote, and its share's checksums, on the store when it relays (``relayed``), else it is not watched
+        and no checksums are published (no receiver on another host could be served then)."""
         self._ctl = ctl
         self._ring = ring
         self._timeout_s = timeout_s
@@ -44,9 +55,15 @@ class ShardSendPlane:
         self._everyone_here = len(self._ranks) == plan.world - 1
         away = [rank for rank in range(1, plan.world) if hosts[rank] != host] if relayed else []
         self._away = {rank: keys.shard_written(epoch, rank) for rank in away}
+        self._away_sums = {rank: keys.shard_sums(epoch, rank) for rank in away}
+        self._sums_read_at = 0.0
+        self._world = plan.world
+        self._checks = self._everyone_here or relayed  # every rank's checksums can be had
         self._away_wrote: dict[int, int] = {}  # rank -> the newest version it noted
         self._away_read_at = 0.0
         self._complaints = Complaints(log, "the sharded plane's rank 0")
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
         self._others: list[ShmReader] = []
         try:
             for rank in self._ranks:
@@ -55,7 +72,10 @@ class ShardSendPlane:
             self.close(0.0)
             raise
         self._missing: tuple[int, int] | None = None  # (version, rank) of the newest incomplete version
-        self._stop = threading.Event()
+        self._warned: set[int] = set()  # ranks whose missing share was logged (again once they complete one)
+        self._watched: dict[int, tuple[float, bool]] = {}  # version -> (deadline, publish checksums)
+        self._thread = threading.Thread(target=self._run, name="wsync-shard-wait", daemon=True)
+        self._thread.start()
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         pass  # readers pin slots themselves; a dead reader's pin expires
@@ -80,24 +100,90 @@ class ShardSendPlane:
         return sorted(here + away)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
-        """Wait (at most ``timeout_s``) for every rank's share of ``version``, then publish checksums."""
-        deadline = time.monotonic() + self._timeout_s
-        while (missing := self._missing_ranks(version)) and time.monotonic() < deadline:
-            if self._stop.wait(_POLL_S):
-                return
+        """Watch ``version`` (on this plane's thread; returns at once): once every rank's share of it is
+        complete, publish checksums for verifying receivers; past ``timeout_s``, name the missing rank."""
+        ahead = min(_AHEAD_MAX_S, self._timeout_s / 10)
+        verify = self._checks and any(p.verify for p in live)
+        with self._cond:
+            self._watched[version] = (time.monotonic() + self._timeout_s - ahead, verify)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._watched) or self._stop.is_set())
+                watched = sorted(self._watched.items())
+            for version, (deadline, verify) in watched:
+                try:
+                    done = self._watch(version, deadline, verify)
+                except Exception:  # noqa: BLE001 - a dead watcher would name no rank again
+                    log.exception("the sharded plane's watch of version %d failed", version)
+                    done = True
+                if done:
+                    with self._cond:
+                        self._watched.pop(version, None)
+            self._stop.wait(_POLL_S)
+
+    def _watch(self, version: int, deadline: float, verify: bool) -> bool:
+        """One look at ``version``; True once it is settled (complete, or past its deadline)."""
+        missing = self._missing_ranks(version)
+        if missing and time.monotonic() < deadline:
+            return False
         if missing:
-            self._missing = (version, missing[0])
-            log.warning("trainer rank %d did not complete its share of version %d within timeout_s=%s: no receiver "
-                        "applies that version (all shares or none)", missing[0], version, self._timeout_s)  # fmt: skip
-            return
-        self._missing = None
-        if self._everyone_here and any(p.verify for p in live):
+            if self._missing is None or self._missing[0] <= version:
+                self._missing = (version, missing[0])
+            level = logging.DEBUG if missing[0] in self._warned else logging.WARNING
+            self._warned.add(missing[0])
+            log.log(level, "trainer rank %d did not complete its share of version %d within timeout_s=%s: no "
+                    "receiver applies that version (all shares or none)", missing[0], version,
+                    self._timeout_s)  # fmt: skip
+            return True
+        if self._missing is not None and self._missing[0] < version:
+            self._missing = None
+        self._warned.clear()
+        if verify:
             sums = self._checksums(version)
+            if sums is None and self._away_pending(version) and time.monotonic() < deadline:
+                return False  # a rank on another host notes its checksums after its share: look again
             if sums is not None:
                 self._ctl.set_json(keys.version_sums(version), {"version": version, "sums": sums})
+        return True
+
+    def _away_sums_of(self, version: int) -> dict[int, list[int]] | None:
+        """The checksums of ``version`` that every rank on another host noted (read every ``_AWAY_POLL_S``);
+        None while any has not (or noted a newer version: then they are gone)."""
+        if not self._away_sums:
+            return {}
+        if time.monotonic() < self._sums_read_at:
+            return None
+        self._sums_read_at = time.monotonic() + _AWAY_POLL_S
+        found: dict[int, list[int]] = {}
+        for rank, key in self._away_sums.items():
+            try:
+                note = self._ctl.get_json(key)
+                self._complaints.good(key)
+            except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # said once; read as not noted
+                self._complaints.bad(key, exc)
+                return None
+            if not isinstance(note, dict) or note.get("version") != version:
+                return None
+            sums = note.get("sums")
+            if not isinstance(sums, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in sums):
+                self._complaints.bad(key, WeightSyncRecordError(f"{key}: checksums are not a list of ints"))
+                return None
+            found[rank] = sums
+        return found
+
+    def _away_pending(self, version: int) -> bool:
+        """Some rank on another host has not noted checksums of ``version`` nor of a newer one (so they may come)."""
+        return any(self._away_wrote.get(rank, -1) <= version for rank in self._away_sums)
 
     def _checksums(self, version: int) -> list[int] | None:
-        """Every rank's bucket checksums of ``version``, rank by rank; None once any was overwritten."""
+        """Every rank's bucket checksums of ``version``, rank by rank; None once any was overwritten, or while a
+        rank on another host has not noted its own."""
+        away = self._away_sums_of(version)
+        if away is None:
+            return None
         ref = self._ring.find(version)
         lease = None if ref is None else self._ring.acquire(ref)
         if lease is None:
@@ -108,7 +194,8 @@ class ShardSendPlane:
             lease.release()
         if sums is None:
             return None
-        for reader in self._others:
+        by_rank: dict[int, list[int]] = {0: sums, **away}
+        for rank, reader in zip(self._ranks, self._others):
             theirs: SlotRef | None = next((r for r in reader.complete() if r.version == version), None)
             if theirs is None or not reader.pin(theirs):
                 return None
@@ -118,8 +205,8 @@ class ShardSendPlane:
                 intact = reader.unpin(theirs)
             if not intact:
                 return None
-            sums += part
-        return sums
+            by_rank[rank] = part
+        return [s for rank in range(self._world) for s in by_rank[rank]]
 
     def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
         return {}  # always the whole version, copied from the rings
@@ -139,9 +226,17 @@ class ShardSendPlane:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self, deadline: float) -> list[str]:
-        others, self._others = self._others, []
-        for reader in others:
-            reader.close()
-        return []
+        self.stop()
+        thread = getattr(self, "_thread", None)  # absent when __init__ failed before starting it
+        if thread is not None:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [thread.name] if thread is not None and thread.is_alive() else []
+        if not stuck:
+            others, self._others = self._others, []
+            for reader in others:
+                reader.close()
+        return stuck

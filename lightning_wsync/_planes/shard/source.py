@@ -19,7 +19,7 @@ import torch
 
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.shards import ShardPlan, piece_views
-from lightning_wsync._planes.base import ReceiveSource, Reject, SumsLookup
+from lightning_wsync._planes.base import ExactApply, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef, remove_stale_segments
 from lightning_wsync.errors import WeightSyncIntegrityError
 
@@ -140,6 +140,36 @@ class ShardedSource(ReceiveSource):
                 f"torn copy. Check what stops this process, or push less often"
             )
         return None
+
+    def exact(self) -> ExactApply:
+        return self
+
+    def apply_exactly(self, version: int, sums: SumsLookup | None, reject: Reject) -> int | None:
+        """Write ``version`` itself (a fleet's round target, not the newest) when every rank's ring still holds
+        it complete; None when some ring does not, its checksums are not out yet, or it failed them.
+
+        Raises:
+            WeightSyncIntegrityError: a share was overwritten under the copy (the module holds a torn copy).
+        """
+        with self._held() as readers:
+            refs = None if readers is None else self._common(readers).get(version)
+            if readers is None or refs is None:
+                return None
+            sums = sums if self._verify else None
+            expected = sums(version) if sums is not None else None
+            if (sums is not None and expected is None) or self._pin(readers, refs) is None:
+                return None
+            if expected is not None and not self._verified(readers, version, refs, expected, reject):
+                self._unpin(readers, refs)
+                return None
+            for reader, ref, dst in zip(readers, refs, self._dst):
+                reader.copy_to(ref, dst)
+            if self._unpin(readers, refs):
+                return version
+        raise WeightSyncIntegrityError(
+            f"WeightReceiver {self._name!r}: a trainer rank's share of version {version} was overwritten in shared "
+            f"memory while copied (this process stalled past the sender's pin lease)"
+        )
 
     def _pin(self, readers: list[ShmReader], refs: list[SlotRef]) -> list[SlotRef] | None:
         for i, (reader, ref) in enumerate(zip(readers, refs)):
