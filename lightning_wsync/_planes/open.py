@@ -34,11 +34,11 @@ from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.nixl import open as nixl_plane  # the NIXL plane's row (one entry each way)
-from lightning_wsync._planes.relay.mates import MateDesk
+from lightning_wsync._planes.relay.head.plane import RelaySendPlane
+from lightning_wsync._planes.relay.head.streams import ShardStreamsPlane, relays_streams
+from lightning_wsync._planes.relay.mate.notes import MateDesk
 from lightning_wsync._planes.relay.receive import open_relay_source
-from lightning_wsync._planes.relay.send import RelaySendPlane
 from lightning_wsync._planes.relay.sharded import open_sharded_relay
-from lightning_wsync._planes.relay.streams import ShardStreamsPlane, relays_streams
 from lightning_wsync._planes.shard.send import ShardSendPlane
 from lightning_wsync._planes.shard.source import open_rank_rings
 from lightning_wsync._planes.shares import ShareWriter as ShareWriter  # the callback's ring of its share

@@ -59,7 +59,7 @@ class Downstream:
         tree ``tree``, where a full version comes in ``pieces`` pieces (half of them).
 
         ``current(number)``: whether chain ``number`` is still served, known without a store
-        request (the leader's :class:`~lightning_wsync._planes.relay.bell.Bell`, which calls
+        request (the leader's :class:`~lightning_wsync._planes.relay.leader.bell.Bell`, which calls
         :meth:`nudge` after each look at the chain)."""
         self._ctl = ctl
         self._epoch = epoch

@@ -5,7 +5,7 @@
     rank 0 (host A) ──share 0──► leader of host X ──► leader of host Y ──► ...
     rank 1 (host B) ──share 1──► leader of host X ──► leader of host Y ──► ...
 
-Each trainer rank heads a relay chain of its own (:class:`~lightning_wsync._planes.relay.head.RelayHead`
+Each trainer rank heads a relay chain of its own (:class:`~lightning_wsync._planes.relay.head.feed.RelayHead`
 over its share's ring) under the stream number :func:`~lightning_wsync._control.keys.relay_stream`
 in place of the epoch: its own elections, chain, hops and trailer MACs, so a share can never
 pass for another rank's. A rollout host receives each stream once, into a host ring per
@@ -35,9 +35,9 @@ from lightning_wsync._control.timing import Timing
 from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.base import Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
-from lightning_wsync._planes.relay.head import RelayHead
+from lightning_wsync._planes.relay.head.feed import RelayHead
+from lightning_wsync._planes.relay.head.plane import RelaySendPlane, live_leaders
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, error_text
-from lightning_wsync._planes.relay.send import RelaySendPlane, live_leaders
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync.errors import WeightSyncError
 

@@ -2,7 +2,7 @@
 
 At each membership refresh the chain is re-formed from the live receivers that lead a
 host other than the sender's (each host elects its leader on the store:
-:mod:`~lightning_wsync._planes.relay.host`).
+:mod:`~lightning_wsync._planes.relay.leader.member`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
-from lightning_wsync._planes.relay.head import RelayHead, leader_record
+from lightning_wsync._planes.relay.head.feed import RelayHead, leader_record
 from lightning_wsync._planes.relay.hops import read_chain, ring_bell
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError

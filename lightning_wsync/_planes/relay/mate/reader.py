@@ -1,5 +1,5 @@
 """A receiver's data plane on a relay host: the host's ring, fed by its leader, or the
-network when this receiver cannot share that ring (see :mod:`~lightning_wsync._planes.relay.host`)."""
+network when this receiver cannot share that ring (see :mod:`~lightning_wsync._planes.relay.leader.member`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.relay.board import read_board
+from lightning_wsync._planes.relay.mate.board import read_board
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
 from lightning_wsync._planes.shm.source import SharedMemorySource
@@ -107,7 +107,7 @@ class HostRingReader:
         return self._segment if self._source is not None else None
 
     def board(self) -> Posted | None:
-        """The board of the leader whose ring is read now (:mod:`~lightning_wsync._planes.relay.board`)."""
+        """The board of the leader whose ring is read now (:mod:`~lightning_wsync._planes.relay.mate.board`)."""
         segment = self.following()
         return None if segment is None else read_board(pin_dir(os.path.join(SHM_DIR, segment)))
 
@@ -168,7 +168,7 @@ class RelaySource(ReceiveSource):
 
     def beat_board(self) -> Posted | None:
         """The board of the leader that passes this receiver's beats and acknowledgements on
-        (:mod:`~lightning_wsync._planes.relay.mates`): its host leader's, or its own while it
+        (:mod:`~lightning_wsync._planes.relay.mate.notes`): its host leader's, or its own while it
         leads; None when it receives over the network. A host-mate also reads what its leader
         last read from the store for the host off it (its watcher then need not ask the store)."""
         member = self.member

@@ -13,7 +13,7 @@
   or whose heartbeat has not moved for the sender's ``heartbeat_timeout_s`` is replaced by
   a host-mate; no process restarts. A leader that cannot create the host segment resigns;
   it, and a host-mate that cannot open the leader's segment (another /dev/shm or user),
-  receive over the network from the sender instead (:mod:`~lightning_wsync._planes.relay.host`).
+  receive over the network from the sender instead (:mod:`~lightning_wsync._planes.relay.leader.member`).
   Only the leader receives from the network; it verifies each version into a private
   staging buffer, then writes it into the host's shared-memory segment under the same
   sequence-counter rules as the trainer's snapshot, and every receiver on the host (the
@@ -75,6 +75,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import send_delta
+from lightning_wsync._planes.relay.head.treefeed import TreeFeed
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     RELAY_RID,
@@ -92,7 +93,6 @@ from lightning_wsync._planes.relay.hops import (
 )
 from lightning_wsync._planes.relay.plan import choose_tree
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
-from lightning_wsync._planes.relay.treefeed import TreeFeed
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, close_group, signed_trailer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError

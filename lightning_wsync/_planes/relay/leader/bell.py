@@ -25,8 +25,8 @@ from collections.abc import Callable
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
-from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring_bell
+from lightning_wsync._planes.relay.leader.elect import Election
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """A rollout host of the relay: each receiver's member thread (elect, lead, relay) and its data plane.
 
-Election is in :mod:`~lightning_wsync._planes.relay.elect`, the host ring (and the
-network fallback) in :mod:`~lightning_wsync._planes.relay.source`, the chain in
-:mod:`~lightning_wsync._planes.relay.head`; the leader's hops (receive, rebuild, verify,
-forward) are in :mod:`~lightning_wsync._planes.relay.hop` and :mod:`~lightning_wsync._planes.relay.down`.
+Election is in :mod:`~lightning_wsync._planes.relay.leader.elect`, the host ring (and the
+network fallback) in :mod:`~lightning_wsync._planes.relay.mate.reader`, the chain in
+:mod:`~lightning_wsync._planes.relay.head.feed`; the leader's hops (receive, rebuild, verify,
+forward) are in :mod:`~lightning_wsync._planes.relay.leader.hop` and :mod:`~lightning_wsync._planes.relay.down`.
 
 Longer than 300 lines: one member's whole life on its host (standing, leading a chain or the
 trees, following a leader) in one thread, whose steps share its state.
@@ -26,11 +26,7 @@ from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
-from lightning_wsync._planes.relay.bell import Bell
-from lightning_wsync._planes.relay.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.down import Downstream
-from lightning_wsync._planes.relay.elect import Election
-from lightning_wsync._planes.relay.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
@@ -38,10 +34,14 @@ from lightning_wsync._planes.relay.hops import (
     error_text,
     join_hop,
 )
-from lightning_wsync._planes.relay.mates import MateRelay
-from lightning_wsync._planes.relay.source import RingFollower
+from lightning_wsync._planes.relay.leader.bell import Bell
+from lightning_wsync._planes.relay.leader.elect import Election
+from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.leader.treehop import TreeHop, TreeLead
+from lightning_wsync._planes.relay.mate.board import Board, HostNews, Posted, read_board
+from lightning_wsync._planes.relay.mate.notes import MateRelay
+from lightning_wsync._planes.relay.mate.reader import RingFollower
 from lightning_wsync._planes.relay.tidy import forget_hop
-from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.wire import PeerGroup, close_group

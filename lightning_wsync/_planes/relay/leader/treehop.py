@@ -42,8 +42,8 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import word_bytes_for
 from lightning_wsync._planes.delta.wire import DeltaStats, Held
 from lightning_wsync._planes.relay.down import Downstream
-from lightning_wsync._planes.relay.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Superseded, error_text, join_hop
+from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treedelta import DeltaHalf, HalfStats, chunk_layout
