@@ -36,6 +36,7 @@ from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.nixl import open as nixl_plane  # the NIXL plane's row (one entry each way)
 from lightning_wsync._planes.relay.head.plane import RelaySendPlane
 from lightning_wsync._planes.relay.head.streams import ShardStreamsPlane, relays_streams
+from lightning_wsync._planes.relay.hops import Stream
 from lightning_wsync._planes.relay.mate.notes import MateDesk
 from lightning_wsync._planes.relay.receive import open_relay_source
 from lightning_wsync._planes.relay.sharded import open_sharded_relay
@@ -307,11 +308,10 @@ def _relay_offered(spec: SenderSpec, from_device: bool) -> bool:
 
 def _relay_send(side: SendContext) -> SendPlane:
     spec = side.spec
-    return RelaySendPlane(
-        side.ctl, side.ring, epoch=spec.epoch, host=spec.host, backend=side.backend, addr=spec.addr,
-        timing=side.timing, deltas=side.deltas, policy=side.policy, topology=spec.cross_host,
-        previous_epoch=spec.epoch - 1 or None,
-    )  # fmt: skip
+    stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s)
+    return RelaySendPlane(side.ctl, side.ring, stream, host=spec.host, timing=side.timing, deltas=side.deltas,
+                          policy=side.policy, topology=spec.cross_host,
+                          previous_epoch=spec.epoch - 1 or None)  # fmt: skip
 
 
 def _relay_receive(side: ReceiveContext) -> ReceiveSource | None:

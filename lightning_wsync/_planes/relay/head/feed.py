@@ -80,6 +80,7 @@ from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     RELAY_RID,
     Chain,
+    Stream,
     Superseded,
     chunks,
     error_text,
@@ -117,7 +118,7 @@ class RelayHead:
     """
 
     def __init__(
-        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timing: Timing,
+        self, control: Control, ring: SnapshotRing, stream: Stream, *, timing: Timing,
         deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
         topology: str = "chain",
     ) -> None:  # fmt: skip
@@ -126,10 +127,11 @@ class RelayHead:
         self.leaders: dict[int, str] = {}  # rid -> host, as last given to update_chain
         self._control = control
         self._ring = ring
-        self._epoch = epoch
-        self._backend = backend
-        self._addr = addr
-        self._timeout_s = timing.timeout_s
+        self._stream = stream
+        self._epoch = epoch = stream.number
+        self._backend = stream.backend
+        self._addr = stream.addr
+        self._timeout_s = stream.timeout_s
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
         self._deltas = deltas
         self._policy = policy or AutoPolicy("off")
@@ -199,8 +201,7 @@ class RelayHead:
                 self._changed.wait(CHAIN_POLL_S)
                 continue
             if chain.tree:
-                feed = TreeFeed(ctl, self._ring, chain, epoch=self._epoch, backend=self._backend, addr=self._addr,
-                                timeout_s=self._timeout_s, superseded=self._superseded, deltas=self._deltas,
+                feed = TreeFeed(ctl, self._ring, chain, self._stream, superseded=self._superseded, deltas=self._deltas,
                                 policy=self._policy)  # fmt: skip
                 if feed.run():
                     self._changed.wait()  # the failed generation's hops cannot be joined again

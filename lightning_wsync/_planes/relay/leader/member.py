@@ -30,6 +30,7 @@ from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
+    Stream,
     Superseded,
     error_text,
     join_hop,
@@ -125,7 +126,8 @@ class RelayMember:
             log.debug("relay: receiver rid=%d left its keys: %s", self._rid, error_text(exc))
 
     @property
-    def leading(self) -> bool:
+    def leads(self) -> bool:
+        """The one answer to "does this process lead its host": it holds the host's ring."""
         return self._own is not None
 
     def post(self, news: HostNews) -> None:
@@ -160,7 +162,7 @@ class RelayMember:
         # named a leader of long ago when this receiver, leading meanwhile, lost the host and read its
         # record again, and it took the host straight back from a live host-mate (issue 32).
         suspect, self._suspect = self._suspect, None
-        if self._bell is None or not self._bell.leads or record is None:
+        if self._bell is None or not self._bell.named or record is None:
             record = self._leader = self._election.elect(ctl, suspect=suspect)
             self._store_due = time.monotonic() + self._timing.leader_record_backstop_s
         leading = record is not None and record.rid == self._rid
@@ -240,8 +242,8 @@ class RelayMember:
         if chain.tree:
             hop = self._hop
             assert hop is not None
-            lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend, addr=self._addr,
-                            timeout_s=self._timeout_s, stop=self._stop, current=bell.current)  # fmt: skip
+            lead = TreeLead(ctl, hop, chain, self._stream(), rid=self._rid, stop=self._stop,
+                            current=bell.current)  # fmt: skip
             deaf = bell.listen(lead.nudge)
             try:
                 if lead.serve(superseded, lambda msg: self._accept(ctl, hop, msg)):
@@ -253,8 +255,7 @@ class RelayMember:
         self._notes = 0
         up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
-        down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s,
-                          current=bell.current)  # fmt: skip
+        down = Downstream(ctl, self._stream(), chain, nxt, self.layout, current=bell.current)
         deaf, pg = bell.listen(down.nudge), None  # a ring makes its reader look at once
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
@@ -320,6 +321,10 @@ class RelayMember:
             return  # a resend after a chain change: host-mates hold it already
         self.published_version = version
         self._on_published(version)
+
+    def _stream(self) -> Stream:
+        """This member's relay stream, as its hops are made with."""
+        return Stream(number=self._epoch, backend=self._backend, addr=self._addr, timeout_s=self._timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()

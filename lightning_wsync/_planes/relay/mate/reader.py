@@ -28,12 +28,12 @@ _SEGMENT_POLL_S = 0.005  # a waiting host-mate reads the segment header this oft
 
 class Member(Protocol):
     @property
-    def leading(self) -> bool: ...
+    def leads(self) -> bool: ...
 
     def post(self, news: HostNews) -> None: ...
 
     def own_board(self) -> Posted | None:
-        """While leading: its own board (it passes its own notes on with its host-mates')."""
+        """While it leads: its own board (it passes its own notes on with its host-mates')."""
         ...
 
     def close(self, timeout_s: float = 10.0) -> None: ...
@@ -162,9 +162,11 @@ class RelaySource(ReceiveSource):
         return self
 
     def leads(self) -> bool:
-        """This receiver leads its host's ring (its bell then wakes its watcher: ``on_rung``)."""
+        """This receiver leads its host's ring (its bell then wakes its watcher: ``on_rung``): its
+        member's answer (:attr:`~lightning_wsync._planes.relay.leader.member.RelayMember.leads`),
+        while it is served through the host's ring."""
         member = self.member
-        return self._net is None and member is not None and member.leading
+        return self._net is None and member is not None and member.leads
 
     def beat_board(self) -> Posted | None:
         """The board of the leader that passes this receiver's beats and acknowledgements on
@@ -174,12 +176,11 @@ class RelaySource(ReceiveSource):
         member = self.member
         if self._net is not None or member is None:
             return None
-        return member.own_board() if member.leading else self.segment.board()
+        return member.own_board() if member.leads else self.segment.board()
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
-        member = self.member
-        if self._net is None and member is not None and member.leading:
+        if self.leads() and (member := self.member) is not None:
             member.post(news)
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
