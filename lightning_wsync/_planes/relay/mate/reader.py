@@ -13,9 +13,11 @@ import torch
 from typing_extensions import override
 
 from lightning_wsync._control.manifest import Manifest
-from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import BoardRead, HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.mate.board import read_board
+from lightning_wsync._planes.relay.mate.news import read_news
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
 from lightning_wsync._planes.shm.source import SharedMemorySource
@@ -182,6 +184,9 @@ class RelaySource(ReceiveSource):
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
         if self.leads() and (member := self.member) is not None:
             member.post(news)
+
+    def read_news(self, ctl: Control, board: HostNews, news: str | None, latest_raw: str | None) -> BoardRead:
+        return read_news(ctl, board, news, latest_raw, self.epoch)
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
         source = self.segment.current()
