@@ -1,5 +1,5 @@
 """A host leader's hop to the next leader in the chain: connected in the background,
-its ``ready`` notes read ahead, never waited on long (see :mod:`relay_hop` for the
+its ``ready`` notes read ahead, never waited on long (see :mod:`~lightning_wsync._planes.relay.leader.hop` for the
 receiving side).
 
 The notes are read as the network links read theirs (:class:`~lightning_wsync._planes.net.link.NoteWaiter`):

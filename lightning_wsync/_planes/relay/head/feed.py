@@ -56,7 +56,7 @@ per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.pla
 at one model and cross log2(H) levels, with deltas on every edge (:mod:`relay.treedelta`);
 ``cross_host="relay"`` picks by the push-time model on a version's wire size (full, or the last delta's).
 
-Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
+Shared by both ends of a hop: ``hops.py``; the leader side: ``leader/member.py``; the trees' head: ``head/treefeed.py``.
 
 Longer than 300 lines: the head's chain upkeep and its choice of shape (chain or trees, full or
 delta) read the same leader records and are kept together.
