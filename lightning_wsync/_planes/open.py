@@ -102,6 +102,9 @@ class SendSide:
         side = SendContext(ctl=ctl, spec=spec, ring=self.ring, segment=segment, backend=self.backend,
                            timing=self.timing, deltas=self.deltas, policy=AutoPolicy(spec.delta))  # fmt: skip
         self.planes: tuple[SendPlane, ...] = tuple(row.open_send(side) for row in offered)
+        net = self.planes[0]  # the network row: every sender offers it, first
+        assert isinstance(net, NetSendPlane)
+        self.net = net
         # What receivers read from the sender's record to pick their plane (open_source).
         self.record = SenderRecord(
             epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
