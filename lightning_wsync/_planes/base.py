@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import torch
 
     from lightning_wsync._control.manifest import Manifest
+    from lightning_wsync._control.records import VersionRecord
+    from lightning_wsync._control.store import Control
 
 SumsLookup = Callable[[int], "list[int] | None"]  # version -> its published bucket checksums
 Reject = Callable[[int, str], None]  # (version, reason)
@@ -113,6 +115,14 @@ class MateNotes(Protocol):
         ...
 
 
+class BoardRead(NamedTuple):
+    """What a host-mate took off its leader's board (:meth:`HostLink.read_news`)."""
+
+    seen: str | None  # the ``news`` counter as the board shows it
+    taken: bool  # what moved was versions of the sender followed, taken in (the records need not be read)
+    latest: VersionRecord | None = None  # the board's ``latest`` record (verified here) when it is new
+
+
 class HostLink(Protocol):
     """A receiver on a relay host: it beats, acknowledges and hears news through its host's leader."""
 
@@ -127,6 +137,11 @@ class HostLink(Protocol):
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
+        ...
+
+    def read_news(self, ctl: Control, board: HostNews, news: str | None, latest_raw: str | None) -> BoardRead:
+        """For a host-mate: the news off its leader's ``board``, against ``news`` as last read
+        through and ``latest_raw``, the ``latest`` record it holds."""
         ...
 
 

@@ -1,4 +1,4 @@
-"""The one place that picks the data planes: a sender's (:func:`open_send_side`) and,
+"""The one place that picks the data planes: a sender's (:class:`SendSide`) and,
 for one sender epoch, a receiver's (:func:`open_source`).
 
 A sender snapshots into a ring (in shared memory unless it sends from the GPU) and feeds
@@ -8,8 +8,8 @@ leaders (:mod:`~lightning_wsync._planes.relay`). A receiver reads the sender's r
 and takes the ring when it is on this host, its host's relay when the sender relays,
 else its own network link. No other module branches on the transport.
 
-Longer than 300 lines: every plane choice, sender's and receiver's, in the one place that makes it.
-Longer than 60 lines: `open_source()` holds the NIXL plane's two-line hook until a table of planes takes every pick.
+Longer than 300 lines: every plane choice, sender's and receiver's, in the one place that makes it:
+the table :data:`PLANES`, one row per plane.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.send import NetSendPlane
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.nixl import open as nixl_plane  # hook: the NIXL plane (one entry each way)
-from lightning_wsync._planes.relay.mates import MateDesk
+from lightning_wsync._planes.nixl import open as nixl_plane  # the NIXL plane's row (one entry each way)
+from lightning_wsync._planes.relay.head.plane import RelaySendPlane
+from lightning_wsync._planes.relay.head.streams import ShardStreamsPlane, relays_streams
+from lightning_wsync._planes.relay.hops import Stream
+from lightning_wsync._planes.relay.mate.notes import MateDesk
 from lightning_wsync._planes.relay.receive import open_relay_source
-from lightning_wsync._planes.relay.send import RelaySendPlane
 from lightning_wsync._planes.relay.sharded import open_sharded_relay
-from lightning_wsync._planes.relay.streams import ShardStreamsPlane, relays_streams
 from lightning_wsync._planes.shard.send import ShardSendPlane
 from lightning_wsync._planes.shard.source import open_rank_rings
 from lightning_wsync._planes.shares import ShareWriter as ShareWriter  # the callback's ring of its share
@@ -85,9 +86,10 @@ class SendSide:
             self._open_sharded(ctl, layout, spec, spec.shards)
             return
         from_device = spec.device.type == "cuda" and spec.transport == "nccl"
+        offered = [row for row in PLANES if row.offered(spec, from_device)]  # before anything is made: may refuse
+        names = {row.name for row in offered}
         segment = None
-        nixl = not from_device and _wants_nixl(spec)  # hook: the NIXL plane (before anything is made: it may refuse)
-        if not from_device and spec.transport in ("auto", "shm", "nixl"):
+        if "shm" in names:
             remove_stale_segments()
             segment = ShmSegment(segment_name(spec.job, spec.epoch), layout.total_bytes, create=True, slots=2)
         self.segment = segment
@@ -97,30 +99,18 @@ class SendSide:
                                  slots=2, lease_s=self.timing.pin_lease_s, mirror=mirror)  # fmt: skip
         # Deltas between ring slots, for network receivers and the relay (one encoding per base for all).
         self.deltas = DeltaStreams(layout) if spec.delta != "off" and not from_device else None
-        policy = AutoPolicy(spec.delta)
-        relay = spec.transport == "auto" and spec.cross_host != "star" and not from_device
-        net = NetSendPlane(ctl, self.ring, epoch=spec.epoch, backend=self.backend, addr=spec.addr,
-                           timing=self.timing, deltas=self.deltas, policy=policy)  # fmt: skip
-        planes: list[SendPlane] = [net]
-        if segment is not None:
-            planes.append(ShmSendPlane(ctl, self.ring))
-        if relay:
-            planes.append(RelaySendPlane(
-                ctl, self.ring, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
-                timing=self.timing, deltas=self.deltas, policy=policy, topology=spec.cross_host,
-                previous_epoch=spec.epoch - 1 or None,
-            ))  # fmt: skip
-        if nixl and segment is not None:
-            planes.append(nixl_plane.open_send(nixl_plane.NixlSendParams(
-                ctl=ctl, ring=self.ring, segment=segment, epoch=spec.epoch, job=spec.job)))  # fmt: skip
+        side = SendContext(ctl=ctl, spec=spec, ring=self.ring, segment=segment, backend=self.backend,
+                           timing=self.timing, deltas=self.deltas, policy=AutoPolicy(spec.delta))  # fmt: skip
+        self.planes: tuple[SendPlane, ...] = tuple(row.open_send(side) for row in offered)
+        net = self.planes[0]  # the network row: every sender offers it, first
+        assert isinstance(net, NetSendPlane)
         self.net = net
-        self.planes: tuple[SendPlane, ...] = tuple(planes)
         # What receivers read from the sender's record to pick their plane (open_source).
         self.record = SenderRecord(
             epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
             heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s,  # timeout_s bounds every relay hop
-            transport=spec.transport, backend=self.backend, relay=relay,
-            shm=segment.name if segment is not None else None, nixl=nixl,
+            transport=spec.transport, backend=self.backend, relay="relay" in names,
+            shm=segment.name if segment is not None else None, nixl="nixl" in names,
         )  # fmt: skip
 
     def _open_sharded(self, ctl: Control, layout: Manifest, spec: SenderSpec, plan: ShardPlan) -> None:
@@ -200,7 +190,8 @@ def open_source(
     epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec,
     *, fallback: bool = True,
 ) -> ReceiveSource:  # fmt: skip
-    """The data plane the sender's record allows from this host.
+    """The data plane the sender's record allows from this host: the first row of
+    :data:`RECEIVE_ORDER` that serves it (the network link serves every receiver).
 
     Same host by its host id, but the segment cannot be opened here (missing: another
     /dev/shm, as in a container on the host network; no permission; another user's):
@@ -208,60 +199,144 @@ def open_source(
     segment that opens but is not a wsync ring (a bad name, a symlink, not a regular file,
     no wsync header) stays a configuration error.
     """
-    host, name = me.host, me.name
     if record.sharded:
         return _open_sharded(epoch, layout, record, ordered, me)
-    if record.relay and record.host != host:
-        if me.swap:
-            log.warning(
-                "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
-                "shared memory); the sender's cross_host='star' keeps the network path", name,
-            )  # fmt: skip
-        return open_relay_source(
-            me.ctl, layout, ordered, record, epoch=epoch, rid=me.rid, host=host, job=me.ctl.job, name=name,
-            addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
-            on_rung=me.on_rung,
-        )  # fmt: skip
-    transport, backend, shm = record.transport, record.backend, record.shm
-    same_host = record.host == host and shm is not None
-    if record.nixl and not same_host and (nixl := _open_nixl(epoch, layout, record, ordered, me)) is not None:
-        return nixl  # hook: the NIXL plane
-    if transport == "shm" and not same_host:
-        raise WeightSyncConfigError(
-            f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
-            f"{record.host!r}, not here ({host!r}); use transport='auto' or 'gloo' on the sender"
-        )
-    if transport in ("auto", "shm", "nixl") and same_host:
-        try:
-            return SharedMemorySource(epoch, layout, ordered, ShmReader(str(shm), layout), name)
-        except (FileNotFoundError, PermissionError) as exc:
-            if transport == "shm" and isinstance(exc, PermissionError):
-                raise WeightSyncConfigError(
-                    f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {shm!r} "
-                    f"cannot be opened here ({exc.strerror}); run sender and receivers as one user, or use "
-                    f"transport='auto' on the sender (the network path then serves this receiver)"
-                ) from exc
-            if transport == "shm" or not fallback:
-                raise  # the segment is gone: that sender has ended
-            log.warning(
-                "receiver %r: cannot open the sender's shared-memory segment %r (%s); receiving over the network "
-                "(%s) instead. Sender and receiver share a host id but not /dev/shm or a user (a container on the "
-                "host network, another uid): run them in one IPC namespace as one user for the shared-memory "
-                "path, or set a distinct WSYNC_HOST_ID per container to choose the network path without this "
-                "warning", name, shm, exc.strerror or exc, backend,
-            )  # fmt: skip
+    side = ReceiveContext(epoch=epoch, layout=layout, record=record, ordered=ordered, me=me, fallback=fallback,
+                          same_host=record.host == me.host and record.shm is not None)  # fmt: skip
+    for name in RECEIVE_ORDER:
+        if (source := _BY_NAME[name].open_receive(side)) is not None:
+            return source
+    raise AssertionError("the network row serves every receiver")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendContext:
+    """What every row's send side is built from: the sender's spec and the ring it feeds."""
+
+    ctl: Control
+    spec: SenderSpec
+    ring: SnapshotRing
+    segment: ShmSegment | None  # the ring's slots in shared memory (None: the ring is on the GPU)
+    backend: str  # gloo | nccl
+    timing: Timing
+    deltas: DeltaStreams | None
+    policy: AutoPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveContext:
+    """What every row's receive side is opened from: one sender epoch's record and this receiver."""
+
+    epoch: int
+    layout: Manifest
+    record: SenderRecord
+    ordered: list[torch.Tensor]
+    me: ReceiverSpec
+    fallback: bool
+    same_host: bool  # the sender's host id is this one's and it keeps a segment
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One row of the table: whether a sender offers the plane, its send side, and its receive
+    side (None: this row does not serve that receiver, the next row in :data:`RECEIVE_ORDER` may)."""
+
+    name: str
+    offered: Callable[[SenderSpec, bool], bool]  # (spec, sends from the GPU); may refuse (WeightSyncConfigError)
+    open_send: Callable[[SendContext], SendPlane]
+    open_receive: Callable[[ReceiveContext], ReceiveSource | None]
+
+
+def _net_send(side: SendContext) -> SendPlane:
+    spec = side.spec
+    return NetSendPlane(side.ctl, side.ring, epoch=spec.epoch, backend=side.backend, addr=spec.addr,
+                        timing=side.timing, deltas=side.deltas, policy=side.policy)  # fmt: skip
+
+
+def _net_receive(side: ReceiveContext) -> ReceiveSource:
+    me, backend = side.me, side.record.backend
     if me.swap:
-        _check_swappable(layout, ordered, name, backend)
+        _check_swappable(side.layout, side.ordered, me.name, backend)
     link = NetReceiveLink(
-        me.ctl, layout, epoch=epoch, rid=me.rid, backend=backend, addr=me.addr, timeout_s=me.timeout_s,
+        me.ctl, side.layout, epoch=side.epoch, rid=me.rid, backend=backend, addr=me.addr, timeout_s=me.timeout_s,
         device=me.device if backend == "nccl" else torch.device("cpu"), on_staged=me.on_staged,
         on_rejected=me.on_rejected, newest=me.newest, pinned=backend == "gloo" and me.device.type == "cuda",
     )  # fmt: skip
-    return NetworkSource(epoch, layout, ordered, link, swap=me.swap)
+    return NetworkSource(side.epoch, side.layout, side.ordered, link, swap=me.swap)
 
 
-def _wants_nixl(spec: SenderSpec) -> bool:
-    """Hook (the NIXL plane): transport='nixl', or 'auto' with cross_host='star' where NIXL is usable; says which."""
+def _shm_offered(spec: SenderSpec, from_device: bool) -> bool:
+    return not from_device and spec.transport in ("auto", "shm", "nixl")
+
+
+def _shm_send(side: SendContext) -> SendPlane:
+    return ShmSendPlane(side.ctl, side.ring)
+
+
+def _shm_receive(side: ReceiveContext) -> ReceiveSource | None:
+    record, name, shm, transport = side.record, side.me.name, side.record.shm, side.record.transport
+    if not side.same_host:
+        if transport == "shm":
+            raise WeightSyncConfigError(
+                f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
+                f"{record.host!r}, not here ({side.me.host!r}); use transport='auto' or 'gloo' on the sender"
+            )
+        return None
+    if transport not in ("auto", "shm", "nixl"):
+        return None
+    try:
+        return SharedMemorySource(side.epoch, side.layout, side.ordered, ShmReader(str(shm), side.layout), name)
+    except (FileNotFoundError, PermissionError) as exc:
+        if transport == "shm" and isinstance(exc, PermissionError):
+            raise WeightSyncConfigError(
+                f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {shm!r} "
+                f"cannot be opened here ({exc.strerror}); run sender and receivers as one user, or use "
+                f"transport='auto' on the sender (the network path then serves this receiver)"
+            ) from exc
+        if transport == "shm" or not side.fallback:
+            raise  # the segment is gone: that sender has ended
+        log.warning(
+            "receiver %r: cannot open the sender's shared-memory segment %r (%s); receiving over the network "
+            "(%s) instead. Sender and receiver share a host id but not /dev/shm or a user (a container on the "
+            "host network, another uid): run them in one IPC namespace as one user for the shared-memory "
+            "path, or set a distinct WSYNC_HOST_ID per container to choose the network path without this "
+            "warning", name, shm, exc.strerror or exc, record.backend,
+        )  # fmt: skip
+        return None
+
+
+def _relay_offered(spec: SenderSpec, from_device: bool) -> bool:
+    return spec.transport == "auto" and spec.cross_host != "star" and not from_device
+
+
+def _relay_send(side: SendContext) -> SendPlane:
+    spec = side.spec
+    stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s)
+    return RelaySendPlane(side.ctl, side.ring, stream, host=spec.host, timing=side.timing, deltas=side.deltas,
+                          policy=side.policy, topology=spec.cross_host,
+                          previous_epoch=spec.epoch - 1 or None)  # fmt: skip
+
+
+def _relay_receive(side: ReceiveContext) -> ReceiveSource | None:
+    me, record = side.me, side.record
+    if not record.relay or record.host == me.host:
+        return None
+    if me.swap:
+        log.warning(
+            "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
+            "shared memory); the sender's cross_host='star' keeps the network path", me.name,
+        )  # fmt: skip
+    return open_relay_source(
+        me.ctl, side.layout, side.ordered, record, epoch=side.epoch, rid=me.rid, host=me.host, job=me.ctl.job,
+        name=me.name, addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
+        on_rung=me.on_rung,
+    )  # fmt: skip
+
+
+def _nixl_offered(spec: SenderSpec, from_device: bool) -> bool:
+    """transport='nixl', or 'auto' with cross_host='star' where NIXL is usable; says which."""
+    if from_device:
+        return False
     if spec.transport == "nixl":
         if (refused := nixl_plane.unusable()) is not None:
             raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {refused}; or use transport='auto'")
@@ -276,19 +351,38 @@ def _wants_nixl(spec: SenderSpec) -> bool:
     return why is None
 
 
-def _open_nixl(
-    epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec
-) -> ReceiveSource | None:
-    """Hook (the NIXL plane): a reader of the sender's ring; None: NIXL is not usable here and the
-    sender also serves gloo links (transport='auto'), said once in the log."""
+def _nixl_send(side: SendContext) -> SendPlane:
+    assert side.segment is not None  # offered only with the shared-memory row
+    return nixl_plane.open_send(nixl_plane.NixlSendParams(
+        ctl=side.ctl, ring=side.ring, segment=side.segment, epoch=side.spec.epoch, job=side.spec.job))  # fmt: skip
+
+
+def _nixl_receive(side: ReceiveContext) -> ReceiveSource | None:
+    """A reader of the sender's ring; None: not offered to this receiver, or NIXL is not usable
+    here and the sender also serves gloo links (transport='auto'), said once in the log."""
+    me, record = side.me, side.record
+    if not record.nixl or side.same_host:
+        return None
     why = nixl_plane.unusable()
     if why is not None and record.transport == "auto":
         log.warning("receiver %r: the sender offers NIXL, but %s; receiving over a gloo link instead", me.name, why)
         return None
     return nixl_plane.open_receive(nixl_plane.NixlReceiveParams(
-        ctl=me.ctl, layout=layout, ordered=ordered, epoch=epoch, rid=me.rid, name=me.name, timeout_s=me.timeout_s,
-        newest=me.newest, on_staged=me.on_staged, on_rejected=me.on_rejected,
+        ctl=me.ctl, layout=side.layout, ordered=side.ordered, epoch=side.epoch, rid=me.rid, name=me.name,
+        timeout_s=me.timeout_s, newest=me.newest, on_staged=me.on_staged, on_rejected=me.on_rejected,
     ))  # fmt: skip
+
+
+# The table of planes, in the order a sender opens (and closes) them. Adding a plane is a row here,
+# its subpackage, a config value and a record field.
+PLANES: tuple[Plane, ...] = (
+    Plane("net", lambda spec, from_device: True, _net_send, _net_receive),
+    Plane("shm", _shm_offered, _shm_send, _shm_receive),
+    Plane("relay", _relay_offered, _relay_send, _relay_receive),
+    Plane("nixl", _nixl_offered, _nixl_send, _nixl_receive),
+)
+_BY_NAME = {row.name: row for row in PLANES}
+RECEIVE_ORDER = ("relay", "nixl", "shm", "net")  # a receiver takes the first row that serves it
 
 
 def _open_sharded(

@@ -27,7 +27,7 @@ from lightning_wsync._control.shards import Shares
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import Control, connect_store, resolve_job
 from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.relay.streams import StreamHead, relays_streams
+from lightning_wsync._planes.relay.head.streams import StreamHead, relays_streams
 from lightning_wsync._planes.shm import cuda_ipc
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.checks import Complaints, parse_counter
+from lightning_wsync._control.checks import Complaints
 from lightning_wsync._control.fleet_records import NOT_FOLLOWING, FleetAck
 from lightning_wsync._control.host import local_address, pid_namespace
 from lightning_wsync._control.manifest import Manifest
@@ -40,7 +40,8 @@ from lightning_wsync._control.records import (
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing, timing
 from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource
-from lightning_wsync._planes.open import ReceiverSpec, open_mate_notes, open_source
+from lightning_wsync._planes.open import ReceiverSpec, open_source
+from lightning_wsync._pull.heartbeat import Heartbeat
 from lightning_wsync.config import ReceiverConfig
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -113,8 +114,7 @@ class Watcher:
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the thread early (an ack to send, or stop)
         self._state = StateReport()
-        self._desk = open_mate_notes()  # a relay host-mate beats and acknowledges through its leader
-        self._beat = 0  # the heartbeat counter's last value
+        self._heart = Heartbeat(self._state, self._complaints)
         self._applied: int | None = None  # the version update() last applied (for logs)
         self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
         # Every wait, from this receiver's settings and (once it follows one) its sender's record.
@@ -162,7 +162,7 @@ class Watcher:
         self._kick.set()
         self._thread.join(timeout=10)
         try:
-            self._state.write(self._ctl, force=self._desk.leave())
+            self._state.write(self._ctl, force=self._heart.leave())
             self._ctl.set_json(keys.member_gone(self.rid), True)
             self._ctl.bump(keys.MEMBERS_GONE)  # the sender reads the gone keys when this moves
         except WeightSyncStoreError:
@@ -184,7 +184,7 @@ class Watcher:
                 now = time.monotonic()
                 relay = None if self.source is None else self.source.host_link()
                 board = None if relay is None else relay.beat_board()
-                next_beat = self._beat_and_ack(ctl, now, next_beat, board)
+                next_beat = self._heart.tick(ctl, self.rid, now, next_beat, board, self._beat_s(), self._rejoin)
                 posted = None if relay is None or relay.leads() else board  # a host-mate reads news off it
                 self._relay_lead = relay is not None and posted is None
                 # A relay host's leader woken for its heartbeat alone leaves news for a kick or its pace.
@@ -214,7 +214,7 @@ class Watcher:
         """Read ``news`` and, when it moved (or is unreadable), when verify still lacks the newest
         version's checksums, and at ``next_all`` whatever happens, the records; returns the news
         read through (a lost store raises first: then it is all read again) and the next ``next_all``."""
-        seen, taken = self._read_news(ctl, None if posted is None else posted.news, news)
+        seen, taken = self._read_news(ctl, relay, None if posted is None else posted.news, news)
         look = seen is None or (seen != news and not taken) or now >= next_all or self._sums_missing()
         if now >= next_all:
             next_all = now + (self.timing.backstop_s if relay is None else self.timing.hosted_backstop_s)
@@ -253,99 +253,29 @@ class Watcher:
         on_host = self.source is not None and self.source.host_link() is not None
         return self.timing.hosted_beat_s if on_host else self.timing.beat_s
 
-    def _beat_and_ack(self, ctl: Control, now: float, next_beat: float, posted: Posted | None) -> float:
-        """Beat when due and acknowledge what changed; returns when to beat next.
-
-        A relay host-mate whose leader passes notes on hands both to it (no request, and a
-        beat every half period, so that each of the leader's writes has a new one); anyone
-        else, and a host-mate whose notes stopped being passed on, writes them to the store.
-        """
-        period = self._beat_s()
-        if posted is not None and self._desk.keeps(posted, self.rid, now, period):
-            due = now >= next_beat
-            state = self._state.take(ctl)
-            if not due and state is None:
-                return next_beat
-            if self._desk.write(posted.directory, self.rid, self._beat + due, self._state.sealed, now):
-                self._beat += due
-                return now + period / 2 if due else next_beat
-        lagging = self._desk.leave()  # the store may hold an older beat, and lack the newest state
-        if now >= next_beat or lagging:
-            beat = self._beat_once(ctl, lagging=lagging)
-            if beat <= self._beat:  # the counter restarted: the sender deleted this receiver's keys
-                self._rejoin(ctl)
-            self._beat = beat
-            next_beat = now + period
-            self._desk.confirm(now)
-        self._state.write(ctl, force=lagging)
-        return next_beat
-
-    def _read_news(self, ctl: Control, posted: HostNews | None, news: str | None) -> tuple[str | None, bool]:
+    def _read_news(
+        self, ctl: Control, relay: HostLink | None, posted: HostNews | None, news: str | None
+    ) -> tuple[str | None, bool]:
         """The ``news`` counter as written (None when absent: then every record is read), and
-        whether what moved was taken in already (then the records need not be read).
-
-        A relay host-mate reads it off its leader's board (``posted``), not the store. There,
-        bumps are versions only when the leader read the same sender, not closed, at or after
-        them (or, from an older board, when one bump came with a new ``latest``): the ``latest``
-        record is then taken from the board (sealed: verified here). Anything else (a new
-        sender, a close) has the caller read the records from the store.
-        """
-        if posted is None:
+        whether what moved was taken in already (then the records need not be read): a relay
+        host-mate reads it off its leader's board (``posted``, :meth:`HostLink.read_news`)."""
+        if posted is None or relay is None:
             return ctl.get_text(keys.NEWS), False
-        seen, raw = posted.news, posted.latest
-        if seen is None or raw is None or news is None or seen == news:
-            return seen, False
-        if not self._same_sender(ctl, posted) and (raw == self._latest_raw or not _one_bump(news, seen)):
-            return seen, False
-        try:
-            if raw != self._latest_raw:
-                self._take_latest(ctl.decode(keys.LATEST, raw, VersionRecord), raw)
-        except (WeightSyncAuthError, WeightSyncRecordError):
-            return seen, False  # read from the store instead, which reports it
-        return seen, True
-
-    def _same_sender(self, ctl: Control, posted: HostNews) -> bool:
-        """The leader's board says the sender followed here is still current and has not closed."""
-        source = self.source
-        if posted.closed or posted.sender is None or source is None:
-            return False
-        try:
-            return ctl.decode(keys.SENDER_CURRENT, posted.sender, SenderPointer).epoch == source.epoch
-        except (WeightSyncAuthError, WeightSyncRecordError):
-            return False  # the store's reading reports it
+        read = relay.read_news(ctl, posted, news, self._latest_raw)
+        if read.latest is not None and posted.latest is not None:
+            self._take_latest(read.latest, posted.latest)
+        return read.seen, read.taken
 
     def _sums_missing(self) -> bool:
         latest, held = self.latest, self._sums
         return self.config.verify and latest is not None and (held is None or held.version != latest.version)
-
-    def _beat_once(self, ctl: Control, *, lagging: bool = False) -> int:
-        key = keys.member_heartbeat(self.rid)
-        beat = str(self._beat + 1)
-        # One request while the counter holds this receiver's last beat; anything else (deleted
-        # by the sender, garbled) takes the checked path below.
-        if self._beat > 0:
-            held = ctl.compare_set(key, str(self._beat), beat)
-            if held == beat.encode():
-                return self._beat + 1
-            # Back from its leader, which may not have written its last beats: an older one of its
-            # own is no restart (an absent key reads as the expected value: that one is).
-            seen = parse_counter(held)
-            if lagging and seen is not None and seen < self._beat:
-                if ctl.compare_set(key, str(seen), beat) == beat.encode():
-                    return self._beat + 1
-        try:
-            return ctl.add(key, 1)
-        except WeightSyncRecordError as exc:  # garbled by someone else: this receiver owns it, so restore it
-            self._complaints.bad(key, exc)
-            ctl.set_text(key, str(self._beat + 1))
-            return self._beat + 1
 
     def _register(self, ctl: Control) -> None:
         """Take a fresh receiver id and announce this receiver under it."""
         self.rid = ctl.add(keys.MEMBERS_NEXT, 1) - 1
         self._state.moved_to(self.rid)
         self._state.write(ctl, force=True)
-        self._beat = ctl.add(keys.member_heartbeat(self.rid), 1)
+        self._heart.count = ctl.add(keys.member_heartbeat(self.rid), 1)
         if self.config.fleet is not None:  # before the record: the sender reads it for every fleet member
             ctl.put(keys.member_fleet(self.rid), FleetAck(self.config.fleet, round=NOT_FOLLOWING))
         me = MemberRecord(self.name, self._host, os.getpid(), pid_namespace(), self.config.verify, self.config.fleet)
@@ -527,10 +457,3 @@ class Watcher:
         self._state.rejected(version, reason)
         self._kick.set()
 
-
-def _one_bump(before: str, after: str) -> bool:
-    """``after`` is the ``news`` counter one bump past ``before`` (a garbled counter is not)."""
-    try:
-        return int(after) == int(before) + 1
-    except ValueError:
-        return False

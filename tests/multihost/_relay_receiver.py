@@ -22,7 +22,7 @@ def emit(path: str, **fields: object) -> None:
 
 def corrupt_rebuilt(version: int) -> None:
     """Flip one bit of the first bucket this process rebuilds for ``version`` (as wire corruption would)."""
-    from lightning_wsync._planes.relay import hop as relay_hop
+    from lightning_wsync._planes.relay.leader import hop as relay_hop
 
     class Corrupting(relay_hop.DeltaDecoder):
         def decode_bucket(self, payload, base, out):  # type: ignore[no-untyped-def]

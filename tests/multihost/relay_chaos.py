@@ -30,7 +30,7 @@ from _scenario import Procs, main, wait_until
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import ModelSpec, build_model, digest
 

@@ -22,7 +22,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 
 HERE = Path(__file__).resolve().parent
 SIZE_MB = 4

@@ -28,7 +28,7 @@ from _scenario import Procs, main, wait_until
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync._planes.relay.hops import read_chain
 from lightning_wsync._planes.relay.plan import tree_links
 from lightning_wsync.testing.hosts import SimHosts

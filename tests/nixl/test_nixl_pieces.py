@@ -18,20 +18,26 @@ def spec(transport: str, cross_host: str) -> planes.SenderSpec:
                              delta="off", device=torch.device("cpu"), timeout_s=5, heartbeat_timeout_s=5)  # fmt: skip
 
 
+def wants_nixl(spec: planes.SenderSpec) -> bool:
+    """The table's NIXL row: does this sender (on the CPU) offer it."""
+    (row,) = [row for row in planes.PLANES if row.name == "nixl"]
+    return row.offered(spec, False)
+
+
 @pytest.mark.parametrize("why", [None, "NIXL is not installed (test)"])
 def test_auto_picks_nixl_for_the_star_where_usable_and_says_which(monkeypatch, caplog, why):
     monkeypatch.setattr(planes.nixl_plane, "unusable", lambda: why)
     with caplog.at_level(logging.INFO, logger=planes.__name__):
-        assert planes._wants_nixl(spec("auto", "star")) is (why is None)
+        assert wants_nixl(spec("auto", "star")) is (why is None)
     said = caplog.text
     assert ("READ through NIXL" in said) if why is None else ("gloo links (NIXL is not installed (test))" in said)
     if why is None:
-        assert planes._wants_nixl(spec("nixl", "relay")) is True
+        assert wants_nixl(spec("nixl", "relay")) is True
     else:
         with pytest.raises(WeightSyncConfigError, match=r"transport='nixl', but NIXL is not installed \(test\)"):
-            planes._wants_nixl(spec("nixl", "relay"))
-    assert planes._wants_nixl(spec("auto", "relay")) is False  # the relay's hops stay gloo
-    assert planes._wants_nixl(spec("gloo", "star")) is False
+            wants_nixl(spec("nixl", "relay"))
+    assert wants_nixl(spec("auto", "relay")) is False  # the relay's hops stay gloo
+    assert wants_nixl(spec("gloo", "star")) is False
 
 
 def test_agent_record_round_trips_and_refuses_bad_regions():
@@ -57,3 +63,14 @@ def test_messages_round_trip_and_ignore_strangers():
     assert messages.parse(messages.touch(4)) == ("T", [4])
     for stranger in (b"", b"X 1", b"G", b"P x", b"\xff\xfe"):
         assert messages.parse(stranger) is None
+
+
+def test_the_table_names_each_plane_once_and_a_receiver_tries_each():
+    names = [row.name for row in planes.PLANES]
+    assert names == ["net", "shm", "relay", "nixl"]  # the order a sender opens and closes them
+    assert sorted(planes.RECEIVE_ORDER) == sorted(names) and planes.RECEIVE_ORDER[-1] == "net"  # net serves all
+    cpu = spec("gloo", "star")
+    assert [row.name for row in planes.PLANES if row.offered(cpu, False)] == ["net"]
+    auto = spec("auto", "relay")
+    assert [row.name for row in planes.PLANES if row.offered(auto, False)] == ["net", "shm", "relay"]
+    assert [row.name for row in planes.PLANES if row.offered(auto, True)] == ["net"]  # from the GPU: links only

@@ -36,7 +36,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync.testing.procs import Children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

@@ -24,7 +24,7 @@ from test_relay_store_load import _keys, _wait  # (the counts by key, a bounded 
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync._planes.relay.hops import read_chain
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import receive

@@ -1,4 +1,4 @@
-"""The pieces of a relay leader's writes for its host-mates (:mod:`lightning_wsync._planes.relay.mates`),
+"""The pieces of a relay leader's writes for its host-mates (:mod:`lightning_wsync._planes.relay.mate.notes`),
 on a real TCPStore in this process: what the leader passes on, and when a host-mate keeps to it."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.records import MemberRecord, MemberState
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.board import Board, HostNews, Posted, read_board
-from lightning_wsync._planes.relay.mates import MATES, MateDesk, MateRelay, Note
+from lightning_wsync._planes.relay.mate.board import Board, HostNews, Posted, read_board
+from lightning_wsync._planes.relay.mate.notes import MATES, MateDesk, MateRelay, Note
 
 pytestmark = pytest.mark.timeout(60)
 PERIOD_S = 0.2

@@ -26,7 +26,7 @@ from _workers import build, digest, mutate
 from lightning_wsync import WeightSender
 from lightning_wsync._control.records import LeaderRecord
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync._planes.shm.segment import unlink_segment
 from lightning_wsync.testing.procs import Children
 

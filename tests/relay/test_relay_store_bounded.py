@@ -16,7 +16,7 @@ from _workers import build, digest, mutate
 
 from lightning_wsync import WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest
-from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
+from lightning_wsync._planes.relay.mate.reader import HostRingReader, RelaySource
 from lightning_wsync._planes.shm.ring import SnapshotRing, bucket_checksums
 from lightning_wsync._planes.shm.segment import ShmSegment, segment_name
 

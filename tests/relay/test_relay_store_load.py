@@ -7,7 +7,7 @@ another; each process reaches the store through a counting proxy of its own
 from the leader's and the sender's. Before: each host-mate read its leader's record and the
 chain every 50 ms and ``news`` every 0.1 s (~35 requests/s each at idle, ~6 per push); then
 it still beat (a quarter of ``heartbeat_timeout_s`` apart) and acknowledged each version on
-the store itself, which its leader now does for it (:mod:`lightning_wsync._planes.relay.mates`).
+the store itself, which its leader now does for it (:mod:`lightning_wsync._planes.relay.mate.notes`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync.testing.hostproc import HostArgs, host_main
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import receive

@@ -15,9 +15,9 @@ from lightning_wsync._control.manifest import Manifest, build_manifest, checksum
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams
 from lightning_wsync._planes.delta.wire import DeltaStats, Held, held_of
 from lightning_wsync._planes.relay.hops import chunks, hop_header
+from lightning_wsync._planes.relay.leader.treehop import TreeHop
 from lightning_wsync._planes.relay.plan import choose_tree, delta_chunks_s, half, pipeline_s
 from lightning_wsync._planes.relay.treedelta import chunk_layout, half_messages, send_halves
-from lightning_wsync._planes.relay.treelead import TreeHop
 from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, make_group, trailer_words
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,8 +17,8 @@ from lightning_wsync._control.manifest import Manifest, build_manifest, checksum
 from lightning_wsync._planes.delta.encode import DeltaStreams
 from lightning_wsync._planes.delta.wire import held_of
 from lightning_wsync._planes.relay.hops import Superseded, chunks, hop_header
+from lightning_wsync._planes.relay.leader.treehop import TreeHop
 from lightning_wsync._planes.relay.treedelta import chunk_layout, half_messages
-from lightning_wsync._planes.relay.treelead import TreeHop
 from lightning_wsync._planes.wire import DELTA, FULL, trailer_words
 
 pytestmark = pytest.mark.timeout(60)

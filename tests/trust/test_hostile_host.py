@@ -26,10 +26,10 @@ from lightning_wsync._control.host import pid_namespace
 from lightning_wsync._control.records import LeaderRecord, MemberRecord, MemberState
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.relay import mates as mates_module
-from lightning_wsync._planes.relay.board import Board, read_board
-from lightning_wsync._planes.relay.elect import Election
-from lightning_wsync._planes.relay.mates import MateDesk, MateRelay, Note, read_note
+from lightning_wsync._planes.relay.leader.elect import Election
+from lightning_wsync._planes.relay.mate import notes as mates_module
+from lightning_wsync._planes.relay.mate.board import Board, read_board
+from lightning_wsync._planes.relay.mate.notes import MateDesk, MateRelay, Note, read_note
 from lightning_wsync._planes.shard.send import ShardSendPlane
 
 pytestmark = pytest.mark.timeout(60)
@@ -235,7 +235,7 @@ def test_the_notes_thread_reports_what_it_did_not_expect_and_goes_on(leader, tmp
 
 
 def test_the_board_keeps_beating_through_what_it_did_not_expect(tmp_path, monkeypatch, caplog) -> None:
-    from lightning_wsync._planes.relay import board as board_module
+    from lightning_wsync._planes.relay.mate import board as board_module
 
     failures = [0]
 

@@ -1,5 +1,5 @@
 """A host leader's hop to the next leader in the chain: connected in the background,
-its ``ready`` notes read ahead, never waited on long (see :mod:`relay_hop` for the
+its ``ready`` notes read ahead, never waited on long (see :mod:`~lightning_wsync._planes.relay.leader.hop` for the
 receiving side).
 
 The notes are read as the network links read theirs (:class:`~lightning_wsync._planes.net.notes.NoteWaiter`):
@@ -28,6 +28,7 @@ from lightning_wsync._planes.net.notes import NoteWaiter
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     Chain,
+    Stream,
     Superseded,
     error_text,
     hop_header,
@@ -52,17 +53,18 @@ class Downstream:
     """This leader's hop to the next one in the chain: connected in the background, never waited on long."""
 
     def __init__(
-        self, ctl: Control, epoch: int, chain: Chain, rid: int | None, layout: Manifest, backend: str, addr: str,
-        timeout_s: float, *, current: Callable[[int], bool], tree: int | None = None, pieces: int | None = None,
+        self, ctl: Control, stream: Stream, chain: Chain, rid: int | None, layout: Manifest, *,
+        current: Callable[[int], bool], tree: int | None = None, pieces: int | None = None,
     ) -> None:  # fmt: skip
         """The hop to leader ``rid`` (None: there is no next leader) in ``chain``, or in its
         tree ``tree``, where a full version comes in ``pieces`` pieces (half of them).
 
         ``current(number)``: whether chain ``number`` is still served, known without a store
-        request (the leader's :class:`~lightning_wsync._planes.relay.bell.Bell`, which calls
+        request (the leader's :class:`~lightning_wsync._planes.relay.leader.bell.Bell`, which calls
         :meth:`nudge` after each look at the chain)."""
         self._ctl = ctl
-        self._epoch = epoch
+        self._epoch = epoch = stream.number
+        backend, addr, timeout_s = stream.backend, stream.addr, stream.timeout_s
         self._layout = layout
         self._timeout_s = timeout_s
         self._pieces = pieces

@@ -54,6 +54,21 @@ def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class Stream:
+    """One relay stream: what every hop of it (the head's, each leader's downstream) is made with.
+
+    ``number`` is the sender's epoch, or for a sharded push one trainer rank's stream
+    (:func:`~lightning_wsync._control.keys.relay_stream`): the stream names its elections,
+    chain, hops and trailer MACs on the store.
+    """
+
+    number: int
+    backend: str  # the hops' process groups: gloo | nccl
+    addr: str  # where the hops meet (the sender's address)
+    timeout_s: float  # the sender's: it bounds every hop, whatever a receiver's
+
+
 @dataclass(frozen=True)
 class Chain:
     number: int

@@ -1,6 +1,6 @@
 """Opening a receiver's data plane on a host other than the sender's, when the sender relays:
-the host ring (:class:`~lightning_wsync._planes.relay.source.RelaySource`) and the receiver's
-member thread (:class:`~lightning_wsync._planes.relay.host.RelayMember`)."""
+the host ring (:class:`~lightning_wsync._planes.relay.mate.reader.RelaySource`) and the receiver's
+member thread (:class:`~lightning_wsync._planes.relay.leader.member.RelayMember`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.relay.host import RelayMember
-from lightning_wsync._planes.relay.source import HostRingReader, RelaySource
+from lightning_wsync._planes.relay.leader.member import RelayMember
+from lightning_wsync._planes.relay.mate.reader import HostRingReader, RelaySource
 from lightning_wsync.errors import WeightSyncError
 
 
@@ -27,7 +27,7 @@ def open_relay_source(
     on_rung: Callable[[], None] | None = None,
 ) -> RelaySource:  # fmt: skip
     """The data plane of a receiver on a host other than the sender's, when the sender relays
-    (``on_rung``: see :class:`~lightning_wsync._planes.relay.host.RelayMember`)."""
+    (``on_rung``: see :class:`~lightning_wsync._planes.relay.leader.member.RelayMember`)."""
     backend = record.backend
     ctl = control.clone()
 

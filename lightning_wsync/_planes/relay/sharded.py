@@ -1,8 +1,8 @@
 """A sharded push across hosts, receive side: one relayed stream per trainer rank, assembled here.
 
 For each trainer rank on another host, this receiver stands in that rank's stream (a
-:class:`~lightning_wsync._planes.relay.host.RelayMember` under the stream number, see
-:mod:`~lightning_wsync._planes.relay.streams`): the stream's leader on this host receives
+:class:`~lightning_wsync._planes.relay.leader.member.RelayMember` under the stream number, see
+:mod:`~lightning_wsync._planes.relay.head.streams`): the stream's leader on this host receives
 the rank's share into a host ring of its own, verified against the rank's signed trailer.
 A rank on this host is read from its own ring. Every receiver of the host then assembles
 whole versions from those rings exactly as on the trainer's host
@@ -26,9 +26,9 @@ from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.relay.board import Posted, read_board
-from lightning_wsync._planes.relay.host import RelayMember
-from lightning_wsync._planes.relay.source import open_leader_ring
+from lightning_wsync._planes.relay.leader.member import RelayMember
+from lightning_wsync._planes.relay.mate.board import Posted, read_board
+from lightning_wsync._planes.relay.mate.reader import open_leader_ring
 from lightning_wsync._planes.shard.source import FixedRing, ShardedSource, ShareRing
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
@@ -62,7 +62,7 @@ class StreamRing:
         return self._segment if self._reader is not None else None
 
     def board(self) -> Posted | None:
-        """The stream leader's board (:mod:`~lightning_wsync._planes.relay.board`): its age is the leader's beat."""
+        """The stream leader's board (:mod:`.mate.board`): its age is the leader's beat."""
         segment = self.following()
         return None if segment is None else read_board(pin_dir(os.path.join(SHM_DIR, segment)))
 

@@ -114,7 +114,9 @@ class Election:
             ctl.delete(self.key)
             ctl.bump(keys.relay_moved(self._epoch))
 
-    def leads(self, ctl: Control) -> bool:
+    def named(self, ctl: Control) -> bool:
+        """The store's leader record names this receiver (what its bell caches: :attr:`Bell.named`;
+        whether it leads its host is :attr:`RelayMember.leads`, which holds the host's ring)."""
         _, record = self.read(ctl)
         return record is not None and record.rid == self._rid
 

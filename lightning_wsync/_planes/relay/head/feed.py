@@ -13,7 +13,7 @@
   or whose heartbeat has not moved for the sender's ``heartbeat_timeout_s`` is replaced by
   a host-mate; no process restarts. A leader that cannot create the host segment resigns;
   it, and a host-mate that cannot open the leader's segment (another /dev/shm or user),
-  receive over the network from the sender instead (:mod:`~lightning_wsync._planes.relay.host`).
+  receive over the network from the sender instead (:mod:`~lightning_wsync._planes.relay.leader.member`).
   Only the leader receives from the network; it verifies each version into a private
   staging buffer, then writes it into the host's shared-memory segment under the same
   sequence-counter rules as the trainer's snapshot, and every receiver on the host (the
@@ -56,7 +56,7 @@ per host; two complementary binary trees (``cross_host="tree"``, :mod:`relay.pla
 at one model and cross log2(H) levels, with deltas on every edge (:mod:`relay.treedelta`);
 ``cross_host="relay"`` picks by the push-time model on a version's wire size (full, or the last delta's).
 
-Shared by both ends of a hop: ``hops.py``; the leader side: ``host.py``; the trees' head: ``treefeed.py``.
+Shared by both ends of a hop: ``hops.py``; the leader side: ``leader/member.py``; the trees' head: ``head/treefeed.py``.
 
 Longer than 300 lines: the head's chain upkeep and its choice of shape (chain or trees, full or
 delta) read the same leader records and are kept together.
@@ -75,10 +75,12 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import send_delta
+from lightning_wsync._planes.relay.head.treefeed import TreeFeed
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     RELAY_RID,
     Chain,
+    Stream,
     Superseded,
     chunks,
     error_text,
@@ -92,7 +94,6 @@ from lightning_wsync._planes.relay.hops import (
 )
 from lightning_wsync._planes.relay.plan import choose_tree
 from lightning_wsync._planes.relay.tidy import RelaySweeper, forget_hop
-from lightning_wsync._planes.relay.treefeed import TreeFeed
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, close_group, signed_trailer
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
@@ -117,7 +118,7 @@ class RelayHead:
     """
 
     def __init__(
-        self, control: Control, ring: SnapshotRing, *, epoch: int, backend: str, addr: str, timing: Timing,
+        self, control: Control, ring: SnapshotRing, stream: Stream, *, timing: Timing,
         deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
         topology: str = "chain",
     ) -> None:  # fmt: skip
@@ -126,10 +127,11 @@ class RelayHead:
         self.leaders: dict[int, str] = {}  # rid -> host, as last given to update_chain
         self._control = control
         self._ring = ring
-        self._epoch = epoch
-        self._backend = backend
-        self._addr = addr
-        self._timeout_s = timing.timeout_s
+        self._stream = stream
+        self._epoch = epoch = stream.number
+        self._backend = stream.backend
+        self._addr = stream.addr
+        self._timeout_s = stream.timeout_s
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
         self._deltas = deltas
         self._policy = policy or AutoPolicy("off")
@@ -199,8 +201,7 @@ class RelayHead:
                 self._changed.wait(CHAIN_POLL_S)
                 continue
             if chain.tree:
-                feed = TreeFeed(ctl, self._ring, chain, epoch=self._epoch, backend=self._backend, addr=self._addr,
-                                timeout_s=self._timeout_s, superseded=self._superseded, deltas=self._deltas,
+                feed = TreeFeed(ctl, self._ring, chain, self._stream, superseded=self._superseded, deltas=self._deltas,
                                 policy=self._policy)  # fmt: skip
                 if feed.run():
                     self._changed.wait()  # the failed generation's hops cannot be joined again

@@ -30,6 +30,7 @@ from lightning_wsync._planes.delta.wire import Held
 from lightning_wsync._planes.relay.hops import (
     RELAY_RID,
     Chain,
+    Stream,
     Superseded,
     chunks,
     error_text,
@@ -53,18 +54,17 @@ class TreeFeed:
     """One tree topology (one chain number) as the sender feeds it."""
 
     def __init__(
-        self, ctl: Control, ring: SnapshotRing, chain: Chain, *, epoch: int, backend: str, addr: str,
-        timeout_s: float, superseded: Callable[[], bool], deltas: DeltaStreams | None = None,
-        policy: AutoPolicy | None = None,
+        self, ctl: Control, ring: SnapshotRing, chain: Chain, stream: Stream, *, superseded: Callable[[], bool],
+        deltas: DeltaStreams | None = None, policy: AutoPolicy | None = None,
     ) -> None:  # fmt: skip
         """``deltas`` (the sender's, with ``policy``): each root gets its half as a delta
         against what it holds, when ``delta_base`` says so, its records cut by chunk."""
         self._ctl = ctl
         self._ring = ring
-        self._epoch = epoch
-        self._backend = backend
-        self._addr = addr
-        self._timeout_s = timeout_s
+        self._epoch = epoch = stream.number
+        self._backend = stream.backend
+        self._addr = stream.addr
+        self._timeout_s = stream.timeout_s
         self._superseded = superseded
         self._pieces = chunks(ring.layout)
         self._deltas = deltas

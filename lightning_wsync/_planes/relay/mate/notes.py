@@ -40,7 +40,7 @@ from lightning_wsync._control.host import pid_alive, pid_namespace
 from lightning_wsync._control.records import MemberRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.untrusted import Untrusted, counter, load_json, read_file, unexpected
-from lightning_wsync._planes.relay.board import Board, Posted
+from lightning_wsync._planes.relay.mate.board import Board, Posted
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncError, WeightSyncRecordError
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
-from lightning_wsync._planes.relay.elect import Election
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring_bell
+from lightning_wsync._planes.relay.leader.elect import Election
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Bell:
         self._listeners: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.chain: Chain | None = None
-        self.leads = True
+        self.named = True  # the store's leader record names this receiver, as last read
         self._due = 0.0  # when current() rings the bell itself (a lost ring costs at most the backstop)
         self._read()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-bell-r{rid}", daemon=True)
@@ -70,7 +70,7 @@ class Bell:
             except WeightSyncError as exc:
                 log.debug("relay: bell of rid=%d not rung: %s", self._rid, exc)
         chain = self.chain
-        return not self._stop.is_set() and self.leads and chain is not None and chain.number == number
+        return not self._stop.is_set() and self.named and chain is not None and chain.number == number
 
     def listen(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener`` after each read; returns the call that stops it."""
@@ -86,7 +86,7 @@ class Bell:
 
     def _read(self) -> None:
         self.chain = read_chain(self._ctl, self._epoch)
-        self.leads = self._election.leads(self._ctl)
+        self.named = self._election.named(self._ctl)
         self._due = time.monotonic() + self._backstop_s
 
     def _run(self) -> None:

@@ -10,7 +10,7 @@ brings the bytes), and judges its leader by the board's age (and by its PID, fro
 PID namespace) instead of polling the leader's record and heartbeat on the store.
 
 The board also says which note of each host-mate the leader last passed on to the store
-(``mates``: rid -> the note's sequence number, :mod:`~lightning_wsync._planes.relay.mates`):
+(``mates``: rid -> the note's sequence number, :mod:`~lightning_wsync._planes.relay.mate.notes`):
 a host-mate whose notes stop being passed on beats and acknowledges on the store itself.
 
 Whoever reads the ring shares the leader's ``/dev/shm`` and user, so the board is readable

@@ -1,9 +1,9 @@
 """A rollout host of the relay: each receiver's member thread (elect, lead, relay) and its data plane.
 
-Election is in :mod:`~lightning_wsync._planes.relay.elect`, the host ring (and the
-network fallback) in :mod:`~lightning_wsync._planes.relay.source`, the chain in
-:mod:`~lightning_wsync._planes.relay.head`; the leader's hops (receive, rebuild, verify,
-forward) are in :mod:`~lightning_wsync._planes.relay.hop` and :mod:`~lightning_wsync._planes.relay.down`.
+Election is in :mod:`~lightning_wsync._planes.relay.leader.elect`, the host ring (and the
+network fallback) in :mod:`~lightning_wsync._planes.relay.mate.reader`, the chain in
+:mod:`~lightning_wsync._planes.relay.head.feed`; the leader's hops (receive, rebuild, verify,
+forward) are in :mod:`~lightning_wsync._planes.relay.leader.hop` and :mod:`~lightning_wsync._planes.relay.down`.
 
 Longer than 300 lines: one member's whole life on its host (standing, leading a chain or the
 trees, following a leader) in one thread, whose steps share its state.
@@ -26,22 +26,23 @@ from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
-from lightning_wsync._planes.relay.bell import Bell
-from lightning_wsync._planes.relay.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.down import Downstream
-from lightning_wsync._planes.relay.elect import Election
-from lightning_wsync._planes.relay.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
+    Stream,
     Superseded,
     error_text,
     join_hop,
 )
-from lightning_wsync._planes.relay.mates import MateRelay
-from lightning_wsync._planes.relay.source import RingFollower
+from lightning_wsync._planes.relay.leader.bell import Bell
+from lightning_wsync._planes.relay.leader.elect import Election
+from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.leader.treehop import TreeHop, TreeLead
+from lightning_wsync._planes.relay.mate.board import Board, HostNews, Posted, read_board
+from lightning_wsync._planes.relay.mate.notes import MateRelay
+from lightning_wsync._planes.relay.mate.reader import RingFollower
 from lightning_wsync._planes.relay.tidy import forget_hop
-from lightning_wsync._planes.relay.treelead import TreeHop, TreeLead
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync._planes.wire import PeerGroup, close_group
@@ -125,7 +126,8 @@ class RelayMember:
             log.debug("relay: receiver rid=%d left its keys: %s", self._rid, error_text(exc))
 
     @property
-    def leading(self) -> bool:
+    def leads(self) -> bool:
+        """The one answer to "does this process lead its host": it holds the host's ring."""
         return self._own is not None
 
     def post(self, news: HostNews) -> None:
@@ -160,7 +162,7 @@ class RelayMember:
         # named a leader of long ago when this receiver, leading meanwhile, lost the host and read its
         # record again, and it took the host straight back from a live host-mate (issue 32).
         suspect, self._suspect = self._suspect, None
-        if self._bell is None or not self._bell.leads or record is None:
+        if self._bell is None or not self._bell.named or record is None:
             record = self._leader = self._election.elect(ctl, suspect=suspect)
             self._store_due = time.monotonic() + self._timing.leader_record_backstop_s
         leading = record is not None and record.rid == self._rid
@@ -240,8 +242,8 @@ class RelayMember:
         if chain.tree:
             hop = self._hop
             assert hop is not None
-            lead = TreeLead(ctl, hop, chain, epoch=self._epoch, rid=self._rid, backend=self._backend, addr=self._addr,
-                            timeout_s=self._timeout_s, stop=self._stop, current=bell.current)  # fmt: skip
+            lead = TreeLead(ctl, hop, chain, self._stream(), rid=self._rid, stop=self._stop,
+                            current=bell.current)  # fmt: skip
             deaf = bell.listen(lead.nudge)
             try:
                 if lead.serve(superseded, lambda msg: self._accept(ctl, hop, msg)):
@@ -253,8 +255,7 @@ class RelayMember:
         self._notes = 0
         up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
-        down = Downstream(ctl, self._epoch, chain, nxt, self.layout, self._backend, self._addr, self._timeout_s,
-                          current=bell.current)  # fmt: skip
+        down = Downstream(ctl, self._stream(), chain, nxt, self.layout, current=bell.current)
         deaf, pg = bell.listen(down.nudge), None  # a ring makes its reader look at once
         try:
             pg = join_hop(ctl, up_prefix, 1, self._backend, self._addr, self._timeout_s, superseded)
@@ -320,6 +321,10 @@ class RelayMember:
             return  # a resend after a chain change: host-mates hold it already
         self.published_version = version
         self._on_published(version)
+
+    def _stream(self) -> Stream:
+        """This member's relay stream, as its hops are made with."""
+        return Stream(number=self._epoch, backend=self._backend, addr=self._addr, timeout_s=self._timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()

@@ -5,7 +5,7 @@
     rank 0 (host A) ──share 0──► leader of host X ──► leader of host Y ──► ...
     rank 1 (host B) ──share 1──► leader of host X ──► leader of host Y ──► ...
 
-Each trainer rank heads a relay chain of its own (:class:`~lightning_wsync._planes.relay.head.RelayHead`
+Each trainer rank heads a relay chain of its own (:class:`~lightning_wsync._planes.relay.head.feed.RelayHead`
 over its share's ring) under the stream number :func:`~lightning_wsync._control.keys.relay_stream`
 in place of the epoch: its own elections, chain, hops and trailer MACs, so a share can never
 pass for another rank's. A rollout host receives each stream once, into a host ring per
@@ -35,9 +35,9 @@ from lightning_wsync._control.timing import Timing
 from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.base import Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
-from lightning_wsync._planes.relay.head import RelayHead
-from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, error_text
-from lightning_wsync._planes.relay.send import RelaySendPlane, live_leaders
+from lightning_wsync._planes.relay.head.feed import RelayHead
+from lightning_wsync._planes.relay.head.plane import RelaySendPlane, live_leaders
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Stream, error_text
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync.errors import WeightSyncError
 
@@ -55,9 +55,9 @@ class ShardStreamsPlane(RelaySendPlane):
         self._hosts = plan.rank_hosts(host)
         self._streams = [keys.relay_stream(epoch, rank) for rank in range(plan.world)]
         self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
-        super().__init__(ctl, ring, epoch=self._streams[0], host=self._hosts[0], backend=backend, addr=addr,
-                         timing=timing, deltas=deltas,
-                         policy=policy, topology="chain", previous_epoch=epoch - 1 or None)  # fmt: skip
+        stream = Stream(number=self._streams[0], backend=backend, addr=addr, timeout_s=timing.timeout_s)
+        super().__init__(ctl, ring, stream, host=self._hosts[0], timing=timing, deltas=deltas, policy=policy,
+                         topology="chain", previous_epoch=epoch - 1 or None)  # fmt: skip
 
     @override
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
@@ -94,9 +94,9 @@ class StreamHead:
         self._written: int | None = None  # the newest version written, as noted by :meth:`wrote`
         self._noted: int | None = None  # as last set on the store
         self._deltas = DeltaStreams(ring.layout) if delta != "off" else None
-        self._head = RelayHead(ctl, ring, epoch=stream, backend=backend, addr=addr, timing=timing,
-                               deltas=self._deltas,
-                               policy=AutoPolicy(delta), topology="chain")  # fmt: skip
+        hops = Stream(number=stream, backend=backend, addr=addr, timeout_s=timing.timeout_s)
+        self._head = RelayHead(ctl, ring, hops, timing=timing, deltas=self._deltas, policy=AutoPolicy(delta),
+                               topology="chain")  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-stream-{stream}", daemon=True)
         self._thread.start()

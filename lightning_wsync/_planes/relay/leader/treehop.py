@@ -42,8 +42,8 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import word_bytes_for
 from lightning_wsync._planes.delta.wire import DeltaStats, Held
 from lightning_wsync._planes.relay.down import Downstream
-from lightning_wsync._planes.relay.hop import HopReceiver, Message
-from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Superseded, error_text, join_hop
+from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Stream, Superseded, error_text, join_hop
+from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treedelta import DeltaHalf, HalfStats, chunk_layout
@@ -289,8 +289,8 @@ class TreeLead:
     """One leader's hops in one tree topology (one chain number): joined, served, left."""
 
     def __init__(
-        self, ctl: Control, hop: TreeHop, chain: Chain, *, epoch: int, rid: int, backend: str, addr: str,
-        timeout_s: float, stop: threading.Event, current: Callable[[int], bool],
+        self, ctl: Control, hop: TreeHop, chain: Chain, stream: Stream, *, rid: int, stop: threading.Event,
+        current: Callable[[int], bool],
     ) -> None:  # fmt: skip
         """``current``: the leader's bell (whether a chain number is still served, without a store
         request); the hops downstream wait for their children's notes and ask it when nudged."""
@@ -298,14 +298,12 @@ class TreeLead:
         self._ctl = ctl
         self._hop = hop
         self._chain = chain
-        self._backend = backend
-        self._addr = addr
-        self._timeout_s = timeout_s
+        epoch, self._backend, self._addr, self._timeout_s = stream.number, stream.backend, stream.addr, stream.timeout_s
         self._stop = stop
         self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, rid, t) for t in range(TREES)]
         self.downs = [
-            [Downstream(ctl, epoch, chain, child, hop.layout, backend, addr, timeout_s, tree=t,
-                        current=current, pieces=len(hop.halves[t])) for child in links.children[t]]
+            [Downstream(ctl, stream, chain, child, hop.layout, tree=t, current=current, pieces=len(hop.halves[t]))
+             for child in links.children[t]]
             for t in range(TREES)
         ]  # fmt: skip
         self.pgs: list[Interruptible] = []

@@ -1,5 +1,5 @@
 """A receiver's data plane on a relay host: the host's ring, fed by its leader, or the
-network when this receiver cannot share that ring (see :mod:`~lightning_wsync._planes.relay.host`)."""
+network when this receiver cannot share that ring (see :mod:`~lightning_wsync._planes.relay.leader.member`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import torch
 from typing_extensions import override
 
 from lightning_wsync._control.manifest import Manifest
-from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.base import BoardRead, HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.relay.board import read_board
+from lightning_wsync._planes.relay.mate.board import read_board
+from lightning_wsync._planes.relay.mate.news import read_news
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
 from lightning_wsync._planes.shm.source import SharedMemorySource
@@ -28,12 +30,12 @@ _SEGMENT_POLL_S = 0.005  # a waiting host-mate reads the segment header this oft
 
 class Member(Protocol):
     @property
-    def leading(self) -> bool: ...
+    def leads(self) -> bool: ...
 
     def post(self, news: HostNews) -> None: ...
 
     def own_board(self) -> Posted | None:
-        """While leading: its own board (it passes its own notes on with its host-mates')."""
+        """While it leads: its own board (it passes its own notes on with its host-mates')."""
         ...
 
     def close(self, timeout_s: float = 10.0) -> None: ...
@@ -107,7 +109,7 @@ class HostRingReader:
         return self._segment if self._source is not None else None
 
     def board(self) -> Posted | None:
-        """The board of the leader whose ring is read now (:mod:`~lightning_wsync._planes.relay.board`)."""
+        """The board of the leader whose ring is read now (:mod:`~lightning_wsync._planes.relay.mate.board`)."""
         segment = self.following()
         return None if segment is None else read_board(pin_dir(os.path.join(SHM_DIR, segment)))
 
@@ -162,25 +164,29 @@ class RelaySource(ReceiveSource):
         return self
 
     def leads(self) -> bool:
-        """This receiver leads its host's ring (its bell then wakes its watcher: ``on_rung``)."""
+        """This receiver leads its host's ring (its bell then wakes its watcher: ``on_rung``): its
+        member's answer (:attr:`~lightning_wsync._planes.relay.leader.member.RelayMember.leads`),
+        while it is served through the host's ring."""
         member = self.member
-        return self._net is None and member is not None and member.leading
+        return self._net is None and member is not None and member.leads
 
     def beat_board(self) -> Posted | None:
         """The board of the leader that passes this receiver's beats and acknowledgements on
-        (:mod:`~lightning_wsync._planes.relay.mates`): its host leader's, or its own while it
+        (:mod:`~lightning_wsync._planes.relay.mate.notes`): its host leader's, or its own while it
         leads; None when it receives over the network. A host-mate also reads what its leader
         last read from the store for the host off it (its watcher then need not ask the store)."""
         member = self.member
         if self._net is not None or member is None:
             return None
-        return member.own_board() if member.leading else self.segment.board()
+        return member.own_board() if member.leads else self.segment.board()
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
-        member = self.member
-        if self._net is None and member is not None and member.leading:
+        if self.leads() and (member := self.member) is not None:
             member.post(news)
+
+    def read_news(self, ctl: Control, board: HostNews, news: str | None, latest_raw: str | None) -> BoardRead:
+        return read_news(ctl, board, news, latest_raw, self.epoch)
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
         source = self.segment.current()

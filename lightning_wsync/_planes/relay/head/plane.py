@@ -2,7 +2,7 @@
 
 At each membership refresh the chain is re-formed from the live receivers that lead a
 host other than the sender's (each host elects its leader on the store:
-:mod:`~lightning_wsync._planes.relay.host`).
+:mod:`~lightning_wsync._planes.relay.leader.member`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
-from lightning_wsync._planes.relay.head import RelayHead, leader_record
-from lightning_wsync._planes.relay.hops import read_chain, ring_bell
+from lightning_wsync._planes.relay.head.feed import RelayHead, leader_record
+from lightning_wsync._planes.relay.hops import Stream, read_chain, ring_bell
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
@@ -30,16 +30,15 @@ class RelaySendPlane:
     """One copy of each version into each other host, relayed leader to leader."""
 
     def __init__(
-        self, control: Control, ring: SnapshotRing, *, epoch: int, host: str, backend: str, addr: str,
-        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy,
-        topology: str = "relay", previous_epoch: int | None = None,
+        self, control: Control, ring: SnapshotRing, stream: Stream, *, host: str, timing: Timing,
+        deltas: DeltaStreams | None, policy: AutoPolicy, topology: str = "relay", previous_epoch: int | None = None,
     ) -> None:  # fmt: skip
         """``previous_epoch``: the sender epoch before this one, whose chain's leaders are rung at the
         first :meth:`sync` (their watchers then read ``news`` and follow this sender at once)."""
         self._ctl = control
         self._report_ctl = control.clone()  # push reports read receipts from the callers' threads
         self._report_lock = threading.Lock()
-        self._epoch = epoch
+        self._epoch = stream.number
         self._host = host
         self._delta = deltas is not None
         self._moved: str | None = None  # relay/<epoch>/moved as last read through
@@ -47,10 +46,7 @@ class RelaySendPlane:
         self._next_all = 0.0
         self._follow_all_s = timing.follow_all_s
         self._previous = previous_epoch  # its chain's leaders are rung once, after this epoch's news
-        self._head = RelayHead(
-            control, ring, epoch=epoch, backend=backend, addr=addr, timing=timing, deltas=deltas, policy=policy,
-            topology=topology,
-        )  # fmt: skip
+        self._head = RelayHead(control, ring, stream, timing=timing, deltas=deltas, policy=policy, topology=topology)
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         # The leader records and broken keys (a request per host each) are read when
