@@ -6,8 +6,12 @@ The trainer (this process, host 0) changes a small GPT-shaped model sparsely (so
 ``interval_s``, to ``per_host`` receivers on each of ``hosts`` hosts, relayed host to
 host. Every ``every`` pushes it picks, with a seeded RNG, one of: SIGKILL a host's leader
 or a random receiver (a replacement starts on that host), or SIGSTOP one (resumed with
-SIGCONT 0.5 to 2.5 heartbeat timeouts later). Before the last push every stopped receiver
-is resumed and every replacement has registered. The scenario records every version each
+SIGCONT 0.5 to 2.5 heartbeat timeouts later). With ``garbage`` (issue 32), half-way between
+those actions it also writes garbage: into an unsigned or signed store key a host reads (a
+leader's heartbeat, its leader record, the ``moved`` and ``news`` counters) or into a host
+leader's pin directory (odd notes: "²", deep JSON, a FIFO, a symlink to /dev/zero; a garbled
+board). Before the last push every stopped receiver is resumed and every replacement has
+registered. The scenario records every version each
 receiver applied with its digest, the store's key count after every push, and how long
 the live receivers took to hold the last version; the test judges them.
 """
@@ -18,6 +22,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -31,6 +36,7 @@ from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head import leader_record
+from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import ModelSpec, build_model, digest
 
@@ -62,7 +68,7 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
         record = leader_record(ctl, epoch, f"simh{h}")
         count += record is not None
         if record is not None and record.rid not in current:  # a host with no leader in the chain
-            stale.append(f"{keys.relay_leader(epoch, f'simh{h}')} (rid {record['rid']})")
+            stale.append(f"{keys.relay_leader(epoch, f'simh{h}')} (rid {record.rid})")
     for rid in rids:
         names = [keys.relay_broken(epoch, rid), keys.relay_received(epoch, rid)]
         for g in range(1, gen + 1):
@@ -148,8 +154,48 @@ def act(fleet: Fleet, rng: random.Random, ctl: Control, heartbeat_timeout_s: flo
     return {"stop": target, "for_s": round(for_s, 2)}
 
 
+def garble(fleet: Fleet, rng: random.Random, ctl: Control, n_hosts: int) -> dict[str, Any] | None:
+    """Garbage into a store key a host reads, or into a host leader's pin directory."""
+    epoch = fleet.sender.epoch
+    host = f"simh{rng.randint(1, n_hosts)}"
+    record = leader_record(ctl, epoch, host)
+    where = rng.choice(["hb", "leader", "moved", "news", "mates", "board"])
+    if where in ("mates", "board") and record is not None:
+        directory = pin_dir(os.path.join(SHM_DIR, record.shm))
+        try:
+            if where == "board":
+                Path(directory, "board").write_text("\x00 not a board")
+            else:
+                mates = Path(directory, "mates")
+                tag = rng.randrange(1 << 30)
+                Path(mates, "\u00b2").write_text('{"rid": 1}')
+                Path(mates, str(900_000 + tag % 1000)).write_text("[" * 100_000)
+                fifo = Path(mates, str(800_000 + tag % 1000))
+                if not fifo.exists():
+                    os.mkfifo(fifo)
+                zero = Path(mates, str(700_000 + tag % 1000))
+                if not zero.exists():
+                    zero.symlink_to("/dev/zero")
+        except OSError as exc:  # the leader stepped down meanwhile
+            return {"garbage": where, "host": host, "missed": str(exc)}
+        return {"garbage": where, "host": host}
+    key = {"hb": None if record is None else keys.member_heartbeat(record.rid),
+           "leader": keys.relay_leader(epoch, host), "moved": keys.relay_moved(epoch), "news": keys.NEWS,
+           "mates": None, "board": None}[where]  # fmt: skip
+    if key is None:
+        return None
+    ctl.set_text(key, rng.choice(["\u00b2", "not json {", "[" * 50_000, "-", "1e9"]))
+    return {"garbage": where, "key": key}
+
+
+def segments(job: str) -> list[str]:
+    """This job's shared-memory segments in /dev/shm (pin directories not counted)."""
+    return sorted(n for n in os.listdir(SHM_DIR) if re.fullmatch(rf"wsync-.*-{job}", n))
+
+
 def push_through_chaos(
-    sender: WeightSender, model: torch.nn.Module, fleet: Fleet, ctl: Control, rng: random.Random, pushes: int
+    sender: WeightSender, model: torch.nn.Module, fleet: Fleet, ctl: Control, rng: random.Random, pushes: int,
+    *, garbage: bool = False, n_hosts: int = 0,
 ) -> dict[str, Any]:
     """Push 1..pushes, one every INTERVAL_S, with a chaos action every EVERY pushes; the last to everyone."""
     expected: dict[int, str] = {}
@@ -169,6 +215,9 @@ def push_through_chaos(
         if version % EVERY == 0 and version < pushes - EVERY:
             if (action := act(fleet, rng, ctl, HEARTBEAT_TIMEOUT_S)) is not None:
                 actions.append({"version": version, "t": round(pushed_at - started, 2), **action})
+        if garbage and version % EVERY == EVERY // 2 and version < pushes - EVERY:
+            if (action := garble(fleet, rng, ctl, n_hosts)) is not None:
+                actions.append({"version": version, "t": round(time.monotonic() - started, 2), **action})
         key_counts.append(sender.store.num_keys())
         if not last:
             time.sleep(INTERVAL_S)  # the push rate (no wait on the receivers: they may be stopped)
@@ -190,6 +239,7 @@ def settle(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str], int]:
 def scenario(argv: list[str]) -> dict[str, Any]:
     out, n_hosts, per_host, pushes, seed = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
     cross_host = argv[5] if len(argv) > 5 else "relay"  # "tree": the two trees, deltas on their edges
+    garbage = len(argv) > 6 and argv[6] == "garbage"
     events = out / "events.jsonl"
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
@@ -206,7 +256,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 for _ in range(per_host):
                     fleet.start(host)
             wait_until("every receiver to register", fleet.registered, 180, fleet.procs)
-            run = push_through_chaos(sender, model, fleet, ctl, random.Random(seed), pushes)
+            run = push_through_chaos(sender, model, fleet, ctl, random.Random(seed), pushes, garbage=garbage,
+                                     n_hosts=n_hosts)  # fmt: skip
             live = fleet.live()
 
             def all_hold_last() -> bool:
@@ -219,13 +270,17 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             run_s = time.monotonic() - run["started"]
             stale, relay_keys = settle(ctl, sender.epoch, n_hosts)
             settled = sender.store.num_keys()
+            shm = segments("chaos")
         applied = [r for r in read(events) if r["event"] == "applied"]
         torn = [r for r in applied if r["digest"] != run["expected"].get(r["version"])]
         return {
             "pushes": pushes, "hosts": n_hosts, "per_host": per_host, "seed": seed, "timeout_s": TIMEOUT_S,
             "actions": run["actions"], "live": live, "applied": len(applied), "torn": torn,
             "key_counts": run["key_counts"], "keys_settled": settled, "relay_keys": relay_keys,
-            "stale_relay_keys": stale, "catch_up_s": catch_up_s, "run_s": run_s,
+            "stale_relay_keys": stale, "catch_up_s": catch_up_s, "run_s": run_s, "segments": shm,
+            "thread_deaths": [f"{log.name}: {line.strip()}" for log in sorted(out.glob("*.log"))
+                              for line in log.read_text(errors="replace").splitlines()
+                              if "Exception in thread" in line],
             "last_report": {"delivered": sorted(report.delivered), "failed": report.failed,
                             "delta_receivers": sorted(report.delta_receivers)},
         }  # fmt: skip

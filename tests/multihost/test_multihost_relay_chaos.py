@@ -53,3 +53,31 @@ def test_relay_chaos_no_torn_version_everyone_current_store_bounded(tmp_path: Pa
     # heartbeat timeouts of silence: a stopped one may come back.)
     assert result["stale_relay_keys"] == [], figures
     assert max(counts) <= 2 * figures["keys_early"], figures
+
+
+@pytest.mark.timeout(1500 if FULL else 400)
+def test_relay_chaos_with_garbage_in_the_store_and_the_leaders_directory(tmp_path: Path) -> None:
+    """Issue 32: the trees, SIGKILL/SIGSTOP of leaders and host-mates, and garbage written while
+    pushes run into store keys the hosts read and into the leaders' pin directories (odd notes,
+    a FIFO, a /dev/zero symlink, a garbled board): 0 torn, everyone current, nothing left
+    behind, and no thread of any process dead."""
+    result = run_scenario("relay_chaos.py", str(tmp_path), str(HOSTS), str(PER_HOST), str(PUSHES), "32", "tree",
+                          "garbage", timeout_s=1400 if FULL else 380)  # fmt: skip
+    (tmp_path / "scenario.log").write_text(result.pop("_output"))
+    actions = result["actions"]
+    figures = {
+        "pushes": result["pushes"], "kills": sum("kill" in a for a in actions),
+        "stops": sum("stop" in a for a in actions), "garbage": sum("garbage" in a for a in actions),
+        "applied": result["applied"], "torn": len(result["torn"]), "catch_up_s": round(result["catch_up_s"], 2),
+        "keys_max": max(result["key_counts"]), "keys_settled": result["keys_settled"],
+        "segments": len(result["segments"]), "run_s": round(result["run_s"], 1),
+    }  # fmt: skip
+    print("relay chaos with garbage:", json.dumps(figures))
+    assert result["torn"] == [], result["torn"][:5]
+    assert figures["garbage"] >= 3 and figures["kills"] + figures["stops"] >= 3, actions
+    assert result["applied"] >= PUSHES // 2
+    assert result["catch_up_s"] <= result["timeout_s"], figures
+    assert not set(result["last_report"]["failed"]) & set(result["live"]), result["last_report"]
+    assert result["thread_deaths"] == [], result["thread_deaths"][:5]
+    # The trainer's ring and one per host leader, plus what SIGKILLed leaders left for the next to reclaim.
+    assert len(result["segments"]) <= 2 * (HOSTS + 1), result["segments"]
