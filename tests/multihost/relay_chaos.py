@@ -24,6 +24,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from _scenario import Procs, main, wait_until
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
-from lightning_wsync._control.store import Control
+from lightning_wsync._control.store import Control, tcp_store
 from lightning_wsync._planes.relay.head import leader_record
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync.testing.hosts import SimHosts
@@ -87,7 +88,7 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
 class Fleet:
     """The receivers on hosts 1..H: started, killed, stopped, resumed, each known by name."""
 
-    def __init__(self, procs: Procs, sender: WeightSender, events: Path) -> None:
+    def __init__(self, procs: Procs, sender: WeightSender | Trainer, events: Path) -> None:
         self.procs, self.sender, self.events = procs, sender, events
         self.hosts: dict[str, int] = {}  # name -> host
         self.killed: set[str] = set()
@@ -239,10 +240,12 @@ def settle(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str], int]:
 def scenario(argv: list[str]) -> dict[str, Any]:
     out, n_hosts, per_host, pushes, seed = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
     cross_host = argv[5] if len(argv) > 5 else "relay"  # "tree": the two trees, deltas on their edges
-    garbage = len(argv) > 6 and argv[6] == "garbage"
+    garbage = "garbage" in argv[6:]
     events = out / "events.jsonl"
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
+    if "trainer" in argv[6:]:  # the trainer a process of its own, SIGKILLed and relaunched, SIGSTOPped
+        return trainer_scenario(out, n_hosts, per_host, pushes, seed, cross_host, garbage)
     with SimHosts(n_hosts + 1) as hosts:
         os.environ["WSYNC_HOST_ID"] = hosts.name(0)
         hosts.enter(0)
@@ -284,6 +287,151 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             "last_report": {"delivered": sorted(report.delivered), "failed": report.failed,
                             "delta_receivers": sorted(report.delta_receivers)},
         }  # fmt: skip
+
+
+class Trainer:
+    """The trainer as a process of its own on host 0 (``trainer`` mode): SIGKILLed and relaunched
+    from the version after the last it pushed, or SIGSTOPped; the receivers follow each new one.
+    Stands in for the sender in :class:`Fleet` (the store's address, the current epoch, who is live)."""
+
+    def __init__(self, procs: Procs, ctl: Control, address: str, out: Path, pushes: int, cross_host: str) -> None:
+        self.procs, self.ctl, self.store_address, self.out = procs, ctl, address, out
+        self.pushes, self.cross_host = pushes, cross_host
+        self.pushed, self.go, self.go_last, self.report, self.close = (
+            out / n for n in ("pushed.jsonl", "go", "go_last.json", "report.json", "close"))  # fmt: skip
+        self.launches = 0
+        self.stopped_until: float | None = None
+        self.name = ""
+
+    @property
+    def epoch(self) -> int:
+        return int(self.ctl.add(keys.SENDER_EPOCH, 0))
+
+    def receivers(self) -> list[str]:
+        """Those that said they are ready (registered), whatever the sender saw."""
+        return [r["name"] for r in read(self.out / "events.jsonl") if r["event"] == "ready"]
+
+    def last_pushed(self) -> int:
+        return max((r["version"] for r in read(self.pushed) if r["event"] == "pushed"), default=0)
+
+    def launch(self) -> str:
+        first = self.last_pushed() + 1
+        self.name = f"trainer{self.launches}"
+        self.launches += 1
+        argv = [sys.executable, str(HERE / "_chaos_trainer.py"), "--store", self.store_address,
+                "--pushed", str(self.pushed), "--go", str(self.go), "--go-last", str(self.go_last),
+                "--report", str(self.report), "--close", str(self.close), "--cross-host", self.cross_host,
+                "--first", str(first), "--last", str(self.pushes)]  # fmt: skip
+        self.procs.start(self.name, 0, argv)
+        return self.name
+
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.procs.started[self.name]
+
+    def kill(self) -> dict[str, Any]:
+        self.resume()
+        old = self.name
+        os.kill(self.proc().pid, signal.SIGKILL)
+        self.proc().wait(timeout=30)
+        return {"kill": old, "after_version": self.last_pushed(), "replacement": self.launch()}
+
+    def stop(self, for_s: float) -> dict[str, Any]:
+        os.kill(self.proc().pid, signal.SIGSTOP)
+        self.stopped_until = time.monotonic() + for_s
+        return {"stop": self.name, "for_s": round(for_s, 2)}
+
+    def resume(self, everyone: bool = False) -> None:
+        if self.stopped_until is not None and (everyone or time.monotonic() >= self.stopped_until):
+            os.kill(self.proc().pid, signal.SIGCONT)
+            self.stopped_until = None
+
+
+def trainer_scenario(out: Path, n_hosts: int, per_host: int, pushes: int, seed: int, cross_host: str,
+                     garbage: bool) -> dict[str, Any]:  # fmt: skip
+    """The chaos with the trainer a process of its own (SIGKILLed and relaunched, SIGSTOPped) and
+    the store hosted by this process (as torchrun's agent or ``lightning-wsync store`` would)."""
+    events = out / "events.jsonl"
+    rng = random.Random(seed)
+    expected: dict[int, str] = {}
+    ref = build_model(SPEC, seed=0)
+    for version in range(1, pushes + 1):  # what the trainer holds at each version, bit for bit
+        step(ref, version)
+        expected[version] = digest(ref, None)
+    with SimHosts(n_hosts + 1) as hosts:
+        os.environ["WSYNC_HOST_ID"] = hosts.name(0)
+        hosts.enter(0)
+        server = tcp_store(hosts.address(0), 0, serve=True, timeout_s=30)
+        ctl = Control(server, "chaos")
+        procs = Procs(hosts, out)
+        trainer = Trainer(procs, ctl, f"{hosts.address(0)}:{server.port}", out, pushes, cross_host)
+        trainer.launch()
+        wait_until("the trainer to start", lambda: trainer.epoch >= 1, 180, procs)
+        fleet = Fleet(procs, trainer, events)
+        for host in range(1, n_hosts + 1):
+            for _ in range(per_host):
+                fleet.start(host)
+        wait_until("every receiver to register", fleet.registered, 180, procs)
+        trainer.go.write_text("")
+        actions: list[dict[str, Any]] = []
+        key_counts: list[int] = []
+        started, done = time.monotonic(), 0
+        while done < pushes - 1:
+            if trainer.proc().poll() is not None:
+                raise AssertionError(f"the trainer exited by itself (rc={trainer.proc().poll()})\n{procs.describe()}")
+            fleet.resume()
+            trainer.resume()
+            for version in range(done + 1, trainer.last_pushed() + 1):
+                done = version
+                key_counts.append(server.num_keys())
+                if version >= pushes - EVERY:
+                    continue
+                t = round(time.monotonic() - started, 2)
+                if version % EVERY == 0 and (action := act(fleet, rng, ctl, HEARTBEAT_TIMEOUT_S)) is not None:
+                    actions.append({"version": version, "t": t, **action})
+                if garbage and version % EVERY == EVERY // 2:
+                    if (action := garble(fleet, rng, ctl, n_hosts)) is not None:
+                        actions.append({"version": version, "t": t, **action})
+                if version % EVERY == EVERY - 2 and trainer.stopped_until is None and rng.random() < 0.5:
+                    action = (trainer.kill() if rng.random() < 0.6
+                              else trainer.stop(rng.uniform(0.5, 2.5) * HEARTBEAT_TIMEOUT_S))  # fmt: skip
+                    actions.append({"version": version, "t": t, "trainer": True, **action})
+                    break  # a relaunched trainer goes on from the last version pushed
+            time.sleep(0.05)
+        fleet.resume(everyone=True)
+        trainer.resume(everyone=True)
+        wait_until("every replacement to register", fleet.registered, 180, procs)
+        live = fleet.live()
+        trainer.go_last.write_text(json.dumps(live))
+        wait_until("the last push", lambda: trainer.last_pushed() >= pushes, 300, procs)
+        pushed_at = next(r["t"] for r in read(trainer.pushed) if r.get("version") == pushes)
+
+        def all_hold_last() -> bool:
+            got = {r["name"] for r in read(events) if r["event"] == "applied" and r["version"] == pushes}
+            return got >= set(live)
+
+        wait_until("every live receiver to apply the last version", all_hold_last, 120, procs)
+        catch_up_s = time.time() - pushed_at
+        wait_until("the last push's report", trainer.report.exists, 2 * TIMEOUT_S + 30, procs)
+        report = json.loads(trainer.report.read_text())
+        run_s = time.monotonic() - started
+        stale, relay_keys = settle(ctl, trainer.epoch, n_hosts)
+        settled = server.num_keys()
+        shm = segments("chaos")
+        trainer.close.write_text("")
+        procs.wait(trainer.name, 2 * TIMEOUT_S + 30)
+    applied = [r for r in read(events) if r["event"] == "applied"]
+    torn = [r for r in applied if r["digest"] != expected.get(r["version"])]
+    return {
+        "pushes": pushes, "hosts": n_hosts, "per_host": per_host, "seed": seed, "timeout_s": TIMEOUT_S,
+        "actions": actions, "live": live, "applied": len(applied), "torn": torn, "launches": trainer.launches,
+        "epochs": sorted({r["epoch"] for r in read(trainer.pushed) if r["event"] == "started"}),
+        "key_counts": key_counts, "keys_settled": settled, "relay_keys": relay_keys,
+        "stale_relay_keys": stale, "catch_up_s": catch_up_s, "run_s": run_s, "segments": shm,
+        "thread_deaths": [f"{log.name}: {line.strip()}" for log in sorted(out.glob("*.log"))
+                          for line in log.read_text(errors="replace").splitlines()
+                          if "Exception in thread" in line],
+        "last_report": report,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -81,3 +81,43 @@ def test_relay_chaos_with_garbage_in_the_store_and_the_leaders_directory(tmp_pat
     assert result["thread_deaths"] == [], result["thread_deaths"][:5]
     # The trainer's ring and one per host leader, plus what SIGKILLed leaders left for the next to reclaim.
     assert len(result["segments"]) <= 2 * (HOSTS + 1), result["segments"]
+
+
+@pytest.mark.timeout(1500 if FULL else 420)
+def test_relay_chaos_with_the_trainer_killed_and_relaunched_and_garbage(tmp_path: Path) -> None:
+    """Issue 32: everything above at once, and the trainer too: a process of its own (the store
+    hosted apart, as torchrun's agent or ``lightning-wsync store`` does), SIGKILLed and relaunched
+    from the version after its last push (the receivers follow each new sender epoch) or
+    SIGSTOPped; leaders and host-mates SIGKILLed/SIGSTOPped; garbage into store keys and the
+    leaders' directories. 0 torn, every live receiver on the last version within timeout_s of
+    its push, the store's relay keys only the live chain's, /dev/shm bounded, no thread dead."""
+    result = run_scenario("relay_chaos.py", str(tmp_path), str(HOSTS), str(PER_HOST), str(PUSHES), "33", "tree",
+                          "garbage", "trainer", timeout_s=1400 if FULL else 400)  # fmt: skip
+    (tmp_path / "scenario.log").write_text(result.pop("_output"))
+    actions = result["actions"]
+    figures = {
+        "pushes": result["pushes"], "trainer_kills": sum("kill" in a for a in actions if a.get("trainer")),
+        "trainer_stops": sum("stop" in a for a in actions if a.get("trainer")), "epochs": result["epochs"],
+        "kills": sum("kill" in a for a in actions if not a.get("trainer")),
+        "stops": sum("stop" in a for a in actions if not a.get("trainer")),
+        "garbage": sum("garbage" in a for a in actions), "applied": result["applied"], "torn": len(result["torn"]),
+        "catch_up_s": round(result["catch_up_s"], 2), "keys_max": max(result["key_counts"]),
+        "keys_early": max(result["key_counts"][: len(result["key_counts"]) // 10]),
+        "keys_settled": result["keys_settled"], "relay_keys_settled": result["relay_keys"],
+        "segments": len(result["segments"]), "run_s": round(result["run_s"], 1),
+    }  # fmt: skip
+    print("relay chaos with the trainer killed:", json.dumps(figures))
+    assert result["torn"] == [], result["torn"][:5]
+    assert figures["trainer_kills"] >= 1 and len(figures["epochs"]) == figures["trainer_kills"] + 1, (figures, actions)
+    assert figures["garbage"] >= 3 and figures["kills"] + figures["stops"] >= 3, actions
+    assert result["applied"] >= PUSHES // 2
+    assert result["catch_up_s"] <= result["timeout_s"], figures
+    assert not set(result["last_report"]["failed"]) & set(result["live"]), result["last_report"]
+    assert result["thread_deaths"] == [], result["thread_deaths"][:5]
+    assert result["stale_relay_keys"] == [], result["stale_relay_keys"][:10]
+    # Each new sender epoch writes its own records and retires those two epochs back: the store
+    # never doubles from its early size.
+    assert figures["keys_max"] <= 2 * figures["keys_early"], figures
+    # The trainer's ring and one per host leader, plus what SIGKILLed leaders and trainers left
+    # for the next to reclaim.
+    assert len(result["segments"]) <= 2 * (HOSTS + 1), result["segments"]
