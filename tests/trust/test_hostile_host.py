@@ -381,3 +381,32 @@ def test_a_counter_with_adds_tag_reads_as_its_integer_and_nothing_else_does() ->
     assert parse_counter("7 1f3a9c0e5b6d7e8f") == 7 and parse_counter(b"-3 00") == -3
     for bad in ("7 ", "7 xyz", "7 1F", " 7", "7  1f", "7 " + "a" * 33, "\u00b2 1f", "1e9"):
         assert parse_counter(bad) is None, bad
+
+
+def test_a_leader_in_no_chain_hears_of_a_new_sender_within_a_beat_period(ctl) -> None:
+    """A leader elected after its sender died is in no chain; the next sender rings the old
+    chain's leaders, not it, so it heard of the new sender only at its bell's backstop (30 s;
+    the full chaos run's 12.75 s catch-up). Now a leader in no chain also looks at ``news``
+    each beat period and rings its own bell (its watcher then reads the news) when it moved."""
+    from lightning_wsync._planes.relay.bell import Bell
+
+    beat = timing(heartbeat_timeout_s=0.8, timeout_s=10.0)  # hosted_beat_s = 0.5 s
+    _register(ctl, 2)
+    election = Election(epoch=1, host=HOST, rid=2, shm="wsync-2-1-x", timing=beat)
+    assert election.elect(ctl) is not None  # it leads; there is no chain
+    bell = Bell(ctl, election, epoch=1, rid=2, timing=beat)
+    reads = threading.Event()
+    bell.listen(reads.set)
+    try:
+        for _ in range(2):  # the first asks ring the backstop, and the first look: let those reads go by
+            bell.current(-1)
+            time.sleep(3 * beat.hosted_beat_s)
+        reads.clear()
+        ctl.bump(keys.NEWS)  # a new sender started (it rings the old chain's leaders only)
+        deadline = time.monotonic() + 4 * beat.hosted_beat_s
+        while not reads.is_set() and time.monotonic() < deadline:
+            bell.current(-1)  # what the leader's loop asks while it is in no chain
+            time.sleep(0.05)
+        assert reads.is_set(), "the leader's bell was not rung within four beat periods of the news"
+    finally:
+        bell.close()

@@ -15,7 +15,9 @@ not rung for ``timing.bell_backstop_s`` (a lost ring costs at most that long), s
 reaches its own timeout (the store client logs one line when it does). Its own leader record is
 looked at more often, every ``timing.hosted_beat_s`` (one read, by whoever asks ``current``): a
 record overwritten by someone who rings nobody (garbled by a store writer, issue 32) rings the
-bell within a beat period instead of at the backstop.
+bell within a beat period instead of at the backstop. A leader in no chain (its sender may be
+dead, and a new sender rings only the old chain's leaders) also looks at ``news`` then, and
+rings its bell when it moved: its watcher, woken, finds the new sender.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Bell:
         self._look_s = timing.hosted_beat_s  # the leader record is looked at this often (one read)
         self._look_due = 0.0
         self._raw: str | None = None  # the leader record as the thread last read it
+        self._news: str | None = "\x00unread"  # ``news`` at the last look while in no chain (first look rings)
         self._read()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-bell-r{rid}", daemon=True)
         self._thread.start()
@@ -79,7 +82,11 @@ class Bell:
         elif time.monotonic() >= self._look_due:
             self._look_due = time.monotonic() + self._look_s
             try:
-                if peek(self._control, self._election.key) != self._raw:  # changed with no ring: read again
+                moved = peek(self._control, self._election.key) != self._raw  # changed with no ring
+                if number == -1:  # in no chain (its sender may be dead): a new sender rings only the old chain
+                    news, self._news = self._news, peek(self._control, keys.NEWS)
+                    moved = moved or news != self._news
+                if moved:  # read again; the ring wakes the watcher, which reads the news
                     self._due = time.monotonic() + self._backstop_s
                     ring_bell(self._control, self._epoch, self._rid)
             except WeightSyncError as exc:
