@@ -51,12 +51,23 @@ def as_list(value: object, what: str) -> list[object]:
 
 
 def parse_counter(text: bytes | str) -> int | None:
-    """The integer a counter key holds, or None when TCPStore's ``add`` would choke on it."""
+    """The integer a counter key holds, or None when TCPStore's ``add`` would choke on it.
+
+    ASCII digits with an optional ``-``, within int64; optionally followed by one space and
+    up to 32 hex digits, the tag :meth:`Control.add` writes for a moment so that its
+    compare-and-set tells its own write from an equal one (TCPStore's ``add`` reads that
+    as the integer too: ``std::stoll`` stops at the space).
+    """
     text = text.decode("ascii", "replace") if isinstance(text, bytes) else text
-    body = text[1:] if text.startswith("-") else text
+    number, _, tag = text.partition(" ")
+    if tag and (len(tag) > 32 or not tag.isascii() or not all(c in "0123456789abcdef" for c in tag)):
+        return None
+    if text.endswith(" "):
+        return None
+    body = number[1:] if number.startswith("-") else number
     if not body.isdigit() or not body.isascii() or len(body) > 18:  # stays within int64
         return None
-    return int(text)
+    return int(number)
 
 
 class Complaints:

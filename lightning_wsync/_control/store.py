@@ -293,31 +293,49 @@ class Control:
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is
         empty); returns what it holds afterwards."""
-        return self._call("compare_set", key, lambda: bytes(self.store.compare_set(key, expected, desired)))
+        return self._compare_set("compare_set", key, expected, desired)
+
+    def _compare_set(self, op: str, key: str, expected: str, desired: str) -> bytes:
+        return self._call(op, key, lambda: bytes(self.store.compare_set(key, expected, desired)))
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter at ``key`` (0: read it; absent counts as 0).
 
         TCPStore's server drops the connection of a client whose ``add`` finds a value
-        that is not an integer, and that client is dead from then on. So the value is
-        looked at first (one compare-and-set that never writes): a non-integer raises
-        :class:`WeightSyncRecordError` and the connection stays. A read (``amount=0``) is
-        that one round trip alone.
+        that is not an integer, and that client is dead from then on; a look at the value
+        before an ``add`` leaves a window in which a store writer can garble it (issue 32).
+        So the add is a compare-and-set from the integer read to the sum, tagged with a
+        token of this call (``"7 1f3a9c0e"``: TCPStore answers a compare-and-set with the
+        value it holds afterwards, so an untagged sum could be another adder's equal one),
+        then set back to the plain sum where nobody moved it on. Lost to another writer, it
+        reads again: each retry means another write got in, so honest adders cannot starve
+        one another. A non-integer raises :class:`WeightSyncRecordError` and the connection
+        stays. A read (``amount=0``) is one round trip.
         """
-        seen = self._call("add", key, lambda: bytes(self.store.compare_set(key, _PROBE, _PROBE)))
-        if seen != _PROBE.encode():
-            count = parse_counter(seen)
-            if count is None:
-                raise WeightSyncRecordError(
-                    f"counter {key!r} of job {self.job!r} holds {short(seen)}, not an integer; it is not "
-                    f"touched (the store would drop this client). Only lightning_wsync should write "
-                    f"under wsync/{self.job}/"
-                )
+        for _ in range(_ADD_TRIES):
+            seen = self._call("add", key, lambda: bytes(self.store.compare_set(key, _PROBE, _PROBE)))
+            if seen == _PROBE.encode():
+                count, expected = 0, ""
+            else:
+                parsed = parse_counter(seen)
+                if parsed is None:
+                    raise WeightSyncRecordError(
+                        f"counter {key!r} of job {self.job!r} holds {short(seen)}, not an integer; it is not "
+                        f"touched (the store would drop this client). Only lightning_wsync should write "
+                        f"under wsync/{self.job}/"
+                    )
+                count, expected = parsed, seen.decode("ascii")
             if amount == 0:
                 return count
-        elif amount == 0:
-            return 0
-        return self._call("add", key, lambda: int(self.store.add(key, amount)))
+            total = count + amount
+            tagged = f"{total} {secrets.token_hex(8)}"
+            if self._compare_set("add", key, expected, tagged) == tagged.encode():
+                self._compare_set("add", key, tagged, str(total))
+                return total
+        raise WeightSyncStoreError(
+            f"control-plane store of job {self.job!r}: add {key!r} lost {_ADD_TRIES} compare-and-sets in a row "
+            f"to other writers; only lightning_wsync should write under wsync/{self.job}/"
+        )
 
     def bump(self, key: str) -> None:
         """Change the "look again" counter at ``key``: one more, or when someone garbled it, a
@@ -363,6 +381,7 @@ class Control:
         return dist.PrefixStore(prefix, self.store)
 
 
+_ADD_TRIES = 10_000  # compare-and-sets lost in a row before add gives up
 _PROBE = "\x00wsync-probe"  # never a value: compare_set(key, _PROBE, _PROBE) only reads
 
 

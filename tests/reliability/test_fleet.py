@@ -171,8 +171,14 @@ def test_a_member_joining_later_never_holds_the_fleet_up(port):
             )
             started = time.monotonic()
             rids["c"] = receive(conns["c"], 60, "c ready")[1]
+            ready = time.monotonic()
             until("a switch with all three", conns, "abc", lambda: rids["c"] in switches()[-1].rids)
-            assert time.monotonic() - started < timeout_s / 2, "the newcomer held a round up"
+            # Timed from the newcomer's registration, not from its process start: the one failure
+            # (20 s, and 11.1 s in a loop at load 18) was timed from before the spawn, which on a
+            # loaded 2-core machine is mostly importing torch (issue 32, docs/reliability.md).
+            joined = time.monotonic()
+            print(f"newcomer: start to ready {ready - started:.2f} s, ready to a switch with it {joined - ready:.2f} s")
+            assert joined - ready < timeout_s / 2, "the newcomer held a round up"
             for _ in range(50):
                 sw = switches()[-1]
                 seen = observe(conns, "abc")

@@ -31,6 +31,7 @@ from lightning_wsync._planes.relay.mate import notes as mates_module
 from lightning_wsync._planes.relay.mate.board import Board, read_board
 from lightning_wsync._planes.relay.mate.notes import MateDesk, MateRelay, Note, read_note
 from lightning_wsync._planes.shard.send import ShardSendPlane
+from lightning_wsync.errors import WeightSyncRecordError
 
 pytestmark = pytest.mark.timeout(60)
 PERIOD_S = 0.2
@@ -318,3 +319,94 @@ def test_a_counter_garbled_while_it_is_bumped_never_costs_the_bumper_its_connect
     ctl.set_text(keys.NEWS, "41")
     ctl.bump(keys.NEWS)
     assert ctl.get_text(keys.NEWS) == "42"  # the same connection, still serving
+
+
+def test_a_counter_garbled_while_it_is_added_to_never_costs_the_adder_its_connection(ctl, port) -> None:
+    """``Control.add`` looked at the value and then called TCPStore's ``add``: a store writer
+    that garbles the key in between made the server drop the adder's connection for good
+    (every later call of that client failed). Now the add is a compare-and-set: a garbled
+    counter is reported (WeightSyncRecordError) and the connection keeps serving."""
+    writer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    key = keys.MEMBERS_NEXT
+    stop = threading.Event()
+
+    def garble() -> None:
+        while not stop.is_set():
+            writer.set(f"wsync/hostile/{key}", "5")  # the check sees an integer ...
+            writer.set(f"wsync/hostile/{key}", "not a number")  # ... and the add, maybe, this
+
+    garbler = threading.Thread(target=garble, daemon=True)
+    garbler.start()
+    added = refused = 0
+    try:
+        for _ in range(2000):
+            try:
+                assert ctl.add(key, 1) >= 6  # added to a "5" (or to its own 6, 7 ... before the garbler wrote)
+                added += 1
+            except WeightSyncRecordError:
+                refused += 1
+    finally:
+        stop.set()
+        garbler.join(10)
+    assert added + refused == 2000 and refused > 0, (added, refused)
+    ctl.set_text(key, "41")
+    assert ctl.add(key, 1) == 42  # the same connection, still serving
+    assert ctl.add(key, 0) == 42
+
+
+def test_adders_racing_on_one_counter_each_get_a_number_of_their_own(ctl, port) -> None:
+    """``add`` by compare-and-set: TCPStore answers with the value held afterwards, so two adders
+    from the same count must still tell whose write won (receivers take their id this way)."""
+    clients = [Control(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)), "hostile")
+               for _ in range(4)]  # fmt: skip
+    got: list[list[int]] = [[] for _ in clients]
+
+    def adder(i: int) -> None:
+        for _ in range(150):
+            got[i].append(clients[i].add(keys.MEMBERS_NEXT, 1))
+
+    threads = [threading.Thread(target=adder, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    numbers = sorted(n for mine in got for n in mine)
+    assert numbers == list(range(1, 4 * 150 + 1))  # every number once: no two adders took the same
+    assert ctl.get_text(keys.MEMBERS_NEXT) == "600"  # plain again: the tag is set back
+
+
+def test_a_counter_with_adds_tag_reads_as_its_integer_and_nothing_else_does() -> None:
+    from lightning_wsync._control.checks import parse_counter
+
+    assert parse_counter("7 1f3a9c0e5b6d7e8f") == 7 and parse_counter(b"-3 00") == -3
+    for bad in ("7 ", "7 xyz", "7 1F", " 7", "7  1f", "7 " + "a" * 33, "\u00b2 1f", "1e9"):
+        assert parse_counter(bad) is None, bad
+
+
+def test_a_leader_in_no_chain_hears_of_a_new_sender_within_a_beat_period(ctl) -> None:
+    """A leader elected after its sender died is in no chain; the next sender rings the old
+    chain's leaders, not it, so it heard of the new sender only at its bell's backstop (30 s;
+    the full chaos run's 12.75 s catch-up). Now a leader in no chain also looks at ``news``
+    each beat period and rings its own bell (its watcher then reads the news) when it moved."""
+    from lightning_wsync._planes.relay.leader.bell import Bell
+
+    beat = timing(heartbeat_timeout_s=0.8, timeout_s=10.0)  # hosted_beat_s = 0.5 s
+    _register(ctl, 2)
+    election = Election(epoch=1, host=HOST, rid=2, shm="wsync-2-1-x", timing=beat)
+    assert election.elect(ctl) is not None  # it leads; there is no chain
+    bell = Bell(ctl, election, epoch=1, rid=2, timing=beat)
+    reads = threading.Event()
+    bell.listen(reads.set)
+    try:
+        for _ in range(2):  # the first asks ring the backstop, and the first look: let those reads go by
+            bell.current(-1)
+            time.sleep(3 * beat.hosted_beat_s)
+        reads.clear()
+        ctl.bump(keys.NEWS)  # a new sender started (it rings the old chain's leaders only)
+        deadline = time.monotonic() + 4 * beat.hosted_beat_s
+        while not reads.is_set() and time.monotonic() < deadline:
+            bell.current(-1)  # what the leader's loop asks while it is in no chain
+            time.sleep(0.05)
+        assert reads.is_set(), "the leader's bell was not rung within four beat periods of the news"
+    finally:
+        bell.close()

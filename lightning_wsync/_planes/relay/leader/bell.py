@@ -12,7 +12,12 @@ leader it knows when it closes, and a new sender rings the previous epoch's chai
 leader's watcher, which a ring wakes (``listen``), then reads the store's ``news`` and finds
 the close or the new sender without a poll of its own. The owner rings it again when it has
 not rung for ``timing.bell_backstop_s`` (a lost ring costs at most that long), so the blocking wait never
-reaches its own timeout (the store client logs one line when it does).
+reaches its own timeout (the store client logs one line when it does). Its own leader record is
+looked at more often, every ``timing.hosted_beat_s`` (one read, by whoever asks ``current``): a
+record overwritten by someone who rings nobody (garbled by a store writer, issue 32) rings the
+bell within a beat period instead of at the backstop. A leader in no chain (its sender may be
+dead, and a new sender rings only the old chain's leaders) also looks at ``news`` then, and
+rings its bell when it moved: its watcher, woken, finds the new sender.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Chain, error_text, read_chain, ring_bell
 from lightning_wsync._planes.relay.leader.elect import Election
+from lightning_wsync._planes.relay.tidy import peek
 from lightning_wsync.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,10 @@ class Bell:
         self.chain: Chain | None = None
         self.named = True  # the store's leader record names this receiver, as last read
         self._due = 0.0  # when current() rings the bell itself (a lost ring costs at most the backstop)
+        self._look_s = timing.hosted_beat_s  # the leader record is looked at this often (one read)
+        self._look_due = 0.0
+        self._raw: str | None = None  # the leader record as the thread last read it
+        self._news: str | None = "\x00unread"  # ``news`` at the last look while in no chain (first look rings)
         self._read()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-bell-r{rid}", daemon=True)
         self._thread.start()
@@ -69,6 +79,18 @@ class Bell:
                 ring_bell(self._control, self._epoch, self._rid)
             except WeightSyncError as exc:
                 log.debug("relay: bell of rid=%d not rung: %s", self._rid, exc)
+        elif time.monotonic() >= self._look_due:
+            self._look_due = time.monotonic() + self._look_s
+            try:
+                moved = peek(self._control, self._election.key) != self._raw  # changed with no ring
+                if number == -1:  # in no chain (its sender may be dead): a new sender rings only the old chain
+                    news, self._news = self._news, peek(self._control, keys.NEWS)
+                    moved = moved or news != self._news
+                if moved:  # read again; the ring wakes the watcher, which reads the news
+                    self._due = time.monotonic() + self._backstop_s
+                    ring_bell(self._control, self._epoch, self._rid)
+            except WeightSyncError as exc:
+                log.debug("relay: leader record of rid=%d not looked at: %s", self._rid, exc)
         chain = self.chain
         return not self._stop.is_set() and self.named and chain is not None and chain.number == number
 
@@ -86,8 +108,11 @@ class Bell:
 
     def _read(self) -> None:
         self.chain = read_chain(self._ctl, self._epoch)
-        self.named = self._election.named(self._ctl)
+        raw, record = self._election.read(self._ctl)
+        self._raw = raw
+        self.named = record is not None and record.rid == self._rid
         self._due = time.monotonic() + self._backstop_s
+        self._look_due = time.monotonic() + self._look_s
 
     def _run(self) -> None:
         while not self._stop.is_set():

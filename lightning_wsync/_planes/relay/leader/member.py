@@ -170,6 +170,8 @@ class RelayMember:
             if not self._create_ring(ctl, record.shm):
                 return
             self._election.mark_ready(ctl)
+        elif record is not None and leading and not record.ready:  # took its own record back (it was garbled)
+            self._election.mark_ready(ctl)
         unreadable = None if record is None else self.segment.follow(record.shm, ready=record.ready or leading)
         if record is not None and unreadable is not None and self._election.read(ctl)[1] == record:
             self._give_up(ctl, f"cannot open its leader's (rid={record.rid}) host segment {record.shm!r} "
