@@ -62,7 +62,6 @@ metrics), as Lightning's own callbacks are.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -71,17 +70,17 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
 from lightning_wsync._control.shards import Shares
 from lightning_wsync._model import as_tensor, is_sharded, mirror_of, submodule
-from lightning_wsync._planes.open import ShareWriter, open_share_writer
+from lightning_wsync._planes.open import ShareWriter
 from lightning_wsync._push.report import PushReport
 from lightning_wsync._push.sender import WeightSender
-from lightning_wsync._push.shares import prepare_shares
+from lightning_wsync._push.shard_choice import start_shares, why_unsharded
 from lightning_wsync._push.waiter import ReportWaiter
 from lightning_wsync.config import CallbackConfig, SenderConfig, config_values
 from lightning_wsync.errors import WeightSyncError
@@ -206,9 +205,12 @@ class WeightSyncCallback(Callback):
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, push: bool) -> None:
         self._target = submodule(pl_module, self.config.module)
         self._pushes, self._held, self._failing = 0, {}, set()
-        self._shares, self._unsharded_reason = None, self._why_unsharded(trainer)
-        if self._unsharded_reason is None:  # None under sharded="auto" when a share cannot be cut (reason kept)
-            self._shares = self._start_shares(trainer)
+        why = why_unsharded(self.config.sharded, self.sender_config, trainer.strategy, trainer.world_size)
+        self._shares, self._unsharded_reason = None, why
+        if why is None:  # None under sharded="auto" when a share cannot be cut (then the reason is kept)
+            self._shares, self._writer, self._unsharded_reason = start_shares(
+                self._target, self.sender_config, trainer.global_rank, trainer.world_size,
+                auto=self.config.sharded == "auto")  # fmt: skip
         self._sharded_push = self._shares is not None
         self._say_path(trainer)
         full = self._gather(trainer) if self._gathers else None
@@ -243,34 +245,6 @@ class WeightSyncCallback(Callback):
         if push:
             self._maybe_push(trainer, full)
 
-    def _why_unsharded(self, trainer: pl.Trainer) -> str | None:
-        """None: this fit pushes sharded; else why not (``sharded="auto"``, or False). The same on every rank."""
-        setting, cfg, strategy = self.config.sharded, self.sender_config, trainer.strategy
-        if setting is False:
-            return "sharded=False"
-        if trainer.world_size <= 1:
-            return "one trainer rank: its share would be the whole version"
-        if isinstance(strategy, FSDPStrategy):
-            if setting is True:
-                raise ValueError(
-                    "WeightSyncCallback: sharded=True needs DDP or ModelParallelStrategy (FSDP2, DTensor shards); "
-                    "FSDPStrategy's flat parameters cannot be split by tensor: use sharded=False (rank 0 gathers)"
-                )
-            return ("FSDPStrategy's flat parameters cannot be split by tensor, so rank 0 gathers them; "
-                    "ModelParallelStrategy with fully_shard (FSDP2) pushes sharded")  # fmt: skip
-        if setting is True:
-            return None  # the sender refuses settings it cannot serve, naming them
-        if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
-            return f"strategy {type(strategy).__name__} is neither DDP nor ModelParallelStrategy (FSDP2)"
-        if cfg.transport not in ("auto", "shm"):
-            return f"transport={cfg.transport!r}: a sharded push goes through shared memory ('auto' or 'shm')"
-        if cfg.cross_host == "star":
-            return ("cross_host='star': a sharded push reaches other hosts only by relaying each rank's share, "
-                    "never one link per receiver")  # fmt: skip
-        if cfg.cross_host == "tree":
-            return "cross_host='tree': a sharded push relays each rank's share down a chain, not trees"
-        return None
-
     def _say_path(self, trainer: pl.Trainer) -> None:
         """Rank 0 says once which path a fit pushes by, and why when unsharded with several ranks."""
         why = self._unsharded_reason
@@ -285,36 +259,6 @@ class WeightSyncCallback(Callback):
         level = logging.WARNING if trainer.world_size > 1 and self.config.sharded == "auto" else logging.INFO
         gathers = " after gathering the full weights" if self._sharded else ""
         log.log(level, "WeightSyncCallback: unsharded push (rank 0 sends every version%s): %s", gathers, why)
-
-    def _start_shares(self, trainer: pl.Trainer) -> Shares | None:
-        """Every rank's share and, on ranks other than 0, its ring; rank 0 learns every ring's name.
-        None (``sharded="auto"``) when some rank cannot cut its share: the reason is kept."""
-        assert self._target is not None
-        rank, world = trainer.global_rank, trainer.world_size
-        error: str | None = None
-        name = host = ""
-        try:
-            shares = prepare_shares(self._target, self.sender_config, rank, world)
-            host = shares.host
-            if rank != 0:
-                self._writer = open_share_writer(shares, self.sender_config)
-                name = self._writer.name
-        except Exception as exc:  # every rank must reach the gather below, or the others hang in it
-            error = f"{type(exc).__name__}: {exc}"
-        gathered: list[tuple[str, str, str | None]] = [("", "", None)] * world
-        dist.all_gather_object(gathered, (name, host, error))
-        failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e is not None]
-        if failed and self.config.sharded == "auto":  # every rank sees the same list: all fall back
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            self._unsharded_reason = f"trainer rank {failed[0][0]} cannot cut its share: {failed[0][1]}"
-            return None
-        if failed:
-            raise WeightSyncError(f"WeightSyncCallback: sharded push: trainer rank {failed[0][0]} could not "
-                                  f"prepare its share: {failed[0][1]}")  # fmt: skip
-        plan = shares.plan.with_segments([n for n, _, _ in gathered], [h for _, h, _ in gathered])
-        return dataclasses.replace(shares, plan=plan)
 
     @override
     def on_train_batch_end(

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+from lightning_wsync._push.shard_choice import why_unsharded
 from lightning_wsync.callback import WeightSyncCallback
 from lightning_wsync.config import CallbackConfig
 
@@ -19,7 +20,7 @@ def _trainer(strategy: Any, world: int, rank: int = 0) -> Any:
 
 def _why(world: int, strategy: Any, **options: Any) -> str | None:
     sync = WeightSyncCallback(every_n_steps=1, job="j", **options)
-    return sync._why_unsharded(_trainer(strategy, world))
+    return why_unsharded(sync.config.sharded, sync.sender_config, strategy, world)
 
 
 def test_auto_is_the_default_everywhere_the_option_lives() -> None:
@@ -61,7 +62,7 @@ def test_the_reason_is_said_once_by_rank_0_only(caplog: pytest.LogCaptureFixture
     caplog.set_level(logging.INFO, logger="lightning_wsync.callback")
     for rank in (1, 0, 0):  # rank 1, then rank 0 in two fits
         trainer = _trainer(DDPStrategy(), 2, rank)
-        sync._unsharded_reason = sync._why_unsharded(trainer)
+        sync._unsharded_reason = why_unsharded(sync.config.sharded, sync.sender_config, trainer.strategy, 2)
         sync._say_path(trainer)
     said = [r for r in caplog.records if "unsharded push" in r.getMessage()]
     assert [(r.levelno, r.getMessage()) for r in said] == [(
