@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from lightning_wsync._control.manifest import Manifest
     from lightning_wsync._control.records import VersionRecord
     from lightning_wsync._control.store import Control
+    from lightning_wsync._control.timing import Timing
 
 SumsLookup = Callable[[int], "list[int] | None"]  # version -> its published bucket checksums
 Reject = Callable[[int, str], None]  # (version, reason)
@@ -123,16 +124,24 @@ class BoardRead(NamedTuple):
     latest: VersionRecord | None = None  # the board's ``latest`` record (verified here) when it is new
 
 
+class HostTurn(NamedTuple):
+    """One loop of a relay host receiver's watcher, as its link answers it (:meth:`HostLink.turn`)."""
+
+    board: Posted | None  # the leader's board its beats and acknowledgements go through (None: the store)
+    posted: Posted | None  # a host-mate's: its leader's board, news read off it (None: it reads the store)
+    leads: bool  # it leads its host: it reads the store for its host-mates (kicked by each version and its bell)
+
+
 class HostLink(Protocol):
     """A receiver on a relay host: it beats, acknowledges and hears news through its host's leader."""
 
-    def leads(self) -> bool:
-        """This receiver leads its host (it reads the store for its host-mates)."""
+    def turn(self) -> HostTurn:
+        """The one question its watcher asks each loop: where it beats, where it reads news, whether it leads."""
         ...
 
-    def beat_board(self) -> Posted | None:
-        """The board of the leader that passes this receiver's beats and acknowledgements on (its own
-        while it leads); None: none now (it then beats on the store)."""
+    def pace(self, timing: Timing, sender_gone: bool) -> float:
+        """How long its watcher waits for a kick (it wakes for its heartbeats as well), ``sender_gone``:
+        the sender followed left or closed."""
         ...
 
     def share_news(self, news: HostNews) -> None:

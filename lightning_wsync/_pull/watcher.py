@@ -39,7 +39,7 @@ from lightning_wsync._control.records import (
 )
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing, timing
-from lightning_wsync._planes.base import HostLink, HostNews, Posted, ReceiveSource
+from lightning_wsync._planes.base import HostLink, HostNews, HostTurn, Posted, ReceiveSource
 from lightning_wsync._planes.open import ReceiverSpec, open_source
 from lightning_wsync._pull.heartbeat import Heartbeat
 from lightning_wsync.config import ReceiverConfig
@@ -55,6 +55,7 @@ from lightning_wsync.errors import (
 log = logging.getLogger(__name__)
 
 _EPOCH_SCAN = 16  # sender epochs looked back through when the newest does not verify
+_OFF_HOST = HostTurn(board=None, posted=None, leads=False)  # no relay host: beats on and reads the store
 
 
 class Published(NamedTuple):
@@ -116,7 +117,6 @@ class Watcher:
         self._state = StateReport()
         self._heart = Heartbeat(self._state, self._complaints)
         self._applied: int | None = None  # the version update() last applied (for logs)
-        self._relay_lead = False  # a relay host's leader: reads the store for its host-mates
         # Every wait, from this receiver's settings and (once it follows one) its sender's record.
         self.timing: Timing = timing(heartbeat_timeout_s=0.0, timeout_s=config.timeout_s,
                                      heartbeat_s=config.heartbeat_s)  # fmt: skip
@@ -183,13 +183,12 @@ class Watcher:
             try:
                 now = time.monotonic()
                 relay = None if self.source is None else self.source.host_link()
-                board = None if relay is None else relay.beat_board()
-                next_beat = self._heart.tick(ctl, self.rid, now, next_beat, board, self._beat_s(), self._rejoin)
-                posted = None if relay is None or relay.leads() else board  # a host-mate reads news off it
-                self._relay_lead = relay is not None and posted is None
+                turn = _OFF_HOST if relay is None else relay.turn()  # a relay host's one question
+                beat_s = self.timing.beat_s if relay is None else self.timing.hosted_beat_s  # timing.timing()
+                next_beat = self._heart.tick(ctl, self.rid, now, next_beat, turn.board, beat_s, self._rejoin)
                 # A relay host's leader woken for its heartbeat alone leaves news for a kick or its pace.
-                if not (relay is not None and relay.leads() and not kicked and now < min(next_news, next_all)):
-                    news, next_all = self._follow(ctl, now, relay, posted, news, next_all)
+                if not (turn.leads and not kicked and now < min(next_news, next_all)):
+                    news, next_all = self._follow(ctl, now, relay, turn.posted, news, next_all)
                     next_news = now + self._pace()
                 if self.store_lost_since is not None:
                     log.info("receiver %r: store reachable again", self.name)
@@ -233,25 +232,15 @@ class Watcher:
         return seen, next_all
 
     def _pace(self) -> float:
-        """How long the thread waits for a kick (it wakes for its heartbeats as well). A relay host's
-        leader is kicked by each version it receives and by its bell, else reads ``news`` every
-        ``lead_backstop_s`` (every ``relay_poll_s`` once its sender left or closed: the next sender is
-        found through news alone); a receiver there served over the network is kicked by each
-        version, so it reads ``news`` slowly too. A host-mate reads news off its leader's board."""
-        t = self.timing
-        if self.source is None:
+        """How long the thread waits for a kick (it wakes for its heartbeats as well); on a relay
+        host, as its link says (:meth:`HostLink.pace`: a leader is kicked by each version)."""
+        t, source = self.timing, self.source
+        if source is None:
             return t.seek_poll_s
         if self.config.verify:
             return t.verify_poll_s
-        link = None if self.source is None else self.source.host_link()
-        if link is not None and link.leads():
-            return t.relay_poll_s if self.sender_closed or self.sender_left else t.lead_backstop_s
-        return t.relay_poll_s if self._relay_lead else t.idle_poll_s
-
-    def _beat_s(self) -> float:
-        """Between heartbeats (see :func:`~lightning_wsync._control.timing.timing`)."""
-        on_host = self.source is not None and self.source.host_link() is not None
-        return self.timing.hosted_beat_s if on_host else self.timing.beat_s
+        link = source.host_link()
+        return t.idle_poll_s if link is None else link.pace(t, self.sender_closed or self.sender_left)
 
     def _read_news(
         self, ctl: Control, relay: HostLink | None, posted: HostNews | None, news: str | None
@@ -456,4 +445,3 @@ class Watcher:
         log.warning("receiver %r rejected version %d: %s", self.name, version, reason)
         self._state.rejected(version, reason)
         self._kick.set()
-

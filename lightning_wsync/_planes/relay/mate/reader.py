@@ -14,7 +14,17 @@ from typing_extensions import override
 
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.base import BoardRead, HostLink, HostNews, Posted, ReceiveSource, Reject, SumsLookup
+from lightning_wsync._control.timing import Timing
+from lightning_wsync._planes.base import (
+    BoardRead,
+    HostLink,
+    HostNews,
+    HostTurn,
+    Posted,
+    ReceiveSource,
+    Reject,
+    SumsLookup,
+)
 from lightning_wsync._planes.net.source import NetworkSource
 from lightning_wsync._planes.relay.mate.board import read_board
 from lightning_wsync._planes.relay.mate.news import read_news
@@ -142,6 +152,7 @@ class RelaySource(ReceiveSource):
         self._net_factory = net
         self._net: NetworkSource | None = None
         self._lock = threading.Lock()
+        self._reads_store = False  # at its watcher's last turn: it led, or had no leader's board to read
 
     def fall_back(self, why: str) -> None:
         """Receive over the network from the sender from now on (``why``: what the host ring lacks)."""
@@ -179,6 +190,22 @@ class RelaySource(ReceiveSource):
         if self._net is not None or member is None:
             return None
         return member.own_board() if member.leads else self.segment.board()
+
+    def turn(self) -> HostTurn:
+        board = self.beat_board()
+        leads = self.leads()
+        posted = None if leads else board
+        self._reads_store = posted is None
+        return HostTurn(board, posted, leads)
+
+    def pace(self, timing: Timing, sender_gone: bool) -> float:
+        """A leader is kicked by each version it receives and by its bell, else reads ``news`` every
+        ``lead_backstop_s`` (every ``relay_poll_s`` once its sender left or closed: the next sender is
+        found through news alone); a receiver here served over the network is kicked by each
+        version, so it reads ``news`` slowly too. A host-mate reads news off its leader's board."""
+        if self.leads():
+            return timing.relay_poll_s if sender_gone else timing.lead_backstop_s
+        return timing.relay_poll_s if self._reads_store else timing.idle_poll_s
 
     def share_news(self, news: HostNews) -> None:
         """For the host's leader: tell the host-mates what its watcher read (else nothing)."""
