@@ -15,7 +15,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
 from lightning_wsync._planes.net.link import NetReceiveLink
 from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.relay.leader.member import RelayMember
+from lightning_wsync._planes.relay.leader.member import MemberSpec, RelayMember
 from lightning_wsync._planes.relay.mate.reader import HostRingReader, RelaySource
 from lightning_wsync.errors import WeightSyncError
 
@@ -46,10 +46,10 @@ def open_relay_source(
 
     segment = HostRingReader(epoch, layout, ordered, name)
     source = RelaySource(epoch, segment, net)
-    source.member = RelayMember(
-        control, layout, segment, epoch=epoch, rid=rid, host=host, job=job, backend=backend,
+    source.member = RelayMember(control, layout, segment, MemberSpec(
+        epoch=epoch, rid=rid, host=host, job=job, backend=backend,
         addr=addr,  # the sender's timeout_s: it bounds every hop, whatever this receiver's
         timing=timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=record.timeout_s),
         on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back, on_rung=on_rung,
-    )  # fmt: skip
+    ))  # fmt: skip
     return source

@@ -26,7 +26,7 @@ from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
-from lightning_wsync._planes.relay.leader.member import RelayMember
+from lightning_wsync._planes.relay.leader.member import MemberSpec, RelayMember
 from lightning_wsync._planes.relay.mate.board import Posted, read_board
 from lightning_wsync._planes.relay.mate.reader import open_leader_ring
 from lightning_wsync._planes.shard.source import FixedRing, ShardedSource, ShareRing
@@ -101,13 +101,13 @@ def open_sharded_relay(
                 continue
             ring = StreamRing(share)
             rings.append(ring)
-            members.append(RelayMember(
-                control, share, ring, epoch=keys.relay_stream(epoch, rank), rid=rid, host=host, job=job,
+            members.append(RelayMember(control, share, ring, MemberSpec(
+                epoch=keys.relay_stream(epoch, rank), rid=rid, host=host, job=job,
                 backend=record.backend, addr=addr,  # the sender's timeout_s: it bounds every hop
                 timing=timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=record.timeout_s),
                 on_published=published, on_rejected=on_rejected,
                 fall_back=fall_back,
-            ))  # fmt: skip
+            )))  # fmt: skip
     except BaseException:
         for member in members:
             member.close()

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +54,28 @@ log = logging.getLogger(__name__)
 _RECEIPTS = 8  # versions a leader reports how it got (push reports read them)
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemberSpec:
+    """What a :class:`RelayMember` is made with, besides its store, layout and ring: the stream it
+    follows, the receiver it serves, and what it tells that receiver (a parameter object, as
+    :class:`~lightning_wsync._planes.relay.hops.Stream`)."""
+
+    epoch: int  # the stream's number: the sender's epoch, or one trainer rank's stream (keys.relay_stream)
+    rid: int
+    host: str
+    job: str
+    backend: str  # the hops' process groups: gloo | nccl
+    addr: str  # where the hops meet (the sender's address)
+    timing: Timing  # from the sender's record: its timeout_s bounds every hop, whatever this receiver's
+    on_published: Callable[[int], None]
+    on_rejected: Callable[[int, str], None]
+    fall_back: Callable[[str], None]
+    # Called while this receiver leads, whenever its bell rings (a new chain, a takeover, the sender's
+    # close or a new sender, the bell's backstop), and as it starts leading: its watcher reads the
+    # store's ``news`` then, not on a poll of its own.
+    on_rung: Callable[[], None] | None = None
+
+
 class RelayMember:
     """A rollout receiver on a host other than the sender's: elects, leads, relays.
 
@@ -64,15 +87,8 @@ class RelayMember:
     no more, and ``fall_back(reason)`` serves it another way (over the network).
     """
 
-    def __init__(
-        self, control: Control, layout: Manifest, segment: RingFollower, *, epoch: int, rid: int, host: str, job: str,
-        backend: str, addr: str, timing: Timing,
-        on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
-        fall_back: Callable[[str], None], on_rung: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
-        """``on_rung``: called while this receiver leads, whenever its bell rings (a new chain, a
-        takeover, the sender's close or a new sender, the bell's backstop), and as it starts leading:
-        its watcher reads the store's ``news`` then, not on a poll of its own."""
+    def __init__(self, control: Control, layout: Manifest, segment: RingFollower, spec: MemberSpec) -> None:
+        epoch, rid, host, timing = spec.epoch, spec.rid, spec.host, spec.timing
         self.layout = layout
         self.segment = segment
         self.published_version: int | None = None
@@ -80,18 +96,18 @@ class RelayMember:
         self._epoch = epoch
         self._rid = rid
         self._host = host
-        self._backend = backend
-        self._addr = addr
+        self._backend = spec.backend
+        self._addr = spec.addr
         self._timing = timing
         self._timeout_s = timing.timeout_s
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
-        self._on_published = on_published
-        self._on_rejected = on_rejected
-        self._fall_back = fall_back
-        self._on_rung = on_rung
+        self._on_published = spec.on_published
+        self._on_rejected = spec.on_rejected
+        self._fall_back = spec.fall_back
+        self._on_rung = spec.on_rung
         # Unique to this member: simulated hosts may share a process or /dev/shm, and a restarted
         # container reuses PIDs while a SIGKILLed predecessor's segment may still be there.
-        shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{job}", epoch)
+        shm = segment_name(f"{keys.host_key(host)}{secrets.token_hex(4)}-relay-{spec.job}", epoch)
         self._election = Election(epoch=epoch, host=host, rid=rid, shm=shm, timing=timing)
         self._own: SnapshotRing | None = None
         self._board: Board | None = None  # while leading: what host-mates read instead of the store
