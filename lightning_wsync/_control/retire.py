@@ -1,7 +1,8 @@
 """What a new sender deletes of the senders before it, so that relaunches leave nothing behind.
 
 Records (:func:`retire_old_epochs`): a sender epoch's are deleted two epochs later
-(receivers may still be switching from the one before). Relay keys (:func:`retire_relay_keys`):
+(receivers may still be switching from the one before), the previous senders' version records
+at once (a new version follows). Relay keys (:func:`retire_relay_keys`):
 a sender SIGKILLed mid-run deletes none of its ``relay/<epoch>/`` keys, nor of its sharded
 streams; its successors do, the epochs two or more back at once (as the records), and the
 one just before once none of its leaders can still touch them (the relay plane calls it then:
@@ -25,11 +26,10 @@ _EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before
 
 def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> None:
     """Delete the records and relay keys of sender epochs ``_KEEP_EPOCHS`` or more behind
-    ``epoch``, and the version record the previous sender left (``latest_version``; a new
-    version follows)."""
+    ``epoch``, and the version records the previous senders left (up to ``latest_version``; a
+    new version follows)."""
     if latest_version is not None:
-        for key in keys.version_keys(latest_version):
-            ctl.delete(key)
+        retire_versions(ctl, latest_version)
     newest_old = epoch - _KEEP_EPOCHS
     for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
         _retire_shares(ctl, old)
@@ -37,6 +37,19 @@ def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> N
             ctl.delete(key)
     if newest_old >= 1:
         retire_relay_keys(ctl, below=newest_old + 1)
+
+
+def retire_versions(ctl: Control, latest_version: int) -> None:
+    """Delete the version records (``v/<n>``, ``v/<n>/sums``) of versions up to ``latest_version``:
+    the previous sender's newest few (a sender SIGKILLed deletes none; one that closed left its last),
+    by the store's list where it can list its keys, else ``latest_version``'s alone."""
+    names = ctl.list_keys("v/")
+    if names is None:
+        names = list(keys.version_keys(latest_version))
+    for name in names:
+        number = name.split("/", 2)[1]
+        if number.isascii() and number.isdigit() and int(number) <= latest_version:
+            ctl.delete(name)
 
 
 def retire_relay_keys(ctl: Control, below: int) -> int:

@@ -171,3 +171,23 @@ def test_retiring_old_epochs_takes_their_relay_keys_and_their_streams_with_them(
     hashed.set_text(keys.relay_chain(1), "1")
     assert hashed.list_keys("relay/") is None and retire_relay_keys(hashed, below=3) == 0
     assert hashed.has(keys.relay_chain(1))
+
+
+def test_a_new_sender_retires_every_version_record_its_predecessors_left(server: dist.TCPStore) -> None:
+    """A SIGKILLed sender leaves its newest few ``v/<version>`` records (it deletes older ones as it
+    pushes, and all but its last when it closes): the next sender deletes every one up to the last
+    published version, by the store's list (before: only the last, ~3 more keys a relaunch in the
+    chaos runs). A store that cannot list its keys loses the last one only, as before."""
+    from lightning_wsync._control.retire import retire_old_epochs
+
+    ctl = Control(server, "j")
+    for v in (3, 4, 5, 6):
+        ctl.set_text(keys.version_record(v), "{}")
+        ctl.set_text(keys.version_sums(v), "{}")
+    retire_old_epochs(ctl, 2, 5)
+    assert sorted(ctl.list_keys("v/") or []) == [keys.version_record(6), keys.version_sums(6)]
+    hashed = Control(dist.HashStore(), "j")
+    for v in (4, 5):
+        hashed.set_text(keys.version_record(v), "{}")
+    retire_old_epochs(hashed, 2, 5)
+    assert hashed.has(keys.version_record(4)) and not hashed.has(keys.version_record(5))
