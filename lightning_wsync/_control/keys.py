@@ -90,7 +90,8 @@ Deleted so the store stays bounded (see :mod:`lightning_wsync._push.membership`)
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
 is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it,
 ``v/<version>*`` beyond the newest few (a new sender: every one up to the last version), and
-the records of sender epochs two or more behind the current one. The relay's keys (see :mod:`lightning_wsync._planes.relay.tidy`):
+the records of sender epochs two or more behind the current one. The relay's keys (see
+:mod:`lightning_wsync._planes.relay.tidy`):
 each side of a hop deletes its ``relay/<epoch>/pg/...`` keys when it leaves; a closing
 leader deletes its leader record and ``received`` key; the sender deletes the hops of
 chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago, the ``received``,

@@ -109,7 +109,8 @@ def test_relay_chaos_with_the_trainer_killed_and_relaunched_and_garbage(tmp_path
     print("relay chaos with the trainer killed:", json.dumps(figures))
     print("store keys every 10 pushes:", result["key_counts"][::10])
     early, settled = result["key_shapes"]
-    changed = {k: (early.get(k, 0), settled.get(k, 0)) for k in sorted({*early, *settled}) if early.get(k) != settled.get(k)}
+    changed = {k: (early.get(k, 0), settled.get(k, 0)) for k in sorted({*early, *settled})
+               if early.get(k) != settled.get(k)}  # fmt: skip
     print("store keys by shape, after 10 pushes -> settled:", changed)
     (tmp_path / "result.json").write_text(json.dumps(result))
     assert result["torn"] == [], result["torn"][:5]
