@@ -89,13 +89,17 @@ A sharded sender's trainer rank r relays its share as a relay of its own (a *str
 Deleted so the store stays bounded (see :mod:`lightning_wsync._push.membership`): a gone
 receiver's ``member/<rid>*`` and ``pg/*/<rid>/*`` keys, a link's gloo keys once the link
 is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves it,
-``v/<version>*`` beyond the newest few, and the records of sender epochs two or more
-behind the current one. The relay's keys (see :mod:`lightning_wsync._planes.relay.tidy`):
+``v/<version>*`` beyond the newest few (a new sender: every one up to the last version), and
+the records of sender epochs two or more behind the current one. The relay's keys (see
+:mod:`lightning_wsync._planes.relay.tidy`):
 each side of a hop deletes its ``relay/<epoch>/pg/...`` keys when it leaves; a closing
 leader deletes its leader record and ``received`` key; the sender deletes the hops of
 chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago, the ``received``,
 ``broken`` and ``bell`` keys of leaders that left the chain, the leader records of hosts with no live
-leader for that long, and the ``chain`` key when it closes.
+leader for that long, and the ``chain`` key when it closes. What a SIGKILLed sender's epoch left
+under ``relay/<epoch>/`` (and its streams'), its successors delete by the store's list of keys
+(:mod:`lightning_wsync._control.retire`): that epoch's once its leaders are done with it (the dead
+sender's ``timeout_s + heartbeat_timeout_s`` after the successor started), older ones at once.
 
 Outside any job, the rendezvous backend keeps on the shared store
 ``wsync.rdzv/<job>/<role>/launch`` (count: the role's launch number n; the inner run
@@ -290,6 +294,11 @@ def relay_stream(epoch: int, rank: int) -> int:
     if not 0 <= rank < STREAM_RANKS:
         raise ValueError(f"relay_stream: rank={rank!r} must be in [0, {STREAM_RANKS})")
     return _STREAM_BASE + epoch * STREAM_RANKS + rank
+
+
+def relay_owner(number: int) -> int:
+    """The sender epoch whose relay namespace ``number`` is: the epoch itself, or a stream's (:func:`relay_stream`)."""
+    return number if number < _STREAM_BASE else (number - _STREAM_BASE) // STREAM_RANKS
 
 
 def relay_stream_leaders(stream: int) -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_wsync._control import keys
 from lightning_wsync._control.checks import RecordShape, parse_counter
 from lightning_wsync._control.keys import ENV_JOB, ENV_STORE
-from lightning_wsync._control.records import R, Record, ShardsRecord
+from lightning_wsync._control.records import R, Record
 from lightning_wsync._control.signing import Signer, derive_key, short
 from lightning_wsync.errors import (
     WeightSyncAuthError,
@@ -120,34 +120,6 @@ def parse_address(spec: str, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
-_KEEP_EPOCHS = 2  # the current sender epoch and the one before (receivers may still be switching)
-_EPOCH_SWEEP = 8  # epochs further back also swept, for senders that died before sweeping
-
-
-def retire_old_epochs(ctl: Control, epoch: int, latest_version: int | None) -> None:
-    """Delete the records of sender epochs ``_KEEP_EPOCHS`` or more behind ``epoch``, and
-    the version record the previous sender left (``latest_version``; a new version follows)."""
-    if latest_version is not None:
-        for key in keys.version_keys(latest_version):
-            ctl.delete(key)
-    newest_old = epoch - _KEEP_EPOCHS
-    for old in range(max(1, newest_old - _EPOCH_SWEEP), newest_old + 1):
-        _retire_shares(ctl, old)
-        for key in keys.epoch_keys(old):
-            ctl.delete(key)
-
-
-def _retire_shares(ctl: Control, epoch: int) -> None:
-    """A sharded epoch's notes of each rank (one SIGKILLed mid-run never deleted its own)."""
-    try:
-        record = ctl.get_record(keys.shards(epoch), ShardsRecord)
-    except (WeightSyncRecordError, WeightSyncAuthError):
-        return  # not a plan this sender can read: its notes stay (bounded by the ranks of one epoch)
-    for rank in range(0 if record is None else record.plan.world):
-        ctl.delete(keys.shard_written(epoch, rank))
-        ctl.delete(keys.shard_sums(epoch, rank))
-
-
 class Control:
     """Typed access to one job's keys on the store. Thread-safe as the store is.
 
@@ -230,6 +202,15 @@ class Control:
 
     def has(self, key: str) -> bool:
         return self._call("check", key, lambda: bool(self.store.check([key])))
+
+    def list_keys(self, prefix: str) -> list[str] | None:
+        """This job's keys that start with ``prefix`` (without the job's prefix), or None where the
+        store cannot list its keys (only a ``TCPStore`` can; a ``PrefixStore`` answers ``[]``)."""
+        if not isinstance(self.raw, dist.TCPStore):
+            return None
+        mine = f"{keys.job_prefix(self.job)}/"
+        every = self._call("list_keys", prefix, lambda: list(self.raw.list_keys()))
+        return [k[len(mine) :] for k in every if k.startswith(mine + prefix)]
 
     def has_all(self, keys: list[str]) -> bool:
         """Whether every one of ``keys`` exists, in one request."""

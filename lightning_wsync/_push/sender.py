@@ -43,6 +43,7 @@ from lightning_wsync._control.records import (
     ShardsRecord,
     VersionRecord,
 )
+from lightning_wsync._control.retire import retire_old_epochs
 from lightning_wsync._control.shards import Shares
 from lightning_wsync._control.signing import resolve_secret
 from lightning_wsync._control.store import (
@@ -51,7 +52,6 @@ from lightning_wsync._control.store import (
     StoreHandle,
     connect_store,
     resolve_job,
-    retire_old_epochs,
 )
 from lightning_wsync._planes.open import SenderSpec, SendSide, mirror_device
 from lightning_wsync._push.fleet import FleetCoordinator

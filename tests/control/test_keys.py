@@ -129,8 +129,8 @@ def test_retiring_an_old_sharded_epoch_takes_every_ranks_note_with_it():
     """A rank SIGKILLed mid-run never deletes ``shards/<epoch>/wrote/<rank>``: the sender two
     epochs later retires it with the epoch's records (the plan says how many ranks there were)."""
     from lightning_wsync._control.records import ShardsRecord
+    from lightning_wsync._control.retire import retire_old_epochs
     from lightning_wsync._control.shards import Piece, ShardPlan
-    from lightning_wsync._control.store import retire_old_epochs
 
     ctl = Control(dist.HashStore(), "j")
     plan = ShardPlan(((Piece(0, 0, 4),), (Piece(0, 4, 8),), (Piece(1, 0, 4),)), bucket_bytes=1 << 20).with_segments(["s0", "s1", "s2"])
@@ -143,3 +143,51 @@ def test_retiring_an_old_sharded_epoch_takes_every_ranks_note_with_it():
     assert [ctl.has(keys.shard_written(1, r)) for r in range(3)] == [False, False, False]
     assert [ctl.has(keys.shard_sums(1, r)) for r in range(3)] == [False, False, False]
     assert not ctl.has(keys.shards(1)) and ctl.get_text(keys.shard_written(2, 0)) == "9"
+
+
+def test_retiring_old_epochs_takes_their_relay_keys_and_their_streams_with_them(server: dist.TCPStore) -> None:
+    """A SIGKILLed sender deletes none of its ``relay/<epoch>/`` keys (issue 32: ~10 a trainer
+    relaunch in the chaos runs): a sender two epochs later deletes every one, its sharded
+    streams' too, by the store's list; the epoch before it, this job's only, and a key that
+    names no epoch stay. A store that cannot list its keys keeps them, without an error."""
+    from lightning_wsync._control.retire import retire_old_epochs, retire_relay_keys
+
+    ctl, other = Control(server, "j"), Control(server, "j2")
+    old = [keys.relay_chain(1), keys.relay_moved(1), keys.relay_bell(1, 5), keys.relay_leader(1, "h"),
+           keys.ready(keys.relay_hop_prefix(1, 9, 5), 41), *keys.group_keys(keys.relay_hop_prefix(1, 9, 5)),
+           keys.relay_stream_leaders(keys.relay_stream(1, 3)),
+           keys.relay_received(keys.relay_stream(1, 0), 5)]  # fmt: skip
+    kept = [keys.relay_chain(2), keys.relay_moved(2), keys.relay_stream_leaders(keys.relay_stream(2, 1)),
+            keys.relay_chain(3), "relay/x/chain", "relay/²/chain"]  # fmt: skip
+    for key in old + kept:
+        ctl.set_text(key, "1")
+    other.set_text(keys.relay_chain(1), "1")
+    retire_old_epochs(ctl, 3, None)
+    assert sorted(ctl.list_keys("relay/") or []) == sorted(kept)
+    assert other.list_keys("relay/") == [keys.relay_chain(1)]
+    assert retire_relay_keys(ctl, below=3) == 3  # the epoch before, once its leaders are done with it
+    assert sorted(ctl.list_keys("relay/") or []) == sorted([keys.relay_chain(3), "relay/x/chain", "relay/²/chain"])
+    hashed = Control(dist.HashStore(), "j")
+    hashed.set_text(keys.relay_chain(1), "1")
+    assert hashed.list_keys("relay/") is None and retire_relay_keys(hashed, below=3) == 0
+    assert hashed.has(keys.relay_chain(1))
+
+
+def test_a_new_sender_retires_every_version_record_its_predecessors_left(server: dist.TCPStore) -> None:
+    """A SIGKILLed sender leaves its newest few ``v/<version>`` records (it deletes older ones as it
+    pushes, and all but its last when it closes): the next sender deletes every one up to the last
+    published version, by the store's list (before: only the last, ~3 more keys a relaunch in the
+    chaos runs). A store that cannot list its keys loses the last one only, as before."""
+    from lightning_wsync._control.retire import retire_old_epochs
+
+    ctl = Control(server, "j")
+    for v in (3, 4, 5, 6):
+        ctl.set_text(keys.version_record(v), "{}")
+        ctl.set_text(keys.version_sums(v), "{}")
+    retire_old_epochs(ctl, 2, 5)
+    assert sorted(ctl.list_keys("v/") or []) == [keys.version_record(6), keys.version_sums(6)]
+    hashed = Control(dist.HashStore(), "j")
+    for v in (4, 5):
+        hashed.set_text(keys.version_record(v), "{}")
+    retire_old_epochs(hashed, 2, 5)
+    assert hashed.has(keys.version_record(4)) and not hashed.has(keys.version_record(5))

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,18 @@ def stale_relay_keys(ctl: Control, epoch: int, n_hosts: int) -> tuple[list[str],
                 if rid not in current or (f"/pg/{gen}/" not in name and "/pg/" in name):
                     stale.append(name)
     return stale, count
+
+
+def key_shapes(ctl: Control) -> dict[str, int]:
+    """The job's keys by shape (numbers as ``#``): what the store holds, for a report."""
+    return dict(Counter(re.sub(r"[0-9]+", "#", n) for n in ctl.list_keys("") or []))
+
+
+def dead_epoch_relay_keys(ctl: Control, epoch: int) -> list[str]:
+    """Relay keys of sender epochs before ``epoch`` (their streams' included), by the store's list:
+    what killed trainers left, deleted by their successors once no leader can still use them."""
+    names = ctl.list_keys("relay/") or []
+    return sorted(n for n in names if (p := n.split("/")[1]).isdigit() and keys.relay_owner(int(p)) < epoch)
 
 
 class Fleet:
@@ -374,6 +387,7 @@ def trainer_scenario(out: Path, n_hosts: int, per_host: int, pushes: int, seed: 
         trainer.go.write_text("")
         actions: list[dict[str, Any]] = []
         key_counts: list[int] = []
+        shapes_early: dict[str, int] = {}
         started, done = time.monotonic(), 0
         while done < pushes - 1:
             if trainer.proc().poll() is not None:
@@ -383,6 +397,8 @@ def trainer_scenario(out: Path, n_hosts: int, per_host: int, pushes: int, seed: 
             for version in range(done + 1, trainer.last_pushed() + 1):
                 done = version
                 key_counts.append(server.num_keys())
+                if version == EVERY:
+                    shapes_early = key_shapes(ctl)
                 if version >= pushes - EVERY:
                     continue
                 t = round(time.monotonic() - started, 2)
@@ -415,7 +431,11 @@ def trainer_scenario(out: Path, n_hosts: int, per_host: int, pushes: int, seed: 
         report = json.loads(trainer.report.read_text())
         run_s = time.monotonic() - started
         stale, relay_keys = settle(ctl, trainer.epoch, n_hosts)
+        until = time.monotonic() + 2 * (TIMEOUT_S + HEARTBEAT_TIMEOUT_S)  # the last one's predecessor's linger
+        while (dead := dead_epoch_relay_keys(ctl, trainer.epoch)) and time.monotonic() < until:
+            time.sleep(0.5)
         settled = server.num_keys()
+        shapes_settled = key_shapes(ctl)
         shm = segments("chaos")
         trainer.close.write_text("")
         procs.wait(trainer.name, 2 * TIMEOUT_S + 30)
@@ -426,7 +446,9 @@ def trainer_scenario(out: Path, n_hosts: int, per_host: int, pushes: int, seed: 
         "actions": actions, "live": live, "applied": len(applied), "torn": torn, "launches": trainer.launches,
         "epochs": sorted({r["epoch"] for r in read(trainer.pushed) if r["event"] == "started"}),
         "key_counts": key_counts, "keys_settled": settled, "relay_keys": relay_keys,
-        "stale_relay_keys": stale, "catch_up_s": catch_up_s, "run_s": run_s, "segments": shm,
+        "stale_relay_keys": stale, "dead_epoch_relay_keys": dead, "key_shapes": [shapes_early, shapes_settled],
+        "catch_up_s": catch_up_s, "run_s": run_s,
+        "segments": shm,
         "thread_deaths": [f"{log.name}: {line.strip()}" for log in sorted(out.glob("*.log"))
                           for line in log.read_text(errors="replace").splitlines()
                           if "Exception in thread" in line],

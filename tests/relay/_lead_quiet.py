@@ -13,13 +13,15 @@ from lightning_wsync.testing.models import ModelSpec, build_model, digest, mutat
 from lightning_wsync.testing.procs import init_child, report_failure
 
 
-def sender_main(conn: Connection, store: str, job: str, spec: ModelSpec, heartbeat_timeout_s: float) -> None:
+def sender_main(
+    conn: Connection, store: str, job: str, spec: ModelSpec, heartbeat_timeout_s: float, timeout_s: float = 20
+) -> None:
     """Push version 1 on the trainer's host, report its digest, then wait to be killed."""
     init_child()
     assume_host("trainer-host")
     try:
         model = build_model(spec, seed=0)
-        sender = WeightSender(model, store=store, job=job, timeout_s=20, cross_host="relay",
+        sender = WeightSender(model, store=store, job=job, timeout_s=timeout_s, cross_host="relay",
                               heartbeat_timeout_s=heartbeat_timeout_s)  # fmt: skip
         mutate(model, 1)
         sender.push(1).wait(20)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 
 from lightning_wsync._control import keys
+from lightning_wsync._control.records import SenderRecord
+from lightning_wsync._control.retire import retire_relay_keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.base import Delivery, Peer
@@ -46,6 +48,11 @@ class RelaySendPlane:
         self._next_all = 0.0
         self._follow_all_s = timing.follow_all_s
         self._previous = previous_epoch  # its chain's leaders are rung once, after this epoch's news
+        # ... and its relay keys deleted once none of its leaders can still touch them (it was killed,
+        # or they are the few a leader stopped meanwhile wrote back): retire_previous_at (time.monotonic()).
+        self._retire: tuple[int, float] | None = None
+        if previous_epoch is not None:
+            self._retire = (previous_epoch, time.monotonic() + _linger_of(control, previous_epoch, timing))
         self._head = RelayHead(control, ring, stream, timing=timing, deltas=deltas, policy=policy, topology=topology)
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
@@ -55,6 +62,10 @@ class RelaySendPlane:
         if (previous := self._previous) is not None:
             self._previous = None
             wake_chain(self._ctl, previous)
+        if (retire := self._retire) is not None and time.monotonic() >= retire[1]:
+            self._retire = None
+            swept = retire_relay_keys(self._ctl, below=retire[0] + 1)
+            log.debug("relay: %d keys of sender epoch %d and before deleted", swept, retire[0])
         by_rid = {p.rid: p for p in live}
         moved, now = self._ctl.get_text(keys.relay_moved(self._epoch)), time.monotonic()
         if moved is not None and moved == self._moved and set(by_rid) == self._live and now < self._next_all:
@@ -91,6 +102,20 @@ class RelaySendPlane:
     def close(self, deadline: float) -> list[str]:
         self._head.close(timeout_s=max(0.0, deadline - time.monotonic()))
         return []
+
+
+def _linger_of(ctl: Control, epoch: int, timing: Timing) -> float:
+    """How long after this sender's start sender ``epoch``'s leaders may still touch its relay keys: its
+    hop timeout plus heartbeat timeout (a leader follows the new sender within a beat period of its
+    bell, and a hop it was in ends by then), this sender's own where its record is unreadable."""
+    try:
+        record = ctl.get_record(keys.sender_record(epoch), SenderRecord)
+    except (WeightSyncRecordError, WeightSyncAuthError) as exc:
+        log.debug("relay: sender record of epoch %d: %s", epoch, exc)
+        record = None
+    if record is None:
+        return timing.relay_linger_s
+    return max(timing.relay_linger_s, record.timeout_s + record.heartbeat_timeout_s)
 
 
 def wake_chain(ctl: Control, epoch: int) -> None:
