@@ -4,6 +4,7 @@ receiver applied it; the bench's own model change and digests are counted apart.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -31,8 +32,7 @@ def test_bench_counts_the_planes_cpu_apart_from_its_own_work():
     # three passes over 64 MiB, ~0.03 CPU-s a push here, 10 ms ticks).
     assert all(0 < s["cpu_s"] <= s["cpu_s_with_bench"] for s in samples), samples
     assert sum(s["cpu_s_with_bench"] - s["cpu_s"] for s in samples) >= 0.03, samples
-    timed = sorted(s["cpu_s"] for s in samples if not s["warmup"])
-    per_gb = timed[len(timed) // 2] / (phase["pushed_bytes"] / 1e9)
+    per_gb = statistics.median(s["cpu_s"] for s in samples if not s["warmup"]) / (phase["pushed_bytes"] / 1e9)
     assert phase["cpu_s_per_gb_per_hop"] == pytest.approx(per_gb)
     raw = phase["raw_hop"]
     assert raw["transport"] == "gloo" and raw["bytes"] == phase["pushed_bytes"] and raw["cpu_s_per_gb"] > 0
