@@ -99,27 +99,33 @@ def test_a_peft_policy_pushes_its_adapter_and_the_engine_serves_each_version(tmp
     llm = make_llm(path, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20,
                    enable_lora=True, max_lora_rank=8, max_loras=KEEP, seed=0)  # fmt: skip
     store = f"127.0.0.1:{port}"  # hosted by the test (server): the engine joins before the trainer starts
-    sync = WeightSyncCallback(every_n_steps=1, store=store, job="lora", timeout_s=60, include=ADAPTER_TENSORS)
-    with VllmWeightSync(llm, store=store, job="lora", name="engine", verify=True, timeout_s=60,
-                        lora=peft_model, keep_adapters=KEEP) as engine:  # fmt: skip
-        check = Check(sync, engine, llm, prompts)
-        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor([prompts[0]] * STEPS)))
-        trainer = pl.Trainer(max_steps=STEPS, callbacks=[sync, check], logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")  # fmt: skip
-        trainer.fit(Policy(peft_model), data)
+    try:
+        sync = WeightSyncCallback(every_n_steps=1, store=store, job="lora", timeout_s=60, include=ADAPTER_TENSORS)
+        with VllmWeightSync(llm, store=store, job="lora", name="engine", verify=True, timeout_s=60,
+                            lora=peft_model, keep_adapters=KEEP) as engine:  # fmt: skip
+            check = Check(sync, engine, llm, prompts)
+            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor([prompts[0]] * STEPS)))
+            trainer = pl.Trainer(max_steps=STEPS, callbacks=[sync, check], logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")  # fmt: skip
+            trainer.fit(Policy(peft_model), data)
 
-        assert sorted(check.seen) == list(range(STEPS + 1))
-        assert check.seen[0] != check.seen[STEPS]  # training really changed what the adapter generates
-        lora_bytes = sum(p.numel() * 4 for n, p in peft_model.named_parameters() if "lora_" in n)
-        assert check.wire_bytes == lora_bytes  # the adapter only, never the base model
+            assert sorted(check.seen) == list(range(STEPS + 1))
+            assert check.seen[0] != check.seen[STEPS]  # training really changed what the adapter generates
+            lora_bytes = sum(p.numel() * 4 for n, p in peft_model.named_parameters() if "lora_" in n)
+            assert check.wire_bytes == lora_bytes  # the adapter only, never the base model
 
-    # Refused in the worker, on the same engine: more adapters than it can hold, or a whole model.
-    with pytest.raises(WeightSyncError, match=r"keep_adapters=3 must be between 1 and the engine's max_cpu_loras=2"):
-        VllmWeightSync(llm, store=store, job="lora", lora=peft_model, keep_adapters=3)
-    with WeightSender(peft_model, store=store, job="whole", timeout_s=60):  # no include: the base model too
-        with pytest.raises(WeightSyncSchemaError, match=r"would not load into the engine's LoRA layers: .*"
-                           r"base_layer\.weight \(.*include=ADAPTER_TENSORS"):  # fmt: skip
-            VllmWeightSync(llm, store=store, job="whole", lora=peft_model)
+        # Refused in the worker, on the same engine: more adapters than it can hold, or a whole model.
+        too_many = r"keep_adapters=3 must be between 1 and the engine's max_cpu_loras=2"
+        with pytest.raises(WeightSyncError, match=too_many):
+            VllmWeightSync(llm, store=store, job="lora", lora=peft_model, keep_adapters=3)
+        with WeightSender(peft_model, store=store, job="whole", timeout_s=60):  # no include: the base model too
+            with pytest.raises(WeightSyncSchemaError, match=r"would not load into the engine's LoRA layers: .*"
+                               r"base_layer\.weight \(.*include=ADAPTER_TENSORS"):  # fmt: skip
+                VllmWeightSync(llm, store=store, job="whole", lora=peft_model)
+    finally:
+        # Shut the in-process engine down here: left to the garbage collector, its shutdown runs
+        # inside a later test and tears down vLLM's process-wide parallel groups under that test's engine.
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_lora_options_are_checked_before_any_worker_starts():
