@@ -328,7 +328,7 @@ class VllmWeightSync:
             ) from exc
         try:  # names checked now when the trainer published its layout first
             unwrap(self._llm.collective_rpc("wsync_check_layout"), self.names, "start")
-        except WeightSyncError:
+        except BaseException:  # refused names, or the engine failing the check: no receiver left running
             self._llm.collective_rpc("wsync_close")
             raise
         self._closed = False
