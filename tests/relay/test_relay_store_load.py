@@ -94,7 +94,9 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
             receive(lead, 60, "the leader to start")
             mates_launched = time.monotonic()
             ctl = Control(server, job)
-            record = _wait("the first receiver to lead its host", lambda: leader_record(ctl, sender.epoch, HOST))
+            # Its record once marked ready: read before that, the one compared at the end differs by ready alone.
+            record = _wait("the first receiver to lead its host and mark its record ready",
+                           lambda: (r := leader_record(ctl, sender.epoch, HOST)) is not None and r.ready and r)
             mates = children.start(host_main, (HostArgs(mates_proxy.address, job, MATES, HOST, spec, 20.0),),
                                    name="wsync-test-mates")  # fmt: skip
             receive(mates, 60, "the host-mates to start")
