@@ -74,3 +74,26 @@ def test_the_table_names_each_plane_once_and_a_receiver_tries_each():
     auto = spec("auto", "relay")
     assert [row.name for row in planes.PLANES if row.offered(auto, False)] == ["net", "shm", "relay"]
     assert [row.name for row in planes.PLANES if row.offered(auto, True)] == ["net"]  # from the GPU: links only
+
+
+def test_hop_messages_round_trip_and_relay_rid_matches_the_relay():
+    from lightning_wsync._planes.relay.hops import RELAY_RID
+
+    assert messages.RELAY_RID == RELAY_RID  # a layer apart: the same number
+    g = messages.HopGrant(5, 9, 1, 13, 40, 1, 1 << 20, [40, 7, -3])
+    kind, numbers = messages.parse(messages.hop_grant(g)) or ("", [])
+    assert kind == "H" and messages.as_hop_grant(numbers) == g
+    assert messages.as_hop_grant([1, 2, 3, 4, 5, 6, 7]) is None  # no trailer
+    assert messages.parse(messages.landed(5, 4096)) == ("L", [5, 4096])
+    assert messages.parse(messages.kept(5)) == ("K", [5]) and messages.parse(messages.dropped(5)) == ("D", [5])
+
+
+def test_hop_chunks_cover_every_bucket_without_straddling():
+    from lightning_wsync._control.manifest import build_manifest
+    from lightning_wsync._planes.nixl.hop import hop_chunks
+
+    layout = build_manifest({"a": torch.zeros(300_000), "b": torch.zeros(70_000)}, None, bucket_bytes=1 << 20)
+    got = hop_chunks(layout, 1 << 18)
+    assert [(a, b) for a, b, _ in got][0][0] == 0 and got[-1][1] == layout.total_bytes
+    assert all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1))
+    assert all(layout.buckets[k][0] <= a < b <= layout.buckets[k][1] for a, b, k in got)

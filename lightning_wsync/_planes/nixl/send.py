@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.001  # while a reader holds a pin
 _IDLE_POLL_S = 0.005  # otherwise: a pin request waits this long at most
-_READER = re.compile(r"^wsync-r(\d+)-\d+-[0-9a-f]+$")
+_READER = re.compile(r"^wsync-([rh])(\d+)-\d+-[0-9a-f]+$")  # r: a receiver; h: a relay leader's hop (hop.py)
 
 
 def reader_name(rid: int, pid: int, token: str) -> str:
@@ -59,6 +59,7 @@ class NixlSendPlane:
             raise
         self._leases: dict[tuple[str, int], Lease] = {}  # (reader agent, tag) -> its pin
         self._readers: dict[str, int] = {}  # reader agent -> rid
+        self._relayed: set[str] = set()  # reader agents of relay hops: trailers signed for RELAY_RID, forwarded
         self._refused: set[str] = set()  # agents whose record did not load: ignored
         self._delivered: dict[int, int] = {}  # rid -> newest version it unpinned
         self._lock = threading.Lock()
@@ -158,7 +159,8 @@ class NixlSendPlane:
                 lease.release()
             else:
                 ref = lease.ref
-                trailer = signed_trailer(self._ctl, self._epoch, rid, ref.version, ref.seq, sums, intact=True,
+                signer = messages.RELAY_RID if peer in self._relayed else rid
+                trailer = signed_trailer(self._ctl, self._epoch, signer, ref.version, ref.seq, sums, intact=True,
                                          buckets=len(sums)).tolist()  # fmt: skip
                 with self._lock:
                     old = self._leases.pop((peer, tag), None)
@@ -180,9 +182,9 @@ class NixlSendPlane:
         if match is None:
             self._refuse(peer, "not a wsync reader's agent name")
             return None
-        rid = int(match.group(1))
+        kind, rid = match.group(1), int(match.group(2))
         try:
-            record = self._ctl.get_record(keys.nixl_agent(self._epoch, f"r{rid}"), NixlAgentRecord)
+            record = self._ctl.get_record(keys.nixl_agent(self._epoch, f"{kind}{rid}"), NixlAgentRecord)
             if record is None or record.name != peer:
                 return None  # not published yet (or replaced): it asks again
             self._agent.add_remote(record)
@@ -191,6 +193,8 @@ class NixlSendPlane:
             return None
         with self._lock:
             self._readers[peer] = rid
+            if kind == "h":
+                self._relayed.add(peer)
         return rid
 
     def _refuse(self, peer: str, why: str) -> None:

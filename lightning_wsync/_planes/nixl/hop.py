@@ -1,0 +1,505 @@
+"""Relay hops over NIXL: a host leader READs each version from the upstream ring, chunk by chunk.
+
+The upstream is the trainer's ring (its :class:`~lightning_wsync._planes.nixl.send.NixlSendPlane`,
+which signs a hop reader's trailers for ``RELAY_RID``) or the previous leader's host ring,
+lent by that leader's :class:`HopOwner`. A leader's :class:`ChainHop` READs straight into a
+draft slot of its own host ring, and lends that draft downstream *while it is being
+written*: the next leader is granted it with the bytes landed so far, told of each chunk
+that lands (``L``) and of the end (``K``: verified and published; ``D``: dropped), so a
+version crosses the chain about one chunk per hop behind the first (pipelined as the gloo
+relay is). Every reader hashes each bucket as its chunks land and checks the version
+against the trainer's signed trailer (:func:`~lightning_wsync._planes.wire.verify`), then
+READs the slot's sequence and version words: a slot that moved under the READ is never
+applied. The owner's pins are leases (the draft's slot while it is written, then a
+:class:`~lightning_wsync._planes.shm.ring.Lease` on the published slot), renewed by each
+completed chunk READ (its NIXL notification) and dropped after twice ``lease_s`` idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from lightning_wsync._control import keys
+from lightning_wsync._control.manifest import Manifest
+from lightning_wsync._control.records import NixlAgentRecord
+from lightning_wsync._control.store import Control
+from lightning_wsync._planes.nixl import messages
+from lightning_wsync._planes.nixl.agent import Agent, NixlError
+from lightning_wsync._planes.shm.ring import Draft, Lease, SnapshotRing
+from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef, seq_word_offset
+from lightning_wsync._planes.wire import Arrival, to_int64, verify
+from lightning_wsync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+HOP_CHUNK_BYTES = 4 << 20  # one READ, and the unit a draft is lent downstream in
+_WINDOW = 4  # chunk READs in flight
+_POLL_S = 0.0002
+_IDLE_POLL_S = 0.005
+
+
+def owner_key(stream: int, rid: int) -> str:
+    """Where leader ``rid``'s :class:`HopOwner` publishes its agent record."""
+    return keys.nixl_agent(stream, f"leader{rid}")
+
+
+def hop_reader_name(rid: int, pid: int, token: str) -> str:
+    return f"wsync-h{rid}-{pid}-{token}"  # send._READER: "h" readers get RELAY_RID trailers
+
+
+def hop_chunks(layout: Manifest, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """``(start, end, bucket)`` READs of at most ``chunk_bytes``, never straddling a bucket."""
+    step = max(1 << 16, chunk_bytes)
+    return [(s, min(b, s + step), i) for i, (a, b) in enumerate(layout.buckets) for s in range(a, b, step)]
+
+
+@dataclass
+class _Writing:
+    """The version a leader is READing into a draft slot, as it is lent downstream."""
+
+    version: int
+    slot: int
+    seq: int  # the draft's (odd) sequence
+    origin_seq: int
+    trailer: list[int]
+    landed: int = 0
+
+
+@dataclass
+class _Pin:
+    lease: Lease | None  # None while the pinned version is a draft
+    draft: _Writing | None
+    progress_ns: int = field(default_factory=time.monotonic_ns)
+
+
+class HopOwner:
+    """A leader's host ring lent to the next leader: its published versions and the one being written."""
+
+    def __init__(self, ctl: Control, ring: SnapshotRing, segment: ShmSegment, *, stream: int, rid: int) -> None:
+        self._ctl = ctl
+        self._ring = ring
+        self._stream = stream
+        self._agent = Agent(f"wsync-l{rid}-{os.getpid()}-{secrets.token_hex(4)}")
+        self._key = owner_key(stream, rid)
+        try:
+            self._agent.register([segment.header, *segment.data])
+            regions = [(segment.header.data_ptr(), segment.header.numel() * 8)]
+            regions += [(d.data_ptr(), d.numel()) for d in segment.data]
+            ctl.put(self._key, self._agent.record(regions))
+        except BaseException:
+            self._agent.close()
+            raise
+        self._lock = threading.Lock()
+        self._writing: _Writing | None = None
+        self._published: dict[tuple[int, int], tuple[int, list[int]]] = {}  # (slot, seq) -> origin seq, trailer
+        self._pins: dict[tuple[str, int], _Pin] = {}
+        self._known: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"wsync-nixl-hop-owner-{rid}", daemon=True)
+        self._thread.start()
+
+    # -- the leader's side (its ChainHop's thread) --------------------------------------
+    def begin(self, version: int, slot: int, seq: int, origin_seq: int, trailer: list[int]) -> None:
+        with self._lock:
+            self._writing = _Writing(version, slot, seq, origin_seq, trailer)
+
+    def landed(self, nbytes: int) -> None:
+        with self._lock:
+            w = self._writing
+            if w is None:
+                return
+            w.landed = nbytes
+            tags = [k for k, p in self._pins.items() if p.draft is w]
+        for peer, tag in tags:
+            self._say(peer, messages.landed(tag, nbytes))
+
+    def end(self, ref: SlotRef | None) -> None:
+        """The draft was published as ``ref`` (its pins now hold the published slot), or dropped (None)."""
+        with self._lock:
+            w, self._writing = self._writing, None
+            told = []
+            for key, pin in list(self._pins.items()):
+                if w is None or pin.draft is not w:
+                    continue
+                lease = None if ref is None else self._ring.acquire(ref)
+                if lease is None:
+                    del self._pins[key]
+                else:
+                    pin.lease, pin.draft = lease, None
+                told.append(key)
+            if ref is not None and w is not None:
+                self._published = {k: v for k, v in self._published.items() if k[0] != ref.slot}
+                self._published[(ref.slot, ref.seq)] = (w.origin_seq, w.trailer)
+        for peer, tag in told:
+            self._say(peer, messages.kept(tag) if ref is not None else messages.dropped(tag))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        with self._lock:
+            for pin in self._pins.values():
+                if pin.lease is not None:
+                    pin.lease.release()
+            self._pins.clear()
+        try:
+            self._ctl.delete(self._key)
+        except (WeightSyncError, RuntimeError) as exc:
+            log.debug("NIXL hop owner: deleting %r: %s", self._key, exc)
+        if not self._thread.is_alive():
+            self._agent.close()
+
+    # -- the owner's thread ---------------------------------------------------------------
+    def _say(self, peer: str, message: bytes) -> None:
+        try:
+            with self._agent.lock:
+                self._agent.notify(peer, message)
+        except NixlError as exc:
+            log.debug("NIXL hop owner: %s", exc)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._agent.lock:
+                    inbox = self._agent.messages()
+            except NixlError as exc:
+                log.warning("NIXL hop owner: %s", exc)
+                inbox = {}
+            for peer, notes in inbox.items():
+                for note in notes:
+                    self._handle(peer, note)
+            self._expire()
+            self._stop.wait(_POLL_S * 5 if inbox or self._pins else _IDLE_POLL_S)
+
+    def _handle(self, peer: str, note: bytes) -> None:
+        parsed = messages.parse(note)
+        if parsed is None:
+            return
+        kind, numbers = parsed
+        tag = numbers[0]
+        with self._lock:
+            pin = self._pins.get((peer, tag))
+            if kind == "T" and pin is not None:
+                pin.progress_ns = time.monotonic_ns()
+                if pin.lease is not None:
+                    pin.lease.touch()
+            elif kind == "U" and pin is not None:
+                if pin.lease is not None:
+                    pin.lease.release()
+                del self._pins[(peer, tag)]
+        if kind == "P" and len(numbers) == 2 and self._load(peer):
+            self._pin(peer, tag, None if numbers[1] < 0 else numbers[1])
+
+    def _load(self, peer: str) -> bool:
+        """Whether ``peer`` is the next leader's hop reader, its metadata loaded (so it can be answered)."""
+        if peer in self._known:
+            return True
+        parts = peer.split("-")
+        if len(parts) != 4 or parts[0] != "wsync" or not parts[1].startswith("h") or not parts[1][1:].isdigit():
+            return False
+        try:
+            record = self._ctl.get_record(keys.nixl_agent(self._stream, parts[1]), NixlAgentRecord)
+            if record is None or record.name != peer:
+                return False
+            with self._agent.lock:
+                self._agent.add_remote(record)
+        except (WeightSyncError, NixlError) as exc:
+            log.warning("NIXL hop owner: ignoring agent %r: %s", peer, exc)
+            return False
+        self._known.add(peer)
+        return True
+
+    def _pin(self, peer: str, tag: int, after: int | None) -> None:
+        answer = messages.nothing(tag)
+        with self._lock:
+            old = self._pins.pop((peer, tag), None)
+            if old is not None and old.lease is not None:
+                old.lease.release()
+            w = self._writing
+            if w is not None and (after is None or w.version > after):
+                self._pins[(peer, tag)] = _Pin(None, w)
+                answer = messages.hop_grant(messages.HopGrant(tag, w.version, w.slot, w.seq, w.origin_seq, 1,
+                                                              w.landed, w.trailer))  # fmt: skip
+            else:
+                lease = self._ring.acquire_newer(after, 0.0)
+                known = None if lease is None else self._published.get((lease.ref.slot, lease.ref.seq))
+                if lease is not None and known is None:
+                    lease.release()
+                elif lease is not None and known is not None:
+                    ref = lease.ref
+                    self._pins[(peer, tag)] = _Pin(lease, None)
+                    answer = messages.hop_grant(messages.HopGrant(tag, ref.version, ref.slot, ref.seq, known[0], 0,
+                                                                  self._ring.layout.total_bytes, known[1]))  # fmt: skip
+        self._say(peer, answer)
+
+    def _expire(self) -> None:
+        """Drop pins idle for twice the lease (the ring stopped honouring them after one)."""
+        idle_ns = 2 * self._ring.lease_s * 1e9
+        now = time.monotonic_ns()
+        with self._lock:
+            for key, pin in list(self._pins.items()):
+                if now - pin.progress_ns > idle_ns:
+                    if pin.lease is not None:
+                        pin.lease.release()
+                    del self._pins[key]
+
+
+class Dropped(Exception):
+    """The upstream leader gave the version up, or its slot moved under the READ: not applied, not rejected."""
+
+
+@dataclass
+class _Inbox:
+    grant: messages.HopGrant | None = None
+    nothing: bool = False
+    landed: int = 0
+    end: str | None = None  # "K" | "D"
+
+
+class ChainHop:
+    """A leader's hop from upstream over NIXL: READ each version into a draft of its host ring,
+    lending it downstream as it lands (its :attr:`owner`), verify, publish.
+
+    ``upstream``: the previous leader's rid, or None for the trainer's ring. ``on_accepted``
+    and ``on_rejected`` run on this hop's thread once a version is published or refused.
+    """
+
+    def __init__(
+        self, ctl: Control, layout: Manifest, ring: SnapshotRing, segment: ShmSegment, *, stream: int, rid: int,
+        upstream: int | None, timeout_s: float, on_accepted: Callable[[int], None],
+        on_rejected: Callable[[int, str], None], chunk_bytes: int = HOP_CHUNK_BYTES,
+    ) -> None:  # fmt: skip
+        self._ctl = ctl
+        self.layout = layout
+        self._ring = ring
+        self._stream = stream
+        self._rid = rid
+        self._upstream = upstream
+        self._timeout_s = timeout_s
+        self._on_accepted = on_accepted
+        self._on_rejected = on_rejected
+        self._chunks = hop_chunks(layout, chunk_bytes)
+        self._words = torch.zeros(2, dtype=torch.int64)
+        self.owner = HopOwner(ctl, ring, segment, stream=stream, rid=rid)
+        self._agent = Agent(hop_reader_name(rid, os.getpid(), secrets.token_hex(4)))
+        self._key = keys.nixl_agent(stream, f"h{rid}")
+        try:
+            self._agent.register([*segment.data, self._words])
+            ctl.put(self._key, self._agent.record())
+        except BaseException:
+            self._agent.close()
+            self.owner.close()
+            raise
+        self._up: NixlAgentRecord | None = None
+        self._tag = 0
+        self._inbox = _Inbox()
+        self.version: int | None = None  # the newest version published here
+        self.reading: int | None = None  # the version being READ now
+        self._refused: int | None = None
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wsync-nixl-hop-{rid}", daemon=True)
+        self._thread.start()
+
+    # -- the hop's thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if not self._fetch():
+                    self._stop.wait(_IDLE_POLL_S)
+                failures = 0
+            except Dropped as exc:
+                log.debug("NIXL hop rid=%d: %s", self._rid, exc)
+            except (NixlError, WeightSyncError, RuntimeError, TimeoutError) as exc:
+                failures += 1
+                self.error = str(exc)
+                if not self._stop.is_set():
+                    log.warning("NIXL hop rid=%d (stream %d): %s", self._rid, self._stream, exc)
+                self._forget_upstream()
+                self._stop.wait(min(1.0, 0.05 * 2**failures))
+
+    def _upstream_record(self) -> NixlAgentRecord:
+        if self._up is None:
+            who = "sender" if self._upstream is None else f"leader{self._upstream}"
+            record = self._ctl.get_record(keys.nixl_agent(self._stream, who), NixlAgentRecord)
+            if record is None:
+                raise NixlError(f"the upstream ({who}) published no NIXL agent")
+            if len(record.regions) < 2 or {n for _, n in record.regions[1:]} != {self.layout.total_bytes}:
+                raise NixlError(f"the upstream's NIXL record lists regions {record.regions!r:.80} that do not fit")
+            self._agent.add_remote(record)
+            self._up = record
+        return self._up
+
+    def _forget_upstream(self) -> None:
+        if self._up is not None:
+            self._agent.remove_remote(self._up.name)
+            self._up = None
+
+    def _pump(self, peer: str) -> None:
+        """Take the upstream's notifications for the current pin into :attr:`_inbox`."""
+        box = self._inbox
+        for note in self._agent.messages().get(peer, []):
+            parsed = messages.parse(note)
+            if parsed is None or parsed[1][0] != self._tag:
+                continue  # an answer to an earlier pin
+            kind, numbers = parsed
+            if kind == "N":
+                box.nothing = True
+            elif kind == "G" and (g := messages.as_grant(numbers)) is not None:  # the trainer's ring: published
+                box.grant = messages.HopGrant(g.tag, g.version, g.slot, g.seq, g.seq, 0, self.layout.total_bytes,
+                                              g.trailer)  # fmt: skip
+                box.landed = self.layout.total_bytes
+            elif kind == "H" and (h := messages.as_hop_grant(numbers)) is not None:
+                box.grant, box.landed = h, max(box.landed, h.landed)
+            elif kind == "L" and len(numbers) == 2:
+                box.landed = max(box.landed, numbers[1])
+            elif kind in ("K", "D"):
+                box.end = kind
+
+    def _wait(self, peer: str, until: Callable[[], bool], what: str, deadline: float) -> None:
+        while not until():
+            if self._stop.is_set():
+                raise Dropped("the hop is closing")
+            if time.monotonic() > deadline:
+                raise NixlError(f"{what} within timeout_s={self._timeout_s} (the upstream stalled or is gone)")
+            self._pump(peer)
+            time.sleep(_POLL_S)
+
+    def _fetch(self) -> bool:
+        """READ the next version above what this leader has; False when the upstream has none newer."""
+        up = self._upstream_record()
+        have = max((v for v in (self.version, self._refused) if v is not None), default=None)
+        self._tag += 1
+        self._inbox = box = _Inbox()
+        self._agent.notify(up.name, messages.pin(self._tag, have))
+        try:
+            self._wait(up.name, lambda: box.grant is not None or box.nothing, "no answer to a pin",
+                       time.monotonic() + self._timeout_s)  # fmt: skip
+            grant = box.grant
+            if grant is None:
+                return False
+            self._take(up, grant, box)
+            return True
+        finally:
+            try:
+                self._agent.notify(up.name, messages.unpin(self._tag))
+            except NixlError as exc:
+                log.debug("NIXL hop rid=%d: %s", self._rid, exc)
+
+    def _draft(self) -> Draft:
+        deadline = time.monotonic() + self._timeout_s
+        while (draft := self._ring.draft()) is None:  # every slot held by host-mates: their pins expire
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise NixlError(f"no free slot in the host ring within timeout_s={self._timeout_s}")
+            time.sleep(_IDLE_POLL_S)
+        return draft
+
+    def _take(self, up: NixlAgentRecord, grant: messages.HopGrant, box: _Inbox) -> None:
+        if grant.slot + 1 >= len(up.regions):
+            raise NixlError(f"the upstream granted slot {grant.slot}, which its record does not list")
+        draft = self._draft()
+        self.reading = grant.version
+        self.owner.begin(grant.version, draft.slot, self._ring.seq(draft.slot), grant.origin_seq, grant.trailer)
+        published: SlotRef | None = None
+        try:
+            sums = self._read(up, grant, box, draft.buffer)
+            got = Arrival(grant.version, grant.origin_seq, grant.trailer, sums, None)
+            verdict = verify(self._ctl, self.layout, epoch=self._stream, rid=messages.RELAY_RID, got=got,
+                             where=" on a NIXL hop")  # fmt: skip
+            if not verdict.accepted:
+                if verdict.reason is not None:
+                    self._refused = grant.version
+                    self._on_rejected(grant.version, verdict.reason)
+                return
+            published = draft.commit(grant.version)
+        finally:
+            if published is None:
+                draft.discard()
+            self.owner.end(published)
+        self.version = grant.version
+        self._on_accepted(grant.version)
+
+    def _read(self, up: NixlAgentRecord, grant: messages.HopGrant, box: _Inbox, into: torch.Tensor) -> list[int]:
+        """READ the granted slot chunk by chunk (each only once landed upstream), hashing every
+        bucket as its chunks land; then its sequence and version words. The checksums."""
+        base = up.regions[1 + grant.slot][0]
+        local = into.data_ptr()
+        todo = list(self._chunks)
+        note = messages.touch(grant.tag)
+        pending: list[tuple[Any, tuple[int, int, int]]] = []
+        sums: list[int] = []
+        hasher = xxhash.xxh3_64()
+        nbuckets = len(self.layout.buckets)
+        deadline = time.monotonic() + self._timeout_s  # renewed by each chunk that lands
+        try:
+            while todo or pending:
+                self._pump(up.name)
+                if box.end == "D":
+                    raise Dropped(f"the upstream dropped version {grant.version}")
+                while todo and len(pending) < _WINDOW and todo[0][1] <= box.landed:
+                    a, b, bucket = todo.pop(0)
+                    handle = self._agent.post_read(up.name, [(local + a, b - a)], [(base + a, b - a)], note)
+                    pending.append((handle, (a, b, bucket)))
+                if pending and self._agent.done(pending[0][0]):
+                    handle, (a, b, bucket) = pending.pop(0)
+                    self._agent.release(handle)
+                    deadline = time.monotonic() + self._timeout_s
+                    hasher.update(into[a:b].numpy().data)
+                    if b == self.layout.buckets[bucket][1]:
+                        sums.append(to_int64(hasher.intdigest()))
+                        hasher = xxhash.xxh3_64()
+                    self.owner.landed(b)
+                    self.after_chunk()
+                elif self._stop.is_set():
+                    raise Dropped("the hop is closing")
+                elif time.monotonic() > deadline:
+                    raise NixlError(f"a chunk of version {grant.version} made no progress within "
+                                    f"timeout_s={self._timeout_s} (the upstream stalled or is gone)")  # fmt: skip
+                else:
+                    time.sleep(_POLL_S)
+            if grant.draft:
+                self._wait(up.name, lambda: box.end is not None, f"the end of version {grant.version} upstream",
+                           deadline)  # fmt: skip
+                if box.end == "D":
+                    raise Dropped(f"the upstream dropped version {grant.version}")
+            words = self._agent.post_read(up.name, [(self._words.data_ptr(), 16)],
+                                          [(up.regions[0][0] + seq_word_offset(grant.slot), 16)])  # fmt: skip
+            pending.append((words, (0, 0, 0)))
+            while not self._agent.done(words):
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    raise NixlError(f"the READ of version {grant.version}'s slot words did not complete")
+                time.sleep(_POLL_S)
+        finally:
+            for handle, _ in pending:
+                self._agent.release(handle)
+        seq, version = (int(w) for w in self._words.tolist())
+        want = grant.seq + 1 if grant.draft else grant.seq
+        if (seq, version) != (want, grant.version) or len(sums) != nbuckets:
+            raise Dropped(f"version {grant.version}'s slot moved during the READ (sequence {want} -> {seq})")
+        return sums
+
+    def after_chunk(self) -> None:
+        """Called after each chunk landed here (a seam for tests)."""
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self._timeout_s + 1.0)
+        self.owner.close()
+        try:
+            self._ctl.delete(self._key)
+        except (WeightSyncError, RuntimeError) as exc:
+            log.debug("NIXL hop rid=%d: deleting %r: %s", self._rid, self._key, exc)
+        if self._thread.is_alive():
+            log.warning("NIXL hop rid=%d: its thread did not end within timeout_s; leaving its agent", self._rid)
+            return
+        self._agent.close()
