@@ -306,14 +306,16 @@ def _shm_receive(side: ReceiveContext) -> ReceiveSource | None:
 
 
 def _relay_offered(spec: SenderSpec, from_device: bool) -> bool:
-    return spec.transport == "auto" and spec.cross_host != "star" and not from_device
+    return spec.transport in ("auto", "nixl") and spec.cross_host != "star" and not from_device
 
 
 def _relay_send(side: SendContext) -> SendPlane:
     spec = side.spec
-    stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s)
+    nixl = spec.transport == "nixl"  # its hops are NIXL READs, down a chain (nixl/hop.py)
+    stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s,
+                    nixl=nixl)  # fmt: skip
     return RelaySendPlane(side.ctl, side.ring, stream, host=spec.host, timing=side.timing, deltas=side.deltas,
-                          policy=side.policy, topology=spec.cross_host,
+                          policy=side.policy, topology="chain" if nixl else spec.cross_host,
                           previous_epoch=spec.epoch - 1 or None)  # fmt: skip
 
 

@@ -18,10 +18,13 @@ import torch
 import torch.distributed as dist
 from _nixl_hop_workers import leader_main
 
+from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import build_manifest, entry_views
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl.agent import unusable
+from lightning_wsync._planes.nixl.hop import owner_key
 from lightning_wsync._planes.nixl.send import NixlSendPlane
+from lightning_wsync._planes.relay.hops import read_chain
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, segment_name
 
@@ -138,3 +141,41 @@ def test_a_leader_killed_mid_read_stalls_nobody_upstream_and_a_new_one_catches_u
     chain.start(4, 2)  # the killed leader's successor, READing from the same upstream
     assert chain.expect(4, "version", 120, 4)[3] == want
     assert chain.stop() == {1: [], 2: [], 4: []}
+
+
+def test_a_sender_with_transport_nixl_relays_down_a_chain_of_three_hosts_bit_exact(children, port):
+    """The public surface: WeightSender(transport='nixl'), receivers on three simulated hosts,
+    each its host's leader: the chain's hops are NIXL READs (the head sends nothing)."""
+    from _nixl_workers import remote_receiver_main
+    from _workers import Inbox, build, collect, digest, mutate
+
+    from lightning_wsync import WeightSender
+
+    spec = ("mixed", 0)
+    model = build(spec)
+    results = Inbox(CTX)
+    store = f"127.0.0.1:{port}"
+    names = {"h0", "h1", "h2"}
+    with WeightSender(model, store=store, job="nxc", transport="nixl", cross_host="chain", timeout_s=20) as sender:
+        procs = []
+        for name in sorted(names):
+            p = CTX.Process(target=remote_receiver_main, daemon=True,
+                            args=(store, "nxc", name, spec, results.queue(name), {}))  # fmt: skip
+            p.start()
+            children.track(p.pid)
+            procs.append(p)
+        collect(results, "ready", names, timeout_s=120)
+        for version in range(1, 5):
+            mutate(model, version)
+            want = digest(model)
+            sender.push(version).wait(timeout_s=60)
+            got = collect(results, "version", names, timeout_s=60)
+            assert {n: (m[2], m[3]) for n, m in got.items()} == {n: (version, want) for n in names}
+        ctl = Control(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)), "nxc")
+        chain = read_chain(ctl, sender.epoch)
+        assert chain is not None and len(chain.rids) == 3 and not chain.tree
+        for rid in chain.rids:  # each leader READs (h) and lends its ring (leader): the hops are NIXL's
+            assert ctl.has(keys.nixl_agent(sender.epoch, f"h{rid}")) and ctl.has(owner_key(sender.epoch, rid))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0

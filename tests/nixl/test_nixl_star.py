@@ -23,7 +23,7 @@ def start(children, store, job, name, spec, results, **options):
     return p
 
 
-@pytest.mark.parametrize("transport,cross_host", [("nixl", "relay"), ("auto", "star")])
+@pytest.mark.parametrize("transport,cross_host", [("nixl", "star"), ("auto", "star")])
 def test_every_version_bit_exact_over_nixl(children, port, transport, cross_host):
     spec = ("mixed", 0)
     model = build(spec)

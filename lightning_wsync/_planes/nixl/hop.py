@@ -46,6 +46,7 @@ HOP_CHUNK_BYTES = 4 << 20  # one READ, and the unit a draft is lent downstream i
 _WINDOW = 4  # chunk READs in flight
 _POLL_S = 0.0002
 _IDLE_POLL_S = 0.005
+_LEAD_POLL_S = 0.05  # a leading hop looks for a new chain this often
 
 
 def owner_key(stream: int, rid: int) -> str:
@@ -276,7 +277,7 @@ class ChainHop:
     def __init__(
         self, ctl: Control, layout: Manifest, ring: SnapshotRing, segment: ShmSegment, *, stream: int, rid: int,
         upstream: int | None, timeout_s: float, on_accepted: Callable[[int], None],
-        on_rejected: Callable[[int, str], None], chunk_bytes: int = HOP_CHUNK_BYTES,
+        on_rejected: Callable[[int, str], None], chunk_bytes: int = HOP_CHUNK_BYTES, have: int | None = None,
     ) -> None:  # fmt: skip
         self._ctl = ctl
         self.layout = layout
@@ -302,7 +303,7 @@ class ChainHop:
         self._up: NixlAgentRecord | None = None
         self._tag = 0
         self._inbox = _Inbox()
-        self.version: int | None = None  # the newest version published here
+        self.version: int | None = have  # the newest version published here
         self.reading: int | None = None  # the version being READ now
         self._refused: int | None = None
         self.error: str | None = None
@@ -310,10 +311,21 @@ class ChainHop:
         self._thread = threading.Thread(target=self._run, name=f"wsync-nixl-hop-{rid}", daemon=True)
         self._thread.start()
 
+    def lead(self, upstream: int | None, superseded: Callable[[], bool]) -> None:
+        """READ from ``upstream`` from now on (a new chain), until ``superseded()`` (the relay's seam,
+        leader/member.py); the agents stay, so the next leader's cached record of this one stays good."""
+        self._upstream = upstream
+        while not superseded():
+            time.sleep(_LEAD_POLL_S)
+
     # -- the hop's thread ---------------------------------------------------------------
     def _run(self) -> None:
         failures = 0
+        following = self._upstream
         while not self._stop.is_set():
+            if self._upstream != following:  # a new chain: another upstream
+                following = self._upstream
+                self._forget_upstream()
             try:
                 if not self._fetch():
                     self._stop.wait(_IDLE_POLL_S)
@@ -503,3 +515,4 @@ class ChainHop:
             log.warning("NIXL hop rid=%d: its thread did not end within timeout_s; leaving its agent", self._rid)
             return
         self._agent.close()
+

@@ -67,6 +67,7 @@ class Stream:
     backend: str  # the hops' process groups: gloo | nccl
     addr: str  # where the hops meet (the sender's address)
     timeout_s: float  # the sender's: it bounds every hop, whatever a receiver's
+    nixl: bool = False  # transport='nixl': each leader READs from upstream itself (nixl/hop.py); a chain only
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def open_relay_source(
     segment = HostRingReader(epoch, layout, ordered, name)
     source = RelaySource(epoch, segment, net)
     source.member = RelayMember(control, layout, segment, MemberSpec(
-        epoch=epoch, rid=rid, host=host, job=job, backend=backend,
+        epoch=epoch, rid=rid, host=host, job=job, backend=backend, nixl=record.transport == "nixl" and record.nixl,
         addr=addr,  # the sender's timeout_s: it bounds every hop, whatever this receiver's
         timing=timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=record.timeout_s),
         on_published=on_published, on_rejected=on_rejected, fall_back=source.fall_back, on_rung=on_rung,

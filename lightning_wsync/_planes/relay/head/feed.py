@@ -193,6 +193,8 @@ class RelayHead:
         return out
 
     def _run(self) -> None:
+        if self._stream.nixl:  # the first leader READs the trainer's ring itself (nixl/hop.py)
+            return
         ctl = self._control.clone()
         while not self._stop.is_set():
             self._changed.clear()

@@ -27,6 +27,7 @@ from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
+from lightning_wsync._planes.nixl.hop import ChainHop
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
@@ -74,6 +75,7 @@ class MemberSpec:
     # close or a new sender, the bell's backstop), and as it starts leading: its watcher reads the
     # store's ``news`` then, not on a poll of its own.
     on_rung: Callable[[], None] | None = None
+    nixl: bool = False  # the sender's transport='nixl': this leader READs from upstream (nixl/hop.py)
 
 
 class RelayMember:
@@ -98,6 +100,8 @@ class RelayMember:
         self._host = host
         self._backend = spec.backend
         self._addr = spec.addr
+        self._nixl = spec.nixl
+        self._nixl_hop: ChainHop | None = None  # while leading with transport='nixl'
         self._timing = timing
         self._timeout_s = timing.timeout_s
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
@@ -233,6 +237,9 @@ class RelayMember:
             if part is not None:
                 part.close()
         self._mates, self._board, self._bell = None, None, None
+        if self._nixl_hop is not None:
+            self._nixl_hop.close()
+            self._nixl_hop = None
         if self._own is not None:
             self.segment.follow(None)
             self._own.close()
@@ -270,6 +277,15 @@ class RelayMember:
                 deaf()
             return
         pos = chain.rids.index(self._rid)
+        if self._nixl and self._own is not None and self._own.segment is not None:  # READs from upstream (nixl/hop.py)
+            up = chain.rids[pos - 1] if pos else None
+            if self._nixl_hop is None:  # one per leadership: chains change its upstream, not its agents
+                self._nixl_hop = ChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
+                                          rid=self._rid, upstream=up, timeout_s=self._timeout_s,
+                                          on_accepted=self._published, on_rejected=self._on_rejected,
+                                          have=self.published_version)  # fmt: skip
+            self._nixl_hop.lead(up, superseded)
+            return
         self._notes = 0
         up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
@@ -339,6 +355,12 @@ class RelayMember:
             return  # a resend after a chain change: host-mates hold it already
         self.published_version = version
         self._on_published(version)
+
+    def _published(self, version: int) -> None:
+        """A version READ over NIXL was published in this host's ring (nixl/hop.py)."""
+        if self.published_version is None or version > self.published_version:
+            self.published_version = version
+            self._on_published(version)
 
     def _stream(self) -> Stream:
         """This member's relay stream, as its hops are made with."""
