@@ -22,7 +22,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.manifest import build_manifest, entry_views
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl.agent import unusable
-from lightning_wsync._planes.nixl.hop import owner_key
+from lightning_wsync._planes.nixl.lend import owner_key
 from lightning_wsync._planes.nixl.send import NixlSendPlane
 from lightning_wsync._planes.relay.hops import read_chain
 from lightning_wsync._planes.shm.ring import SnapshotRing
@@ -118,6 +118,24 @@ def test_three_leaders_chained_over_nixl_get_every_version_bit_exact(children, p
         assert got == {rid: want for rid in rids}
     assert chain.stop() == {1: [], 2: [], 3: []}  # no thread of the hop left behind
     assert all(p.exitcode == 0 for p in chain.procs.values())
+
+
+
+def test_a_leader_reads_the_version_its_upstream_is_still_writing(children, port):
+    """Pipelined: leader 3 is lent leader 2's draft slot while leader 2 still READs it (slowly),
+    chunk by chunk as it lands there, and gets every version bit-exact."""
+    chain = Chain(children, port)
+    chain.start(1, None)
+    chain.start(2, 1, chunk_delay_s=0.1)  # >= 1.2 s per version: 12 chunks of 1 MiB
+    chain.start(3, 2)
+    for rid in (1, 2, 3):
+        chain.expect(rid, "ready", 120)
+    for version in range(1, 4):
+        want = chain.trainer.push(version)
+        got = {rid: chain.expect(rid, "version", 60, version)[3:] for rid in (1, 2, 3)}
+        assert {rid: g[0] for rid, g in got.items()} == {1: want, 2: want, 3: want}
+        assert got[1][1] is False and got[3][1] is True  # the trainer lends published slots only
+    assert chain.stop() == {1: [], 2: [], 3: []}
 
 
 def test_a_leader_killed_mid_read_stalls_nobody_upstream_and_a_new_one_catches_up(children, port):

@@ -70,7 +70,7 @@ def test_reader_killed_mid_read_leaves_the_others_and_nothing_behind(children, p
     results = Inbox(CTX)
     store = f"127.0.0.1:{port}"
     names = {"r0", "r1", "r2"}
-    with WeightSender(model, store=store, job="kill", transport="nixl", timeout_s=4) as sender:
+    with WeightSender(model, store=store, job="kill", transport="nixl", cross_host="star", timeout_s=4) as sender:
         procs = {n: start(children, store, "kill", n, BIG, results) for n in sorted(names)}
         collect(results, "ready", names, timeout_s=120)
         assert sorted(sender.push(1).wait(timeout_s=60).delivered) == sorted(names)
@@ -114,7 +114,7 @@ def test_owner_killed_mid_read_nothing_torn_and_a_new_sender_is_followed(childre
     os.kill(owner.pid, signal.SIGKILL)
     model = build(BIG)
     mutate(model, 10)
-    with WeightSender(model, store=store, job="own", transport="nixl", timeout_s=5) as sender:
+    with WeightSender(model, store=store, job="own", transport="nixl", cross_host="star", timeout_s=5) as sender:
         sender.push(10).wait(timeout_s=60)
         for n in names:  # version 2 or not, but never a torn one; then the new sender's version
             seen = versions_until(results, n, 10, 60)
@@ -129,7 +129,8 @@ def test_reader_stopped_past_timeout_holds_nothing_and_catches_up(children, port
     names = {"r0", "r1", "r2"}
     timeout_s = 2.0
     pushed: dict[int, str] = {}
-    with WeightSender(model, store=store, job="stop", transport="nixl", timeout_s=timeout_s) as sender:
+    with WeightSender(model, store=store, job="stop", transport="nixl", cross_host="star",
+                      timeout_s=timeout_s) as sender:  # fmt: skip
         procs = {n: start(children, store, "stop", n, BIG, results) for n in sorted(names)}
         collect(results, "ready", names, timeout_s=120)
         for version in (1, 2, 3, 4):
@@ -157,7 +158,7 @@ def test_slot_rewritten_under_a_slow_reader_is_read_again(children, port):
     store = f"127.0.0.1:{port}"
     timeout_s = 2.0  # the owner's lease: min(timeout_s, heartbeat_timeout_s, 5 s)
     pushed: dict[int, str] = {}
-    with WeightSender(model, store=store, job="slow", transport="nixl", timeout_s=timeout_s,
+    with WeightSender(model, store=store, job="slow", transport="nixl", cross_host="star", timeout_s=timeout_s,
                       heartbeat_timeout_s=30) as sender:  # fmt: skip
         start(children, store, "slow", "r0", BIG, results, stall_first_chunk_s=3 * timeout_s, timeout_s=30)
         collect(results, "ready", {"r0"}, timeout_s=120)
@@ -186,7 +187,7 @@ def test_garbled_agent_metadata_stops_only_its_readers(children, port):
     model = build(("mixed", 0))
     results = Inbox(CTX)
     store = f"127.0.0.1:{port}"
-    with WeightSender(model, store=store, job="garb", transport="nixl", timeout_s=5) as sender:
+    with WeightSender(model, store=store, job="garb", transport="nixl", cross_host="star", timeout_s=5) as sender:
         key = "wsync/garb/nixl/1/agent/sender"
         good = sender.store.get(key)
         record = json.loads(good)

@@ -19,7 +19,8 @@ def slot_digest(buffer: Any) -> str:
 def leader_main(store: str, job: str, secret: bytes, stream: int, rid: int, upstream: int | None, layout_json: str,
                 results: Any, options: dict[str, Any]) -> None:  # fmt: skip
     """Lead host ``rid``: READ every version from ``upstream`` (None: the trainer) and report each
-    one published here as ("version", rid, version, sha256 of its slot) until the store's key
+    one published here as ("version", rid, version, sha256 of its slot, whether it was READ while
+    still being written upstream) until the store's key
     ``stop`` is set; then close and report ("closed", rid, threads left).
 
     ``options["chunk_delay_s"]``: sleep this long after each chunk lands (a slow reader), from
@@ -56,15 +57,18 @@ def leader_main(store: str, job: str, secret: bytes, stream: int, rid: int, upst
             if delay_s and version is not None and version >= slow_from:
                 time.sleep(delay_s)
 
+    hops: list[ChainHop] = []
+
     def accepted(version: int) -> None:
         ref = ring.find(version)
         assert ref is not None
-        results.put(("version", rid, version, slot_digest(ring.buffers[ref.slot])))
+        results.put(("version", rid, version, slot_digest(ring.buffers[ref.slot]), hops[0].from_draft))
 
     hop = Hop(ctl, layout, ring, segment, stream=stream, rid=rid, upstream=upstream,
               timeout_s=options.get("timeout_s", 10.0), on_accepted=accepted,
               on_rejected=lambda v, why: results.put(("rejected", rid, v, why)),
               chunk_bytes=options.get("chunk_bytes", 1 << 20))  # fmt: skip
+    hops.append(hop)
     results.put(("ready", rid))
     while not ctl.has("stop"):
         time.sleep(0.05)

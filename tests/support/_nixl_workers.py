@@ -44,7 +44,7 @@ def remote_sender_main(port: int, job: str, spec: tuple[str, int], commands: Any
     from lightning_wsync import WeightSender
 
     model = build(spec)
-    sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, transport="nixl", timeout_s=5)
+    sender = WeightSender(model, store=f"127.0.0.1:{port}", job=job, transport="nixl", cross_host="star", timeout_s=5)
     results.put(("ready", "sender"))
     while True:
         version = commands.get()
