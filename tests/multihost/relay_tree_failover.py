@@ -103,9 +103,11 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 return got >= set(names) - {killed["name"]}
 
             wait_until("every live receiver to apply the last version", all_live_hold_latest, timeout_s, procs)
+            crashed = procs.crashed()
         applied = [r for r in read(events) if r["event"] == "applied"]
         return {
             "names": names, "reports": reports, "killed": killed, "kill_at": kill_at, "timeout_s": timeout_s,
+            "crashed": crashed,
             "after": None if after is None else {"number": after.number, "rids": list(after.rids), "tree": after.tree},
             "applied": [{"name": r["name"], "version": r["version"], "exact": r["digest"] == expected.get(r["version"])}
                         for r in applied],
