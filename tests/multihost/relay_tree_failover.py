@@ -69,7 +69,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             expected: dict[int, str] = {}
             reports: list[dict[str, Any]] = []
             killed: dict[str, Any] = {}
+            tx: list[int] = []  # the trainer's egress counter at each push's start, then at the end
             for version in range(1, pushes + 1):
+                tx.append(hosts.counters(0)[0])
                 mutate(model, version)
                 expected[version] = digest(model, None)
                 if version == kill_at:
@@ -96,6 +98,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 report = handle.wait(timeout_s)
                 reports.append({"version": version, "delivered": sorted(report.delivered), "failed": report.failed,
                                 "latency_s": report.latency_s})  # fmt: skip
+            tx.append(hosts.counters(0)[0])
+            for entry, (a, b) in zip(reports, zip(tx, tx[1:])):
+                entry["egress_models"] = round((b - a) / sender.layout.total_bytes, 3)
             after = read_chain(ctl, sender.epoch)
 
             def all_live_hold_latest() -> bool:
