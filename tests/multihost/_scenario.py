@@ -69,6 +69,14 @@ class Procs:
             if (rc := p.poll()) is not None and rc < 0 and -rc in CRASH_SIGNALS
         }
 
+    def wait(self, name: str, timeout_s: float) -> int:
+        try:
+            return self.started[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{name} still running after {timeout_s} s\n{self.describe()}"
+            ) from None
+
 
 def _status(rc: int | None) -> str:
     if rc is None or rc >= 0:
@@ -77,14 +85,6 @@ def _status(rc: int | None) -> str:
         return f"{rc} ({signal.Signals(-rc).name})"
     except ValueError:
         return str(rc)
-
-    def wait(self, name: str, timeout_s: float) -> int:
-        try:
-            return self.started[name].wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{name} still running after {timeout_s} s\n{self.describe()}"
-            ) from None
 
 
 def wait_until(
