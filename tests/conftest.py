@@ -14,6 +14,11 @@ import torch.distributed as dist
 
 from lightning_wsync.testing.procs import Children
 
+# Every process a test starts (spawned workers, receivers, torchrun's) inherits this: a native
+# crash (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) dumps each of its threads' Python stacks to its
+# stderr. pytest enables the same in its own process.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 _PORTS = (20000, 32000)  # below Linux's ephemeral range (32768-60999)
 _RNG = random.SystemRandom()  # independent of any seed a test sets
 

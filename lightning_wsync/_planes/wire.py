@@ -63,11 +63,12 @@ def make_group(backend: str, store: dist.Store, rank: int, addr: str, timeout_s:
 
 
 class Interruptible:
-    """A peer group whose blocked waits another thread can end.
+    """A peer group whose blocked waits another thread can end, most of them.
 
-    gloo's ``abort()`` wakes no waiter; a wait that times out closes the pair, and that
-    wakes every wait on it. :meth:`interrupt` does so, so a link stops at once on close
-    instead of at ``timeout_s`` (one stalled peer each, in turn, was N x timeout_s).
+    gloo's ``abort()`` wakes no waiter; a wait that times out closes the pair (gloo's tcp
+    ``Pair::signalException``), and that wakes the waits it knows of. :meth:`interrupt`
+    does so, so a link stops on close instead of at ``timeout_s`` (one stalled peer each,
+    in turn, was N x timeout_s). What it ends and what it cannot: see :meth:`interrupt`.
     """
 
     def __init__(self, pg: PeerGroup, backend: str) -> None:
@@ -87,6 +88,18 @@ class Interruptible:
         self._pg.abort()
 
     def interrupt(self) -> None:
+        """End the waits blocked on this group now, where gloo lets it; later waits raise at once.
+
+        Ended: a receive whose bytes have not begun to arrive, and a send the peer has
+        not yet asked for (its receive not posted): gloo's pair wakes the buffers it holds
+        as pending when it closes. Not ended: a send or a receive already handed to the
+        socket (the peer's receive was posted: the send sits in the pair's transmit queue,
+        written in part or not at all; or a receive partly read). gloo's pair closing wakes
+        only bound buffers in that queue, not these (gloo ``tcp/pair.cc``,
+        ``Pair::signalException``), so their waiter wakes at the group timeout
+        (``timeout_s``), measured: the tree head leaves such a send behind
+        (``relay/hops.py``, ``send_apart``). No byte moves after the close either way.
+        """
         with self._lock:
             self._interrupted = True
             waiting = list(self._waiting) if self._gloo else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ from typing import Any
 from lightning_wsync.testing.hosts import SimHosts, prepare_session
 
 POLL_S = 0.05
+# Signals a process gets from its own fault (the kernel or abort()), never from a scenario.
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL})
 
 
 class Procs:
@@ -55,8 +58,16 @@ class Procs:
 
     def describe(self) -> str:
         return "\n".join(
-            f"--- {n} (rc={p.poll()}):\n{self.tail(n)}" for n, p in self.started.items()
+            f"--- {n} (rc={_status(p.poll())}):\n{self.tail(n)}" for n, p in self.started.items()
         )
+
+    def crashed(self) -> dict[str, str]:
+        """Each process that has ended by a crash signal, with its log's tail (faulthandler's stacks)."""
+        return {
+            n: f"rc={_status(rc)}\n{self.tail(n, 60)}"
+            for n, p in self.started.items()
+            if (rc := p.poll()) is not None and rc < 0 and -rc in CRASH_SIGNALS
+        }
 
     def wait(self, name: str, timeout_s: float) -> int:
         try:
@@ -65,6 +76,15 @@ class Procs:
             raise AssertionError(
                 f"{name} still running after {timeout_s} s\n{self.describe()}"
             ) from None
+
+
+def _status(rc: int | None) -> str:
+    if rc is None or rc >= 0:
+        return str(rc)
+    try:
+        return f"{rc} ({signal.Signals(-rc).name})"
+    except ValueError:
+        return str(rc)
 
 
 def wait_until(

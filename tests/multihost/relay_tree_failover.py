@@ -69,7 +69,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             expected: dict[int, str] = {}
             reports: list[dict[str, Any]] = []
             killed: dict[str, Any] = {}
+            tx: list[int] = []  # the trainer's egress counter at each push's start, then at the end
             for version in range(1, pushes + 1):
+                tx.append(hosts.counters(0)[0])
                 mutate(model, version)
                 expected[version] = digest(model, None)
                 if version == kill_at:
@@ -96,6 +98,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 report = handle.wait(timeout_s)
                 reports.append({"version": version, "delivered": sorted(report.delivered), "failed": report.failed,
                                 "latency_s": report.latency_s})  # fmt: skip
+            tx.append(hosts.counters(0)[0])
+            for entry, (a, b) in zip(reports, zip(tx, tx[1:])):
+                entry["egress_models"] = round((b - a) / sender.layout.total_bytes, 3)
             after = read_chain(ctl, sender.epoch)
 
             def all_live_hold_latest() -> bool:
@@ -103,9 +108,11 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 return got >= set(names) - {killed["name"]}
 
             wait_until("every live receiver to apply the last version", all_live_hold_latest, timeout_s, procs)
+            crashed = procs.crashed()
         applied = [r for r in read(events) if r["event"] == "applied"]
         return {
             "names": names, "reports": reports, "killed": killed, "kill_at": kill_at, "timeout_s": timeout_s,
+            "crashed": crashed,
             "after": None if after is None else {"number": after.number, "rids": list(after.rids), "tree": after.tree},
             "applied": [{"name": r["name"], "version": r["version"], "exact": r["digest"] == expected.get(r["version"])}
                         for r in applied],

@@ -57,6 +57,10 @@ def run_scenario(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
     )
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
+    # Every Python process of the session (the scenario's trainer, receivers, torchrun's
+    # workers: they inherit it) dumps every thread's stack on SIGSEGV, SIGBUS, SIGFPE,
+    # SIGABRT or SIGILL, so a native crash leaves its Python frames in the output or log.
+    env["PYTHONFAULTHANDLER"] = "1"
     argv = isolated_argv([sys.executable, str(SCENARIOS / script), *args])
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -78,11 +82,35 @@ def run_scenario(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
     ]
     if proc.returncode != 0 or not results:
         pytest.fail(
-            f"scenario {script} exited {proc.returncode}; output tail:\n{_tail(out)}"
+            f"scenario {script} exited {_exit(proc.returncode)}; output tail:\n{_tail(out)}"
+            f"{_child_logs(args)}"
         )
     result: dict[str, Any] = json.loads(results[-1])
     result["_output"] = text
     return result
+
+
+def _exit(code: int) -> str:
+    """``-11`` as ``-11 (SIGSEGV)``: a negative exit status is the signal that ended the process."""
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
+
+
+def _child_logs(args: tuple[str, ...], lines: int = 40) -> str:
+    """The tail of each ``*.log`` the scenario's processes wrote under its output folder
+    (the first argument, by convention): a child's own crash report (faulthandler's
+    stacks) is there, not in the scenario's output."""
+    if not args or not Path(args[0]).is_dir():
+        return ""
+    parts = [
+        f"\n--- {log.name}:\n" + _tail(log.read_bytes(), lines)
+        for log in sorted(Path(args[0]).glob("*.log"))
+    ]
+    return "".join(parts)
 
 
 def _tail(out: bytes, lines: int = 80) -> str:

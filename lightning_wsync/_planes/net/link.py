@@ -278,6 +278,6 @@ class NetReceiveLink:
         self._notes.wake()
         pg = self._pg
         if pg is not None:
-            pg.interrupt()  # a receive blocked on a stalled sender ends now, not at timeout_s
+            pg.interrupt()  # a receive waiting for a stalled sender ends now (one partly read: at timeout_s)
         self._thread.join(timeout=timeout_s)
         self._quiet.join(timeout=timeout_s)

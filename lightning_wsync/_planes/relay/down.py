@@ -112,9 +112,11 @@ class Downstream:
         if self._pg is not None:
             self._read_notes(ctl, superseded)
             if isinstance(self._notes_end, Superseded):
-                # The chain moved on (or this hop closed): a send under way ends now. The next
-                # leader may have left this hop already, and a send into a group nobody serves
-                # would block this leader for timeout_s, keeping it out of the new chain as long.
+                # The chain moved on (or this hop closed): a send waiting for the next leader's
+                # receive ends now (one already on the socket only at timeout_s: see
+                # Interruptible.interrupt). The next leader may have left this hop already, and a
+                # send into a group nobody serves would block this leader for timeout_s, keeping
+                # it out of the new chain as long.
                 self._pg.interrupt()
 
     def _read_notes(self, ctl: Control, superseded: Callable[[], bool]) -> None:
