@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines.vllm_servers import VllmServers, apply_version
 from lightning_wsync.errors import WeightSyncClosedError, WeightSyncError, WeightSyncTimeoutError
 
@@ -94,6 +95,10 @@ def follow_settings(
         raise ValueError(f'{OPTIONS_ENV}={raw!r} is not JSON ({exc}); e.g. \'{{"fleet": "rollout"}}\'') from exc
     if not isinstance(options, dict):
         raise ValueError(f"{OPTIONS_ENV}={raw!r} must be a JSON object of ReceiverConfig fields")
+    try:  # refused at the server's start, not later in a thread
+        ReceiverConfig(**config_values(ReceiverConfig, None, options, owner=OPTIONS_ENV))
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
     return FollowSettings(url.rstrip("/"), options)
 
 

@@ -51,6 +51,8 @@ def test_follow_settings_from_the_environment_and_the_servers_command_line():
         follow_settings({"WSYNC_FOLLOW": "1", "WSYNC_FOLLOW_OPTIONS": "{fleet"}, [])
     with pytest.raises(ValueError, match="JSON object"):
         follow_settings({"WSYNC_FOLLOW": "1", "WSYNC_FOLLOW_OPTIONS": "[1]"}, [])
+    with pytest.raises(ValueError, match="WSYNC_FOLLOW_OPTIONS: unexpected keyword argument 'flet'"):
+        follow_settings({"WSYNC_FOLLOW": "1", "WSYNC_FOLLOW_OPTIONS": '{"flet": "r"}'}, [])
 
 
 @pytest.fixture(scope="module")
