@@ -23,6 +23,8 @@ written) and load it through vLLM's layer-by-layer reload. Without ``version`` i
 the newest staged version (``min_version``: one at least that new), each worker on its
 own: with tensor parallelism pass ``version``. Store, job and secret come from the init
 info or from ``WSYNC_STORE``, ``WSYNC_JOB``, ``WSYNC_SECRET`` in the server's environment.
+With ``WSYNC_FOLLOW=1`` there too, the server follows the trainer with no client calling
+these routes (:mod:`~lightning_wsync.engines._vllm_follow`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from lightning_wsync._pull.receiver import WeightReceiver
 from lightning_wsync.engines._commit import StagedVersion
+from lightning_wsync.engines._vllm_follow import Follower, follow_settings
 from lightning_wsync.engines._vllm_names import check_names
 from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
@@ -80,6 +83,13 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
 
     receiver: WeightReceiver | None = None
     version: int | None = None  # the version loaded into the model
+    follower: Follower | None = None  # with WSYNC_FOLLOW: the server applies new versions itself
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = follow_settings()
+        if settings is not None:
+            self.follower = Follower(self, settings, drive=self.parallel_config.rank == 0)
 
     def init_transfer_engine(self, init_info: WsyncInitInfo) -> None:
         if self.receiver is not None:
@@ -88,6 +98,10 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.staged = StagedVersion()
         name = f"{init_info.name or f'vllm-{os.getpid()}'}-w{rank}"
         self.receiver = WeightReceiver(self.staged, init_info.store, init_info.job, name=name, **init_info.options)
+
+    def join_job(self, name: str | None, options: dict[str, Any]) -> None:
+        """Start this worker's receiver with store and job from the environment (for the follower)."""
+        self.init_transfer_engine(WsyncInitInfo(name=name, options=options))
 
     def start_weight_update(self) -> None:
         pass  # the reload runs whole inside receive_weights
@@ -154,6 +168,9 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         pass
 
     def shutdown(self) -> None:
+        follower, self.follower = self.follower, None
+        if follower is not None:
+            follower.close()
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             receiver.close()

@@ -109,11 +109,16 @@ def test_a_trainer_on_vllms_api_pushes_versions_that_a_plain_server_serves(serve
         if stream.is_alive():
             stream.join(120)
         engine.shutdown()
+    replay_streamed(reference, weights, ids, streamed)
+
+
+def replay_streamed(reference, weights, ids, streamed: list[tuple[list[int], list[tuple[int, str]]]]) -> None:
+    """Every streamed request that spans an update, and a sample of the others, replayed token
+    by token at the version its label names (KV kept across a switch)."""
     switched = [labels for _, labels in streamed if len(labels) > 1]
     assert switched, "no streamed request spanned an update"
     single = [(t, labels) for t, labels in streamed if len(labels) == 1]
     for tokens, labels in [*single[:: max(1, len(single) // 6)], *[r for r in streamed if len(r[1]) > 1]]:
-        # token by token, at the version its label names (KV kept across a switch)
         switches = [(start, int(label)) for start, label in labels]
         replay(reference, weights, ids, VersionedOutput(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)]),
                                                         switches[0][1], switches[1:]))  # fmt: skip

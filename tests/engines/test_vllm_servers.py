@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
+from lightning_wsync import WeightReceiver, WeightSender
+from lightning_wsync.engines._commit import StagedVersion
+from lightning_wsync.engines._vllm_follow import Follower, FollowSettings
 from lightning_wsync.engines.vllm_servers import VllmServers, apply_version
 from lightning_wsync.errors import WeightSyncError
 
@@ -110,3 +115,60 @@ def test_bad_arguments_are_refused_early():
         apply_version(servers, servers, 1, timeout_s=1, pause_mode="wait")
     with pytest.raises(WeightSyncError, match="VLLM_SERVER_DEV_MODE=1"):
         servers.weight_versions()
+
+
+class FollowedEngine:
+    """A worker's ``wsync`` engine as the follower sees it: a real receiver that stages versions;
+    the recording server below marks a version loaded when its label is set."""
+
+    def __init__(self, store: str, job: str, server: Recorder) -> None:
+        self.store, self.job, self.server = store, job, server
+        self.receiver = None
+        self.staged = StagedVersion()
+
+    @property
+    def version(self) -> int | None:
+        labels = [b["weight_version"] for r, b in self.server.calls if r == "finish_weight_update" and b]
+        return int(labels[-1]) if labels else None
+
+    def join_job(self, name, options) -> None:
+        self.receiver = WeightReceiver(self.staged, self.store, self.job, name=name or "follower", **options)
+
+
+def test_a_follower_applies_each_pushed_version_through_its_servers_routes(recorders, port, server):
+    store, job = f"127.0.0.1:{port}", "follow-routes"
+    model = torch.nn.Linear(4, 4)
+    with WeightSender(model, store=store, job=job, timeout_s=20) as sender:
+        recorder = recorders()
+        engine = FollowedEngine(store, job, recorder)
+        labelled = recorder.calls  # the label route marks the version loaded, as a server's load does
+        follower = Follower(engine, FollowSettings(recorder.url, {"timeout_s": 10}), drive=True)
+        try:
+            for version in range(4):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                sender.push(version)
+                deadline = time.monotonic() + 20
+                while ("finish_weight_update", {"weight_version": str(version)}) not in labelled:
+                    assert time.monotonic() < deadline, f"version {version} not applied: {recorder.calls[-5:]}"
+                    time.sleep(0.05)  # polling the recorder, bounded by the deadline
+                assert torch.equal(engine.staged.tensors["weight"], model.weight)
+        finally:
+            follower.close()
+            if engine.receiver is not None:
+                engine.receiver.close()
+    assert follower.applied == [0, 1, 2, 3]
+    routes = [(route, body) for route, body in recorder.calls if route != "health"]
+    assert len(routes) == 4 * 9, routes
+    for version in range(4):
+        assert routes[9 * version : 9 * version + 9] == [
+            ("start_weight_update", None),
+            ("update_weights", {"update_info": {"version": version, "timeout_s": 10.0, "stage_only": True}}),
+            ("finish_weight_update", None),
+            ("pause?mode=keep&clear_cache=false", None),
+            ("start_weight_update", None),
+            ("update_weights", {"update_info": {"version": version, "timeout_s": 10.0}}),
+            ("finish_weight_update", {"weight_version": str(version)}),
+            ("reset_prefix_cache", None),
+            ("resume", None),
+        ]
