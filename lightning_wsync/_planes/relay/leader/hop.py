@@ -75,6 +75,36 @@ class Message(NamedTuple):
     stats: DeltaStats
 
 
+class Expected:
+    """The next message's header receives, one per hop: watched as they land, waited on only then."""
+
+    def __init__(self, pgs: Sequence[PeerGroup]) -> None:
+        self._headers = [torch.full((HEADER_WORDS,), _UNSENT, dtype=torch.int64) for _ in pgs]  # kept alive
+        self._works = [pg.recv([h], 0, 0) for pg, h in zip(pgs, self._headers)]
+        self._left = False
+
+    def landed(self, i: int) -> bool:
+        """Whether hop ``i``'s header has started to land (:meth:`header` waits for all of it).
+
+        Raises:
+            Superseded: the hops were left (:meth:`leave`): a reader left behind ends here.
+        """
+        if self._left:
+            raise Superseded(f"the hops of header {i} were left")
+        return int(self._headers[i][2]) != _UNSENT
+
+    def leave(self) -> None:
+        self._left = True
+
+    def arrived(self) -> bool:
+        return any(self.landed(i) for i in range(len(self._headers)))
+
+    def header(self, i: int) -> Header:
+        """Hop ``i``'s header, once all of it is here."""
+        self._works[i].wait()
+        return Header.unpack(self._headers[i])
+
+
 class HopReceiver:
     """A leader's one receive path, whatever the shape upstream: the host ring's draft each
     version is written into, the base a delta is rebuilt from, the headers it watches for,
@@ -96,8 +126,7 @@ class HopReceiver:
         self.target = self.staging  # where the current message is written
         self._ring = ring
         self._accepted: tuple[int, int, list[int]] | None = None  # version, seq, trailer of what base holds
-        self._headers: list[torch.Tensor] = []
-        self._header_works: list[Work] = []
+        self.expected: Expected | None = None  # the next message's header receives
         # Which version's receive a writer into the target belongs to: a tree's half thread left
         # behind by a superseded version must not post into, or rebuild into, a slot handed to a later one.
         self._generation = 0
@@ -106,33 +135,27 @@ class HopReceiver:
     def ready_note(self) -> str:
         return ready_note(self.held, None)
 
-    def expect(self, pgs: Sequence[PeerGroup]) -> None:
+    def expect(self, pgs: Sequence[PeerGroup]) -> Expected:
         """Post the next message's header receive on each hop, before the upstream side sends it.
 
         The hop needs no announcement on the store: the upstream side sends once this
         side's ``ready`` note is there, and its header lands here without a round trip
         through the store, whose replies queue behind the busy links of a push. Nothing
         waits on the receive (a wait would end at the group timeout while the chain is
-        idle): :meth:`landed` watches the buffer instead.
+        idle): :meth:`Expected.landed` watches the buffer instead.
         """
-        self._headers = [torch.full((HEADER_WORDS,), _UNSENT, dtype=torch.int64) for _ in pgs]  # kept alive
-        self._header_works = [pg.recv([h], 0, 0) for pg, h in zip(pgs, self._headers)]
+        self.expected = Expected(pgs)
+        return self.expected
 
     def forget_headers(self) -> None:
-        self._headers, self._header_works = [], []
-
-    def landed(self, i: int) -> bool:
-        """Whether hop ``i``'s expected header has started to land (:meth:`header` waits for all of it)."""
-        return int(self._headers[i][2]) != _UNSENT
+        """The hops the headers were posted on are closed: whoever still watches one stops."""
+        if self.expected is not None:
+            self.expected.leave()
+        self.expected = None
 
     def arrived(self) -> bool:
         """Whether any expected header has started to land."""
-        return any(self.landed(i) for i in range(len(self._headers)))
-
-    def header(self, i: int) -> Header:
-        """Hop ``i``'s header, once all of it is here."""
-        self._header_works[i].wait()
-        return Header.unpack(self._headers[i])
+        return self.expected is not None and self.expected.arrived()
 
     def begin(self) -> tuple[Held | None, int]:
         """A version starts: take a free slot of the host ring as its draft (the private staging
@@ -234,7 +257,8 @@ class ChainHop:
         private staging buffer. The caller commits or discards the draft after its check.
         """
         hop, layout = self.receiver, self.receiver.layout
-        header = hop.header(0)
+        assert hop.expected is not None, "expect() first"
+        header = hop.expected.header(0)
         header.check(layout.total_bytes, len(hop.pieces), len(layout.buckets))
         version, seq, kind = header.version, header.seq, header.kind
         held, _ = hop.begin()

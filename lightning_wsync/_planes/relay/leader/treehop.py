@@ -42,7 +42,7 @@ from lightning_wsync._planes.delta.codec import word_bytes_for
 from lightning_wsync._planes.delta.wire import DeltaStats, Held
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Stream, Superseded, error_text, join_hop
-from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.leader.hop import Expected, HopReceiver, Message
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treedelta import DeltaHalf, HalfStats, chunk_layout
@@ -82,6 +82,8 @@ class TreeHop:
                 moved on and will never send it).
         """
         hop = self.receiver
+        expected = hop.expected  # this version's headers: a half-thread left behind reads no later ones
+        assert expected is not None, "expect() first"
         held, generation = hop.begin()  # held: the base of a delta half
         landed = [threading.Event() for _ in hop.pieces]
         heads: list[Header | None] = [None] * TREES
@@ -92,7 +94,7 @@ class TreeHop:
         def stream(t: int) -> None:
             try:
                 heads[t], trailers[t], stats[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current, held,
-                                                                     generation)  # fmt: skip
+                                                                     generation, expected)  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - re-raised by the receiving thread
                 errors.append(exc)
                 for event in landed:
@@ -148,12 +150,12 @@ class TreeHop:
 
     def _receive_half(
         self, t: int, pg: Interruptible, downs: list[Downstream], landed: list[threading.Event],
-        still_current: Callable[[], bool], held: Held | None, generation: int,
+        still_current: Callable[[], bool], held: Held | None, generation: int, expected: Expected,
     ) -> tuple[Header, list[int], HalfStats]:  # fmt: skip
         """Tree ``t``'s half of the version: its header, then its pieces in full or as a delta
         (each forwarded to ``downs`` as it lands); the trailer, and how the half came."""
         hop = self.receiver
-        head = self._await_header(t, still_current)
+        head = self._await_header(expected, t, still_current)
         mine = self.halves[t]
         head.check(hop.layout.total_bytes, len(mine), len(mine))
         if head.kind == DELTA:
@@ -169,18 +171,18 @@ class TreeHop:
             stats = HalfStats(wire_bytes=sum(hop.pieces[i][1] - hop.pieces[i][0] for i in mine))
         return head, hop.trailer(pg, list(zip(downs, modes)), rebuilt=stats.error is None), stats
 
-    def _await_header(self, t: int, still_current: Callable[[], bool]) -> Header:
+    def _await_header(self, expected: Expected, t: int, still_current: Callable[[], bool]) -> Header:
         """Tree ``t``'s header, waited for in this half's thread (a leader waiting for both
         before forwarding either would wait on a leader that waits on it: the trees cross)."""
         next_check = time.monotonic() + CHAIN_POLL_S
-        while not self.receiver.landed(t):
+        while not expected.landed(t):
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHAIN_POLL_S
                 if not still_current():
                     raise Superseded(f"tree {t}")
             time.sleep(POLL_S)
-        return self.receiver.header(t)
+        return expected.header(t)
 
     def _stream(
         self, pg: PeerGroup, t: int, window: deque[Work], downs: list[tuple[Downstream, int | None]],
