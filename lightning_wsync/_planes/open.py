@@ -8,8 +8,10 @@ leaders (:mod:`~lightning_wsync._planes.relay`). A receiver reads the sender's r
 and takes the ring when it is on this host, its host's relay when the sender relays,
 else its own network link. No other module branches on the transport.
 
-Longer than 300 lines: every plane choice, sender's and receiver's, in the one place that makes it:
-the table :data:`PLANES`, one row per plane.
+Each plane's subpackage builds its own two ends (``<plane>/open.py``: ``offered``,
+``open_send`` from one :class:`~lightning_wsync._planes.sending.SendContext`, ``open_receive``
+from one :class:`~lightning_wsync._planes.params.ReceiveContext`); here are the table
+:data:`PLANES`, one row per plane, the order a receiver tries them in, and the sharded push.
 """
 
 from __future__ import annotations
@@ -23,57 +25,34 @@ from dataclasses import dataclass
 import torch
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.manifest import Manifest, dtype_to_name
+from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import SenderRecord, ShardsRecord
 from lightning_wsync._control.shards import ShardPlan, Shares
 from lightning_wsync._control.store import Control
-from lightning_wsync._control.timing import Timing, timing
 from lightning_wsync._planes.base import MateNotes, ReceiveSource, SendPlane
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
-from lightning_wsync._planes.net.link import NetReceiveLink
+from lightning_wsync._planes.net import open as net_plane
 from lightning_wsync._planes.net.send import NetSendPlane
-from lightning_wsync._planes.net.source import NetworkSource
-from lightning_wsync._planes.nixl import open as nixl_plane  # the NIXL plane's row (one entry each way)
-from lightning_wsync._planes.relay.head.plane import RelaySendPlane
+from lightning_wsync._planes.nixl import open as nixl_plane
+from lightning_wsync._planes.params import ReceiveContext
+from lightning_wsync._planes.params import ReceiverSpec as ReceiverSpec  # what a receiver brings (_pull)
+from lightning_wsync._planes.params import SenderSpec as SenderSpec  # what a sender asks (_push)
+from lightning_wsync._planes.relay import open as relay_plane
 from lightning_wsync._planes.relay.head.streams import ShardStreamsPlane, relays_streams
-from lightning_wsync._planes.relay.hops import Stream
 from lightning_wsync._planes.relay.mate.notes import MateDesk
-from lightning_wsync._planes.relay.receive import open_relay_source
 from lightning_wsync._planes.relay.sharded import open_sharded_relay
+from lightning_wsync._planes.sending import SendContext
 from lightning_wsync._planes.shard.send import ShardSendPlane
 from lightning_wsync._planes.shard.source import open_rank_rings
 from lightning_wsync._planes.shares import ShareWriter as ShareWriter  # the callback's ring of its share
+from lightning_wsync._planes.shm import open as shm_plane
 from lightning_wsync._planes.shm.cuda_ipc import mirror_device as mirror_device  # cuda_ipc=True: checked at once
 from lightning_wsync._planes.shm.ring import SnapshotRing
-from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, remove_stale_segments, segment_name
-from lightning_wsync._planes.shm.send import ShmSendPlane
-from lightning_wsync._planes.shm.source import SharedMemorySource
+from lightning_wsync._planes.shm.segment import ShmSegment, remove_stale_segments, segment_name
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncSchemaError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SenderSpec:
-    """What a sender asks of its planes (from its :class:`~lightning_wsync.config.SenderConfig`)."""
-
-    job: str
-    epoch: int
-    host: str
-    addr: str
-    transport: str  # auto | shm | gloo | nccl | nixl
-    cross_host: str  # relay | chain | tree | star
-    delta: str  # off | always | auto
-    device: torch.device  # where the module's tensors are
-    timeout_s: float
-    heartbeat_timeout_s: float
-    shards: ShardPlan | None = None  # sharded: this is trainer rank 0, its ring holds its share
-    cuda_ipc: bool = False  # also keep the slots on the module's GPU, for same-host GPU receivers
-
-    @property
-    def timing(self) -> Timing:
-        return timing(heartbeat_timeout_s=self.heartbeat_timeout_s, timeout_s=self.timeout_s)
 
 
 class SendSide:
@@ -168,24 +147,6 @@ class SendSide:
         return stuck
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReceiverSpec:
-    """What a receiver brings to whichever plane serves it."""
-
-    ctl: Control
-    rid: int
-    host: str
-    name: str
-    addr: str
-    device: torch.device
-    timeout_s: float
-    swap: bool  # apply='swap': the module's tensors point at the staged buffer (network plane only)
-    on_staged: Callable[[int], None]
-    on_rejected: Callable[[int, str], None]
-    newest: Callable[[], int | None]  # the newest version announced on the store
-    on_rung: Callable[[], None] | None = None  # a relay host's leader: its bell rang (read the store's news)
-
-
 def open_source(
     epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec,
     *, fallback: bool = True,
@@ -209,33 +170,6 @@ def open_source(
     raise AssertionError("the network row serves every receiver")
 
 
-@dataclass(frozen=True, kw_only=True)
-class SendContext:
-    """What every row's send side is built from: the sender's spec and the ring it feeds."""
-
-    ctl: Control
-    spec: SenderSpec
-    ring: SnapshotRing
-    segment: ShmSegment | None  # the ring's slots in shared memory (None: the ring is on the GPU)
-    backend: str  # gloo | nccl
-    timing: Timing
-    deltas: DeltaStreams | None
-    policy: AutoPolicy
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReceiveContext:
-    """What every row's receive side is opened from: one sender epoch's record and this receiver."""
-
-    epoch: int
-    layout: Manifest
-    record: SenderRecord
-    ordered: list[torch.Tensor]
-    me: ReceiverSpec
-    fallback: bool
-    same_host: bool  # the sender's host id is this one's and it keeps a segment
-
-
 @dataclass(frozen=True)
 class Plane:
     """One row of the table: whether a sender offers the plane, its send side, and its receive
@@ -245,94 +179,6 @@ class Plane:
     offered: Callable[[SenderSpec, bool], bool]  # (spec, sends from the GPU); may refuse (WeightSyncConfigError)
     open_send: Callable[[SendContext], SendPlane]
     open_receive: Callable[[ReceiveContext], ReceiveSource | None]
-
-
-def _net_send(side: SendContext) -> SendPlane:
-    spec = side.spec
-    return NetSendPlane(side.ctl, side.ring, epoch=spec.epoch, backend=side.backend, addr=spec.addr,
-                        timing=side.timing, deltas=side.deltas, policy=side.policy)  # fmt: skip
-
-
-def _net_receive(side: ReceiveContext) -> ReceiveSource:
-    me, backend = side.me, side.record.backend
-    if me.swap:
-        _check_swappable(side.layout, side.ordered, me.name, backend)
-    link = NetReceiveLink(
-        me.ctl, side.layout, epoch=side.epoch, rid=me.rid, backend=backend, addr=me.addr, timeout_s=me.timeout_s,
-        device=me.device if backend == "nccl" else torch.device("cpu"), on_staged=me.on_staged,
-        on_rejected=me.on_rejected, newest=me.newest, pinned=backend == "gloo" and me.device.type == "cuda",
-    )  # fmt: skip
-    return NetworkSource(side.epoch, side.layout, side.ordered, link, swap=me.swap)
-
-
-def _shm_offered(spec: SenderSpec, from_device: bool) -> bool:
-    return not from_device and spec.transport in ("auto", "shm", "nixl")
-
-
-def _shm_send(side: SendContext) -> SendPlane:
-    return ShmSendPlane(side.ctl, side.ring)
-
-
-def _shm_receive(side: ReceiveContext) -> ReceiveSource | None:
-    record, name, shm, transport = side.record, side.me.name, side.record.shm, side.record.transport
-    if not side.same_host:
-        if transport == "shm":
-            raise WeightSyncConfigError(
-                f"WeightReceiver {name!r}: the sender uses transport='shm' but runs on host "
-                f"{record.host!r}, not here ({side.me.host!r}); use transport='auto' or 'gloo' on the sender"
-            )
-        return None
-    if transport not in ("auto", "shm", "nixl"):
-        return None
-    try:
-        return SharedMemorySource(side.epoch, side.layout, side.ordered, ShmReader(str(shm), side.layout), name)
-    except (FileNotFoundError, PermissionError) as exc:
-        if transport == "shm" and isinstance(exc, PermissionError):
-            raise WeightSyncConfigError(
-                f"WeightReceiver {name!r}: the sender uses transport='shm' but its segment {shm!r} "
-                f"cannot be opened here ({exc.strerror}); run sender and receivers as one user, or use "
-                f"transport='auto' on the sender (the network path then serves this receiver)"
-            ) from exc
-        if transport == "shm" or not side.fallback:
-            raise  # the segment is gone: that sender has ended
-        log.warning(
-            "receiver %r: cannot open the sender's shared-memory segment %r (%s); receiving over the network "
-            "(%s) instead. Sender and receiver share a host id but not /dev/shm or a user (a container on the "
-            "host network, another uid): run them in one IPC namespace as one user for the shared-memory "
-            "path, or set a distinct WSYNC_HOST_ID per container to choose the network path without this "
-            "warning", name, shm, exc.strerror or exc, record.backend,
-        )  # fmt: skip
-        return None
-
-
-def _relay_offered(spec: SenderSpec, from_device: bool) -> bool:
-    return spec.transport in ("auto", "nixl") and spec.cross_host != "star" and not from_device
-
-
-def _relay_send(side: SendContext) -> SendPlane:
-    spec = side.spec
-    nixl = spec.transport == "nixl"  # its hops are NIXL READs, down a chain (nixl/hop.py)
-    stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s,
-                    nixl=nixl)  # fmt: skip
-    return RelaySendPlane(side.ctl, side.ring, stream, host=spec.host, timing=side.timing, deltas=side.deltas,
-                          policy=side.policy, topology="chain" if nixl else spec.cross_host,
-                          previous_epoch=spec.epoch - 1 or None)  # fmt: skip
-
-
-def _relay_receive(side: ReceiveContext) -> ReceiveSource | None:
-    me, record = side.me, side.record
-    if not record.relay or record.host == me.host:
-        return None
-    if me.swap:
-        log.warning(
-            "receiver %r: apply='swap' has no effect on a relay host (versions are copied from the host's "
-            "shared memory); the sender's cross_host='star' keeps the network path", me.name,
-        )  # fmt: skip
-    return open_relay_source(
-        me.ctl, side.layout, side.ordered, record, epoch=side.epoch, rid=me.rid, host=me.host, job=me.ctl.job,
-        name=me.name, addr=me.addr, timeout_s=me.timeout_s, on_published=me.on_staged, on_rejected=me.on_rejected,
-        on_rung=me.on_rung,
-    )  # fmt: skip
 
 
 def _nixl_offered(spec: SenderSpec, from_device: bool) -> bool:
@@ -376,11 +222,11 @@ def _nixl_receive(side: ReceiveContext) -> ReceiveSource | None:
 
 
 # The table of planes, in the order a sender opens (and closes) them. Adding a plane is a row here,
-# its subpackage, a config value and a record field.
+# its subpackage (with its open.py), a config value and a record field.
 PLANES: tuple[Plane, ...] = (
-    Plane("net", lambda spec, from_device: True, _net_send, _net_receive),
-    Plane("shm", _shm_offered, _shm_send, _shm_receive),
-    Plane("relay", _relay_offered, _relay_send, _relay_receive),
+    Plane("net", net_plane.offered, net_plane.open_send, net_plane.open_receive),
+    Plane("shm", shm_plane.offered, shm_plane.open_send, shm_plane.open_receive),
+    Plane("relay", relay_plane.offered, relay_plane.open_send, relay_plane.open_receive),
     Plane("nixl", _nixl_offered, _nixl_send, _nixl_receive),
 )
 _BY_NAME = {row.name: row for row in PLANES}
@@ -423,20 +269,6 @@ def _open_sharded(
         me.ctl, layout, plan, ordered, record, epoch=epoch, rid=me.rid, host=me.host, job=me.ctl.job, name=me.name,
         addr=me.addr, on_published=me.on_staged, on_rejected=me.on_rejected,
     )  # fmt: skip
-
-
-def _check_swappable(layout: Manifest, ordered: list[torch.Tensor], name: str, backend: str) -> None:
-    """apply="swap" points tensors at the staging buffer: each must already be in its wire form."""
-    want = torch.device("cpu") if backend == "gloo" else None
-    for e, t in zip(layout.entries, ordered):
-        device_ok = t.device == want if want is not None else t.device.type == "cuda"
-        if t.dtype != e.wire_dtype or not device_ok:
-            raise WeightSyncSchemaError(
-                f"WeightReceiver {name!r}: apply='swap' needs every tensor as the {backend} link stages it, "
-                f"but {e.name!r} is {dtype_to_name(t.dtype)} on {t.device} and arrives as "
-                f"{dtype_to_name(e.wire_dtype)} on {want or 'the GPU'}; hold the module in the "
-                f"wire dtype on that device, or use apply='copy'"
-            )
 
 
 def open_share_writer(shares: Shares, config: SenderConfig) -> ShareWriter:

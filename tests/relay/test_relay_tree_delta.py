@@ -15,6 +15,7 @@ from lightning_wsync._control.manifest import Manifest, build_manifest, checksum
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams
 from lightning_wsync._planes.delta.wire import DeltaStats, Held, held_of
 from lightning_wsync._planes.relay.hops import chunks, hop_header
+from lightning_wsync._planes.relay.leader.hop import HopReceiver
 from lightning_wsync._planes.relay.leader.treehop import TreeHop
 from lightning_wsync._planes.relay.plan import choose_tree, delta_chunks_s, half, pipeline_s
 from lightning_wsync._planes.relay.treedelta import chunk_layout, half_messages, send_halves
@@ -84,16 +85,17 @@ def test_a_leader_rebuilds_the_version_whichever_kind_each_tree_carries(kinds: t
     stream = streams.get(version=7, base_version=6, base=base, new=new, base_sums=_sums(layout, base),
                          layout=chunk_layout(layout))  # fmt: skip
     senders, receivers = _pairs(2)
-    hop = TreeHop(layout)
-    hop.staging.copy_(base)  # no ring: the delta halves are rebuilt in place
-    hop.held = held_of(6, _sums(layout, base))
-    hop.expect_both(receivers)
+    receiver = HopReceiver(layout)
+    hop = TreeHop(receiver)
+    receiver.staging.copy_(base)  # no ring: the delta halves are rebuilt in place
+    receiver.held = held_of(6, _sums(layout, base))
+    receiver.expect(receivers)
     plans = [stream if k == DELTA else None for k in kinds]
     thread = threading.Thread(target=_send, args=(senders, layout, new, plans))
     thread.start()
     msg = hop.receive_both([Interruptible(pg, "gloo") for pg in receivers], [[], []], lambda: True)
     thread.join(30)
-    assert torch.equal(hop.staging, new)
+    assert torch.equal(receiver.staging, new)
     assert msg.error is None and msg.sums == [s - (1 << 64) if s >= 1 << 63 else s for s in _sums(layout, new)]
     assert msg.delta and msg.version == 7 and msg.seq == 3
     full = layout.total_bytes
@@ -109,9 +111,10 @@ def test_a_delta_half_on_a_base_the_leader_does_not_hold_is_refused() -> None:
     stream = DeltaStreams(layout).get(version=7, base_version=6, base=base, new=new, base_sums=_sums(layout, base),
                                       layout=chunk_layout(layout))  # fmt: skip
     senders, receivers = _pairs(2)
-    hop = TreeHop(layout)
-    hop.held = Held(5, 1234)
-    hop.expect_both(receivers)
+    receiver = HopReceiver(layout)
+    hop = TreeHop(receiver)
+    receiver.held = Held(5, 1234)
+    receiver.expect(receivers)
     thread = threading.Thread(target=_send, args=(senders, layout, new, [stream, None]))
     thread.start()
     msg = hop.receive_both([Interruptible(pg, "gloo") for pg in receivers], [[], []], lambda: True)

@@ -17,6 +17,7 @@ from lightning_wsync._control.manifest import Manifest, build_manifest, checksum
 from lightning_wsync._planes.delta.encode import DeltaStreams
 from lightning_wsync._planes.delta.wire import held_of
 from lightning_wsync._planes.relay.hops import Superseded, chunks, hop_header
+from lightning_wsync._planes.relay.leader.hop import HopReceiver
 from lightning_wsync._planes.relay.leader.treehop import TreeHop
 from lightning_wsync._planes.relay.treedelta import chunk_layout, half_messages
 from lightning_wsync._planes.wire import DELTA, FULL, trailer_words
@@ -97,9 +98,10 @@ def test_a_superseded_half_thread_never_rebuilds_into_a_later_versions_target() 
                                       base_sums=[checksum(base, a, b) for a, b in layout.buckets],
                                       layout=chunk_layout(layout))  # fmt: skip
     trailer = torch.full((trailer_words(len(layout.buckets)),), 3, dtype=torch.int64)
-    hop = TreeHop(layout)  # no ring: each version is rebuilt in the staging buffer
-    hop.staging.copy_(base)
-    hop.held = held_of(6, [checksum(base, a, b) for a, b in layout.buckets])
+    receiver = HopReceiver(layout)  # no ring: each version is rebuilt in the staging buffer
+    hop = TreeHop(receiver)
+    receiver.staging.copy_(base)
+    receiver.held = held_of(6, [checksum(base, a, b) for a, b in layout.buckets])
 
     # Version 7 as deltas: each half-thread gets its delta header and first batch's size, then waits for the batch.
     first = [_Pair(), _Pair()]
@@ -108,7 +110,7 @@ def test_a_superseded_half_thread_never_rebuilds_into_a_later_versions_target() 
         steps = [m for step in half_messages(new, pieces, hop.halves[t], stream) for m in step]
         pair.feed([hop_header(7, 1, layout, DELTA, len(hop.halves[t])), *steps[:2]])
         rest.append([*steps[2:], trailer])
-    hop.expect_both(first)  # type: ignore[arg-type]
+    receiver.expect(first)  # type: ignore[arg-type]
     current = threading.Event()
     current.set()
     outcome: list[BaseException] = []
@@ -131,14 +133,14 @@ def test_a_superseded_half_thread_never_rebuilds_into_a_later_versions_target() 
     for t, pair in enumerate(second):
         body = [later[pieces[i][0] : pieces[i][1]] for i in hop.halves[t]]
         pair.feed([hop_header(8, 2, layout, FULL, len(hop.halves[t])), *body, trailer])
-    hop.expect_both(second)  # type: ignore[arg-type]
+    receiver.expect(second)  # type: ignore[arg-type]
     msg = hop.receive_both(second, [[], []], lambda: True)  # type: ignore[arg-type]
-    assert msg.version == 8 and torch.equal(hop.staging, later)
+    assert msg.version == 8 and torch.equal(receiver.staging, later)
 
     # Version 7's batches land at last in the half-threads left behind.
     for pair, messages in zip(first, rest):
         pair.feed(messages)
     _until("the half-threads left behind have ended",
            lambda: not any(t.name.startswith("wsync-relay-tree") for t in threading.enumerate()))  # fmt: skip
-    changed = int((hop.staging != later).sum())
+    changed = int((receiver.staging != later).sum())
     assert changed == 0, f"{changed} bytes of version 8 rewritten by version 7's half-threads"

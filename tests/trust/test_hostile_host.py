@@ -397,16 +397,21 @@ def test_a_leader_in_no_chain_hears_of_a_new_sender_within_a_beat_period(ctl) ->
     bell = Bell(ctl, election, epoch=1, rid=2, timing=beat)
     reads = threading.Event()
     bell.listen(reads.set)
-    try:
-        for _ in range(2):  # the first asks ring the backstop, and the first look: let those reads go by
-            bell.current(-1)
-            time.sleep(3 * beat.hosted_beat_s)
+
+    def read_within(within_s: float) -> bool:
+        """Ask what the leader's loop asks while in no chain until the bell's thread has read again."""
         reads.clear()
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            bell.current(-1)
+            if reads.wait(0.05):
+                return True
+        return False
+
+    try:
+        assert read_within(4 * beat.hosted_beat_s), "the first look (news never read) did not ring the bell"
+        assert not read_within(2 * beat.hosted_beat_s), "the bell rang with nothing moved"
         ctl.bump(keys.NEWS)  # a new sender started (it rings the old chain's leaders only)
-        deadline = time.monotonic() + 4 * beat.hosted_beat_s
-        while not reads.is_set() and time.monotonic() < deadline:
-            bell.current(-1)  # what the leader's loop asks while it is in no chain
-            time.sleep(0.05)
-        assert reads.is_set(), "the leader's bell was not rung within four beat periods of the news"
+        assert read_within(4 * beat.hosted_beat_s), "the bell was not rung within four beat periods of the news"
     finally:
         bell.close()

@@ -27,7 +27,7 @@ from lightning_wsync._control.manifest import Manifest, entry_views
 from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
-from lightning_wsync._planes.nixl.hop import ChainHop
+from lightning_wsync._planes.nixl.hop import ChainHop as NixlChainHop
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
@@ -39,8 +39,8 @@ from lightning_wsync._planes.relay.hops import (
 )
 from lightning_wsync._planes.relay.leader.bell import Bell
 from lightning_wsync._planes.relay.leader.elect import Election
-from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
-from lightning_wsync._planes.relay.leader.treehop import TreeHop, TreeLead
+from lightning_wsync._planes.relay.leader.hop import ChainHop, HopReceiver, Message
+from lightning_wsync._planes.relay.leader.treehop import TreeLead
 from lightning_wsync._planes.relay.mate.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.mate.notes import MateRelay
 from lightning_wsync._planes.relay.mate.reader import RingFollower
@@ -101,7 +101,7 @@ class RelayMember:
         self._backend = spec.backend
         self._addr = spec.addr
         self._nixl = spec.nixl
-        self._nixl_hop: ChainHop | None = None  # while leading with transport='nixl'
+        self._nixl_hop: NixlChainHop | None = None  # while leading with transport='nixl'
         self._timing = timing
         self._timeout_s = timing.timeout_s
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
@@ -120,7 +120,7 @@ class RelayMember:
         self._leader: LeaderRecord | None = None  # as last read from the store, which is read again
         self._store_due, self._pidns = 0.0, pid_namespace()  # at _store_due whatever the host says
         self._suspect: tuple[int, str] | None = None  # (rid, why) the host itself says the leader is gone
-        self._hop: TreeHop | None = None  # while leading: staging, and the version it holds
+        self._hop: HopReceiver | None = None  # while leading: staging, and the version it holds
         self._receipts: dict[int, Receipt] = {}
         self._notes = 0  # ready notes written on the current hop from upstream
         self._failed_chain: int | None = None  # the chain number whose hop from upstream failed
@@ -219,7 +219,7 @@ class RelayMember:
         if self._on_rung is not None:
             self._bell.listen(self._on_rung)
             self._on_rung()  # a new leader reads news at once: its host-mates read it off its board
-        self._hop = TreeHop(self.layout, self._own)  # a HopReceiver that also takes a tree's two halves
+        self._hop = HopReceiver(self.layout, self._own)  # read as a chain (ChainHop) or a tree (TreeLead)
         return True
 
     def _give_up(self, ctl: Control, why: str, *, how: str) -> None:
@@ -280,10 +280,10 @@ class RelayMember:
         if self._nixl and self._own is not None and self._own.segment is not None:  # READs from upstream (nixl/hop.py)
             up = chain.rids[pos - 1] if pos else None
             if self._nixl_hop is None:  # one per leadership: chains change its upstream, not its agents
-                self._nixl_hop = ChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
-                                          rid=self._rid, upstream=up, timeout_s=self._timeout_s,
-                                          on_accepted=self._published, on_rejected=self._on_rejected,
-                                          have=self.published_version)  # fmt: skip
+                self._nixl_hop = NixlChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
+                                              rid=self._rid, upstream=up, timeout_s=self._timeout_s,
+                                              on_accepted=self._published, on_rejected=self._on_rejected,
+                                              have=self.published_version)  # fmt: skip
             self._nixl_hop.lead(up, superseded)
             return
         self._notes = 0
@@ -311,16 +311,17 @@ class RelayMember:
     def _serve(self, ctl: Control, pg: PeerGroup, prefix: str, moved: Callable[[], bool], down: Downstream) -> None:
         hop = self._hop
         assert hop is not None
+        chain_hop = ChainHop(hop)
         n = self._notes = 0
         while not self._stop.is_set():
             ctl.set_text(keys.ready(prefix, n), hop.ready_note())  # what a delta may be made against
-            hop.expect(pg)
+            hop.expect([pg])
             while not hop.arrived():
-                if down.missed and down.connected() and hop.resend(down):
+                if down.missed and down.connected() and chain_hop.resend(down):
                     down.finish()
                 if self._stop.wait(POLL_S) or moved():  # a new chain or a lost election ends this hop
                     return
-            msg = hop.receive(pg, down)
+            msg = chain_hop.receive(pg, down)
             n = self._notes = n + 1
             self._accept(ctl, hop, msg)
             down.finish()

@@ -20,8 +20,10 @@ not wake every wait on a closed pair (seen: a receive whose data was landing wai
 group timeout), so the halves' threads are not waited for: what is left of them ends on its
 own, touching nothing but that call's locals and the closed groups.
 
-Longer than 300 lines: one leader's receive, forward and verify of both halves, which share
-the draft, the landed events and the topology watch; split, each part would reach into the other.
+Longer than 300 lines: a leader's two halves (:class:`TreeHop`, which share the landed events
+and the topology watch; split, each part would reach into the other) and the hops it serves
+them on (:class:`TreeLead`). The draft, the base, the check and the resend are the chain's as
+well: :class:`~lightning_wsync._planes.relay.leader.hop.HopReceiver`.
 """
 
 from __future__ import annotations
@@ -30,28 +32,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 
-import torch
 import xxhash
 
 from lightning_wsync._control import keys
-from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import word_bytes_for
 from lightning_wsync._planes.delta.wire import DeltaStats, Held
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Stream, Superseded, error_text, join_hop
-from lightning_wsync._planes.relay.leader.hop import HopReceiver, Message
+from lightning_wsync._planes.relay.leader.hop import Expected, HopReceiver, Message
 from lightning_wsync._planes.relay.plan import TREES, half, tree_links
 from lightning_wsync._planes.relay.tidy import forget_hop
 from lightning_wsync._planes.relay.treedelta import DeltaHalf, HalfStats, chunk_layout
-from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.wire import (
     DELTA,
-    FULL,
-    HEADER_WORDS,
     OVERWRITTEN,
     Header,
     Interruptible,
@@ -59,52 +55,22 @@ from lightning_wsync._planes.wire import (
     Work,
     close_group,
     to_int64,
-    trailer_words,
 )
 
 log = logging.getLogger(__name__)
 
 _WINDOW = 8  # chunk receives posted ahead in each tree
-_UNSENT = -7  # a header word no sent header has (its byte count): the header has not landed
 
 
-class TreeHop(HopReceiver):
-    """A leader's receiving side for both trees (the chain's :class:`HopReceiver` otherwise)."""
+class TreeHop:
+    """A tree's shape upstream: a leader's two halves, read through its one :class:`HopReceiver`."""
 
-    def __init__(self, layout: Manifest, ring: SnapshotRing | None = None) -> None:
-        super().__init__(layout, ring)
-        self.halves = [half(len(self._pieces), t) for t in range(TREES)]
+    def __init__(self, receiver: HopReceiver) -> None:
+        self.receiver = receiver
+        layout = receiver.layout
+        self.halves = [half(len(receiver.pieces), t) for t in range(TREES)]
         self._cuts = chunk_layout(layout)  # what a tree's delta records are cut by
         self._words = max(1, layout.total_bytes // word_bytes_for(layout))
-        self._headers: list[torch.Tensor] = []
-        self._header_works: list[Work] = []
-        # Which receive_both a half's thread belongs to: one left behind by a version that was
-        # superseded must not post into, or rebuild into, a slot handed to a later version.
-        self._generation = 0
-        self._fence = threading.Lock()
-
-    @contextmanager
-    def _fenced(self, generation: int) -> Iterator[None]:
-        """Held while a half's thread writes into the target (posts a receive, rebuilds a chunk);
-        Superseded when a later version has taken the target since."""
-        with self._fence:
-            if generation != self._generation:
-                raise Superseded(f"a later version (receive {self._generation}) has this half's slot")
-            yield
-
-    def expect_both(self, pgs: Sequence[PeerGroup]) -> None:
-        """Post both halves' header receives (watched, never waited on: see :meth:`HopReceiver.expect`)."""
-        self._headers = [torch.full((HEADER_WORDS,), _UNSENT, dtype=torch.int64) for _ in pgs]
-        self._header_works = [pg.recv([h], 0, 0) for pg, h in zip(pgs, self._headers)]
-
-    def forget_headers(self) -> None:
-        self._headers, self._header_works = [], []
-
-    def any_arrived(self) -> bool:
-        """Whether a header has started to land: each tree's header is waited for in its own
-        thread (a leader waiting for both before forwarding either would wait on a leader that
-        waits on it: the trees cross)."""
-        return any(int(h[2]) != _UNSENT for h in self._headers)
 
     def receive_both(
         self, pgs: list[Interruptible], downs: list[list[Downstream]], still_current: Callable[[], bool]
@@ -115,15 +81,11 @@ class TreeHop(HopReceiver):
             Superseded: the topology changed before one tree's header came (its parent has
                 moved on and will never send it).
         """
-        held = self.held  # the base of a delta half
-        with self._fence:  # from here on, a half's thread of an earlier version writes nothing
-            self._generation += 1
-            generation = self._generation
-        self.draft = None if self._ring is None else self._ring.draft()
-        self._target = self.staging if self.draft is None else self.draft.buffer
-        if self._target.data_ptr() == self._base.data_ptr():
-            self.held = self._accepted = None  # rewritten in place from here on
-        landed = [threading.Event() for _ in self._pieces]
+        hop = self.receiver
+        expected = hop.expected  # this version's headers: a half-thread left behind reads no later ones
+        assert expected is not None, "expect() first"
+        held, generation = hop.begin()  # held: the base of a delta half
+        landed = [threading.Event() for _ in hop.pieces]
         heads: list[Header | None] = [None] * TREES
         trailers: list[list[int]] = [[] for _ in range(TREES)]
         stats = [HalfStats() for _ in range(TREES)]
@@ -132,7 +94,7 @@ class TreeHop(HopReceiver):
         def stream(t: int) -> None:
             try:
                 heads[t], trailers[t], stats[t] = self._receive_half(t, pgs[t], downs[t], landed, still_current, held,
-                                                                     generation)  # fmt: skip
+                                                                     generation, expected)  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - re-raised by the receiving thread
                 errors.append(exc)
                 for event in landed:
@@ -178,92 +140,81 @@ class TreeHop(HopReceiver):
         error = next((s.error for s in stats if s.error is not None), None)
         changed = sum(s.changed_words for s in stats)
         delta = any(s.delta for s in stats)
-        total = DeltaStats(changed_share=changed / self._words if delta else 1.0, full_bytes=self.layout.total_bytes,
-                           wire_bytes=sum(s.wire_bytes for s in stats), decode_s=sum(s.decode_s for s in stats))
+        total = DeltaStats(
+            changed_share=changed / self._words if delta else 1.0,
+            full_bytes=self.receiver.layout.total_bytes,
+            wire_bytes=sum(s.wire_bytes for s in stats),
+            decode_s=sum(s.decode_s for s in stats),
+        )
         return Message(h0.version, h0.seq, delta, trailer, None if error else sums, error, total)  # fmt: skip
 
     def _receive_half(
         self, t: int, pg: Interruptible, downs: list[Downstream], landed: list[threading.Event],
-        still_current: Callable[[], bool], held: Held | None, generation: int,
+        still_current: Callable[[], bool], held: Held | None, generation: int, expected: Expected,
     ) -> tuple[Header, list[int], HalfStats]:  # fmt: skip
         """Tree ``t``'s half of the version: its header, then its pieces in full or as a delta
         (each forwarded to ``downs`` as it lands); the trailer, and how the half came."""
-        self._await_header(t, still_current)
-        head = Header.unpack(self._headers[t])
+        hop = self.receiver
+        head = self._await_header(expected, t, still_current)
         mine = self.halves[t]
-        head.check(self.layout.total_bytes, len(mine), len(mine))
+        head.check(hop.layout.total_bytes, len(mine), len(mine))
         if head.kind == DELTA:
-            delta = DeltaHalf(self._cuts, mine, held=held, base=self._base, target=self._target,
-                              fence=lambda: self._fenced(generation))  # fmt: skip
+            delta = DeltaHalf(self._cuts, mine, held=held, base=hop.base, target=hop.target,
+                              fence=lambda: hop.fenced(generation))  # fmt: skip
             modes = delta.receive(pg, head.version, head.seq, downs, landed)
             stats = delta.stats
         else:
-            with self._fenced(generation):
-                window = deque(self._post_piece(pg, i) for i in mine[:_WINDOW])
+            with hop.fenced(generation):
+                window = deque(hop.post(pg, i) for i in mine[:_WINDOW])
             modes = [d.begin(head.version, head.seq, None, None) for d in downs]
             self._stream(pg, t, window, list(zip(downs, modes)), landed, generation)
-            stats = HalfStats(wire_bytes=sum(self._pieces[i][1] - self._pieces[i][0] for i in mine))
-        return head, self._trailer_half(pg, list(zip(downs, modes)), rebuilt=stats.error is None), stats
+            stats = HalfStats(wire_bytes=sum(hop.pieces[i][1] - hop.pieces[i][0] for i in mine))
+        return head, hop.trailer(pg, list(zip(downs, modes)), rebuilt=stats.error is None), stats
 
-    def _await_header(self, t: int, still_current: Callable[[], bool]) -> None:
+    def _await_header(self, expected: Expected, t: int, still_current: Callable[[], bool]) -> Header:
+        """Tree ``t``'s header, waited for in this half's thread (a leader waiting for both
+        before forwarding either would wait on a leader that waits on it: the trees cross)."""
         next_check = time.monotonic() + CHAIN_POLL_S
-        while int(self._headers[t][2]) == _UNSENT:
+        while not expected.landed(t):
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHAIN_POLL_S
                 if not still_current():
                     raise Superseded(f"tree {t}")
             time.sleep(POLL_S)
-        self._header_works[t].wait()
-
-    def _post_piece(self, pg: PeerGroup, i: int) -> Work:
-        a, b, _ = self._pieces[i]
-        return pg.recv([self._target[a:b]], 0, 0)
+        return expected.header(t)
 
     def _stream(
         self, pg: PeerGroup, t: int, window: deque[Work], downs: list[tuple[Downstream, int | None]],
         landed: list[threading.Event], generation: int,
     ) -> None:  # fmt: skip
         """One tree's half in full: each chunk forwarded to this tree's children as it lands."""
-        mine = self.halves[t]
+        hop, mine = self.receiver, self.halves[t]
         for k, i in enumerate(mine):
             window.popleft().wait()
-            with self._fenced(generation):
+            with hop.fenced(generation):
                 if k + len(window) + 1 < len(mine):
-                    window.append(self._post_piece(pg, mine[k + len(window) + 1]))
-            a, b, _ = self._pieces[i]
+                    window.append(hop.post(pg, mine[k + len(window) + 1]))
+            a, b, _ = hop.pieces[i]
             for down, mode in downs:
                 if mode is not None:
-                    down.send(self._target[a:b])
+                    down.send(hop.target[a:b])
             landed[i].set()
-
-    def _trailer_half(self, pg: PeerGroup, downs: list[tuple[Downstream, int | None]], *, rebuilt: bool) -> list[int]:
-        """The trainer's trailer, forwarded to the children; marked (first word) for a child sent
-        chunks this leader could not rebuild, so that it drops the version without a rejection."""
-        trailer = torch.empty(trailer_words(len(self.layout.buckets)), dtype=torch.int64)
-        pg.recv([trailer], 0, 0).wait()
-        for down, mode in downs:
-            if mode is not None:
-                out = trailer
-                if mode == FULL and not rebuilt:
-                    out = trailer.clone()
-                    out[0] = OVERWRITTEN
-                down.send(out)
-        return [int(x) for x in trailer.tolist()]
 
     def _hash_in_order(
         self, landed: list[threading.Event], errors: list[BaseException], watch: Callable[[], bool]
     ) -> list[int]:
+        hop = self.receiver
         sums: list[int] = []
         hasher = xxhash.xxh3_64()
-        last = {bucket: i for i, (_, _, bucket) in enumerate(self._pieces)}
-        for i, (a, b, bucket) in enumerate(self._pieces):
+        last = {bucket: i for i, (_, _, bucket) in enumerate(hop.pieces)}
+        for i, (a, b, bucket) in enumerate(hop.pieces):
             while not landed[i].wait(CHAIN_POLL_S):
                 if watch():
                     return sums
             if errors:
                 return sums
-            hasher.update(self._target[a:b].numpy().data)
+            hasher.update(hop.target[a:b].numpy().data)
             if last[bucket] == i:
                 sums.append(to_int64(hasher.intdigest()))
                 hasher = xxhash.xxh3_64()
@@ -272,15 +223,9 @@ class TreeHop(HopReceiver):
     def resend_half(self, down: Downstream, t: int) -> bool:
         """Send tree ``t``'s half of the version this leader holds to a child that connected
         after it went by; False when there is none to send."""
-        if self._accepted is None:
+        version = self.receiver.resend(down, self.halves[t])
+        if version is None:
             return False
-        version, seq, trailer = self._accepted
-        if down.begin(version, seq, None, None) != FULL:
-            return False
-        for i in self.halves[t]:
-            a, b, _ = self._pieces[i]
-            down.send(self._base[a:b])
-        down.send(torch.tensor(trailer, dtype=torch.int64))
         log.info("relay: tree %d's half of version %d resent to a child that connected after it went by", t, version)
         return True
 
@@ -289,20 +234,22 @@ class TreeLead:
     """One leader's hops in one tree topology (one chain number): joined, served, left."""
 
     def __init__(
-        self, ctl: Control, hop: TreeHop, chain: Chain, stream: Stream, *, rid: int, stop: threading.Event,
-        current: Callable[[int], bool],
+        self, ctl: Control, receiver: HopReceiver, chain: Chain, stream: Stream, *, rid: int,
+        stop: threading.Event, current: Callable[[int], bool],
     ) -> None:  # fmt: skip
-        """``current``: the leader's bell (whether a chain number is still served, without a store
+        """``receiver``: the leader's one receive path, read here in the tree's shape;
+        ``current``: the leader's bell (whether a chain number is still served, without a store
         request); the hops downstream wait for their children's notes and ask it when nudged."""
         links = tree_links(chain.rids, rid)
         self._ctl = ctl
-        self._hop = hop
+        self._receiver = receiver
+        self._hop = hop = TreeHop(receiver)
         self._chain = chain
         epoch, self._backend, self._addr, self._timeout_s = stream.number, stream.backend, stream.addr, stream.timeout_s
         self._stop = stop
         self._prefixes = [keys.relay_hop_prefix(epoch, chain.number, rid, t) for t in range(TREES)]
         self.downs = [
-            [Downstream(ctl, stream, chain, child, hop.layout, tree=t, current=current, pieces=len(hop.halves[t]))
+            [Downstream(ctl, stream, chain, child, receiver.layout, tree=t, current=current, pieces=len(hop.halves[t]))
              for child in links.children[t]]
             for t in range(TREES)
         ]  # fmt: skip
@@ -331,13 +278,13 @@ class TreeLead:
             pg = join_hop(self._ctl, prefix, 1, self._backend, self._addr, self._timeout_s, lambda: not still_current())
             self.pgs.append(Interruptible(pg, self._backend))
             log.debug("relay: joined the hop %s", prefix)
-        hop, n, next_check = self._hop, 0, 0.0
+        hop, receiver, n, next_check = self._hop, self._receiver, 0, 0.0
         every = [(t, d) for t in range(TREES) for d in self.downs[t]]
         while not self._stop.is_set():
             for prefix in self._prefixes:
-                self._ctl.set_text(keys.ready(prefix, n), hop.ready_note())
-            hop.expect_both(self.pgs)
-            while not hop.any_arrived():
+                self._ctl.set_text(keys.ready(prefix, n), receiver.ready_note())
+            receiver.expect(self.pgs)  # each tree's header is waited for in its own half's thread
+            while not receiver.arrived():
                 for t, down in every:
                     if down.missed and down.connected() and hop.resend_half(down, t):
                         down.finish()
@@ -371,4 +318,4 @@ class TreeLead:
         # Dropped, not only aborted: an aborted group keeps its sockets open until it is
         # freed, and a parent still sending into them would block until its group timeout.
         self.pgs.clear()
-        self._hop.forget_headers()
+        self._receiver.forget_headers()
