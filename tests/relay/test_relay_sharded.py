@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 from _sharded import sharded_model, zeroed_sharded_model
 from torch import nn
 
@@ -120,14 +121,32 @@ def test_each_rank_relays_its_share_and_every_host_applies_whole_versions_only(s
         writer.close()
 
 
+def _one_chunk_model() -> nn.Module:
+    """Shares of one relay chunk each: a tree gets no chunk of them (its half of a delta is empty)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def _zeroed_one_chunk_model() -> nn.Module:
+    model = _one_chunk_model()
+    for t in model.state_dict().values():
+        t.zero_()
+    return model
+
+
 @pytest.mark.slow
-def test_with_cross_host_tree_each_rank_relays_its_share_down_two_trees_to_verifying_hosts(server, port, monkeypatch):
+@pytest.mark.parametrize(("size", "delta"), [("2mib", "auto"), ("2mib", "always"), ("one-chunk", "always")])
+def test_with_cross_host_tree_each_rank_relays_its_share_down_two_trees_to_verifying_hosts(
+    server, port, monkeypatch, size, delta
+):
     """cross_host='tree': every stream (rank 0's and rank 1's) takes the unsharded relay's trees over 4 rollout
-    hosts; every receiver verifies every share against its rank's checksums and applies each version bit-exact."""
+    hosts; every receiver verifies every share against its rank's checksums and applies each version bit-exact.
+    ``one-chunk``: before, a delta's empty half (a tree with no chunk) stalled every version after the first."""
     monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
     address = f"127.0.0.1:{port}"
-    model = _model()
-    cfg = SenderConfig(job="xshard", timeout_s=10, heartbeat_timeout_s=10, cross_host="tree")
+    build, zeroed = (_model, _zeroed) if size == "2mib" else (_one_chunk_model, _zeroed_one_chunk_model)
+    model = build()
+    cfg = SenderConfig(job="xshard", timeout_s=10, heartbeat_timeout_s=10, cross_host="tree", delta=delta)
     mine = prepare_shares(model, cfg, 0, 2)
     theirs = dataclasses.replace(prepare_shares(model, cfg, 1, 2), host="trainer-b")
     writer = ShareWriter(theirs, cfg)
@@ -140,7 +159,7 @@ def test_with_cross_host_tree_each_rank_relays_its_share_down_two_trees_to_verif
                 receivers = []
                 for host in hosts:
                     monkeypatch.setenv("WSYNC_HOST_ID", host)
-                    module = _zeroed()
+                    module = zeroed()
                     receiver = WeightReceiver(module, store=address, job="xshard", name=f"r-{host}", timeout_s=10,
                                               verify=True)  # fmt: skip
                     receivers.append((stack.enter_context(receiver), module))
