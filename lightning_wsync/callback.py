@@ -23,7 +23,7 @@ share (FSDP2: its local shards; replicated tensors: ~1/world of their bytes) int
 shared-memory ring of its own, and receivers apply a version only once every rank's share
 of it is complete (docs/sharded.md). ``wsync/stall_s`` is then rank 0's own share. Where it
 cannot (one rank, ``FSDPStrategy``, a tensor placement it cannot split, ``transport`` other
-than ``"auto"``/``"shm"``, ``cross_host`` ``"star"`` or ``"tree"``) the push is unsharded as
+than ``"auto"``/``"shm"``, ``cross_host="star"``) the push is unsharded as
 above and rank 0 says why once in the log (:attr:`WeightSyncCallback.unsharded_reason`).
 ``sharded=False`` always pushes unsharded; ``sharded=True`` fails where it cannot shard.
 

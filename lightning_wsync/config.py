@@ -277,9 +277,10 @@ class CallbackConfig(SenderConfig):
             ``max_version_lag`` versions pushed before it (0: the one just pushed).
         sharded: ``"auto"`` (default): with several trainer ranks under DDP or FSDP2, every
             rank snapshots its own share (~1/world of the bytes) into shared memory, with no
-            gather; other hosts get each rank's share down a relay chain of its own. Off, said
-            once in the log, for one rank, ``FSDPStrategy``, a tensor placement it cannot split,
-            ``transport`` other than ``"auto"``/``"shm"`` and ``cross_host`` ``"star"``/``"tree"``.
+            gather; other hosts get each rank's share relayed on its own (a chain or trees, as
+            ``cross_host``). Off, said once in the log, for one rank, ``FSDPStrategy``, a tensor
+            placement it cannot split, ``transport`` other than ``"auto"``/``"shm"`` and
+            ``cross_host="star"``.
             ``True`` forces it (an error where it cannot), ``False`` keeps rank 0 sending
             everything (see docs/sharded.md).
 

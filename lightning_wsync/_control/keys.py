@@ -76,6 +76,9 @@ relay/<epoch>/received/<rid>    JSON    how leader rid got its last few versions
 relay/<stream>/leaders          JSON    ``{leaders: {rid: host}}``: the live host leaders of a sharded
                                         sender's stream (below), written by trainer rank 0 for the
                                         stream of each rank > 0 (overwritten; read by value)
+relay/<stream>/alone            JSON    ``{leaders: {rid: host}}``: receivers that cannot map their
+                                        host's ring of the stream and lead a host of their own in it
+                                        (``relay.alone``); compare-and-set by them, read by rank 0
 nixl/<epoch>/agent/<who>        JSON    a NIXL agent's metadata and registered regions (who:
                                         ``sender``, or ``r<rid>`` for a receiver); the NIXL plane's
                                         (docs/nixl.md), deleted by its writer when it closes
@@ -303,6 +306,11 @@ def relay_owner(number: int) -> int:
 
 def relay_stream_leaders(stream: int) -> str:
     return f"relay/{stream}/leaders"
+
+
+def relay_stream_alone(stream: int) -> str:
+    """The receivers that receive a stream as a host of their own (they cannot map their host's ring of it)."""
+    return f"relay/{stream}/alone"
 
 
 def relay_received(epoch: int, rid: int) -> str:

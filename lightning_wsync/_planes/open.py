@@ -112,13 +112,10 @@ class SendSide:
         self.deltas = DeltaStreams(shares[0]) if relay and spec.delta != "off" else None  # rank 0's share's
         planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
                                                   timeout_s=spec.timeout_s, relayed=relay)]  # fmt: skip
-        if spec.cross_host == "tree":
-            log.warning("WeightSender: a sharded push relays each rank's share down a chain; cross_host='tree' "
-                        "is not used for it (docs/sharded.md)")  # fmt: skip
         if relay:  # every rank relays its own share to the other hosts (docs/sharded.md)
             planes.append(ShardStreamsPlane(
                 ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
-                timing=self.timing, deltas=self.deltas, policy=AutoPolicy(spec.delta),
+                timing=self.timing, deltas=self.deltas, policy=AutoPolicy(spec.delta), topology=spec.cross_host,
             ))  # fmt: skip
         self.planes = tuple(planes)
         self.record = SenderRecord(
@@ -161,7 +158,7 @@ def open_source(
     no wsync header) stays a configuration error.
     """
     if record.sharded:
-        return _open_sharded(epoch, layout, record, ordered, me)
+        return _open_sharded(epoch, layout, record, ordered, me, fallback=fallback)
     side = ReceiveContext(epoch=epoch, layout=layout, record=record, ordered=ordered, me=me, fallback=fallback,
                           same_host=record.host == me.host and record.shm is not None)  # fmt: skip
     for name in RECEIVE_ORDER:
@@ -234,9 +231,11 @@ RECEIVE_ORDER = ("relay", "nixl", "shm", "net")  # a receiver takes the first ro
 
 
 def _open_sharded(
-    epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec
-) -> ReceiveSource:
-    """Every trainer rank's ring of a sharded sender: its own on this host, else its relayed stream's."""
+    epoch: int, layout: Manifest, record: SenderRecord, ordered: list[torch.Tensor], me: ReceiverSpec, *,
+    fallback: bool = True,
+) -> ReceiveSource:  # fmt: skip
+    """Every trainer rank's ring of a sharded sender: its own on this host, else its relayed stream's (also,
+    with ``fallback``, the stream of a rank on this host whose ring cannot be mapped here)."""
     shards = me.ctl.get_record(keys.shards(epoch), ShardsRecord)
     if shards is None:
         raise WeightSyncConfigError(
@@ -255,7 +254,12 @@ def _open_sharded(
             )
     hosts = plan.rank_hosts(record.host)
     if all(h == me.host for h in hosts):
-        return open_rank_rings(epoch, layout, plan, ordered, me.name)
+        try:
+            return open_rank_rings(epoch, layout, plan, ordered, me.name)
+        except (FileNotFoundError, PermissionError):
+            if not record.relay or not fallback:
+                raise
+            # Some ring cannot be mapped here: the ranks' streams serve this receiver as a host of its own.
     if not record.relay:
         away = sorted({h for h in hosts if h != me.host})
         raise WeightSyncConfigError(
@@ -267,7 +271,7 @@ def _open_sharded(
         )
     return open_sharded_relay(
         me.ctl, layout, plan, ordered, record, epoch=epoch, rid=me.rid, host=me.host, job=me.ctl.job, name=me.name,
-        addr=me.addr, on_published=me.on_staged, on_rejected=me.on_rejected,
+        addr=me.addr, on_published=me.on_staged, on_rejected=me.on_rejected, fallback=fallback,
     )  # fmt: skip
 
 

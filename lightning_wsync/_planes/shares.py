@@ -5,7 +5,7 @@ Every trainer rank makes the same :class:`~lightning_wsync._control.shards.Share
 sender, whose ring then holds only rank 0's share; every other rank keeps a
 :class:`ShareWriter`: a ring of its own share in shared memory, written at each push.
 Receivers on the host read every rank's ring and apply a version only when all of them hold
-it complete; across hosts each rank relays its ring's versions down a chain of its own
+it complete; across hosts each rank relays its ring's versions down a chain (or two trees) of its own
 (:meth:`ShareWriter.relay`, docs/sharded.md). Callers open it through
 :func:`lightning_wsync._planes.open.open_share_writer`.
 """
@@ -80,7 +80,7 @@ class ShareWriter:
         return written is not None
 
     def relay(self, store: dist.Store | str | None, epoch: int, config: SenderConfig) -> None:
-        """Relay this rank's share to other hosts (its own chain, :class:`StreamHead`) for sender
+        """Relay this rank's share to other hosts (its own chain or trees, :class:`StreamHead`) for sender
         ``epoch``, when the settings relay (``transport='auto'``, ``cross_host`` other than ``'star'``).
 
         ``store``: the callback's, or rank 0's ``host:port`` (it may have picked the port).
@@ -94,7 +94,7 @@ class ShareWriter:
         self._stream = StreamHead(
             ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank),
             written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
-            addr=local_address(handle.address), timing=self._timing, delta=config.delta,
+            addr=local_address(handle.address), timing=self._timing, delta=config.delta, topology=config.cross_host,
         )  # fmt: skip
         sender = ctl.get_record(keys.sender_record(epoch), SenderRecord)  # published before epoch reached us
         if sender is not None and sender.host != self._shares.host:  # rank 0 cannot read this ring: it reads

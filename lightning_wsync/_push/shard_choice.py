@@ -39,8 +39,6 @@ def why_unsharded(setting: bool | str, cfg: SenderConfig, strategy: Strategy, wo
     if cfg.cross_host == "star":
         return ("cross_host='star': a sharded push reaches other hosts only by relaying each rank's share, "
                 "never one link per receiver")  # fmt: skip
-    if cfg.cross_host == "tree":
-        return "cross_host='tree': a sharded push relays each rank's share down a chain, not trees"
     return None
 
 

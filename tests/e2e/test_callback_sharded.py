@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from _lightning_workers import next_message, receiver_main
+from _lightning_workers import next_message, receiver_main, receivers_main
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 CTX = mp.get_context("spawn")
@@ -154,3 +154,48 @@ def _digests(out: Path) -> dict[int, str]:
     """The full weights' digest at every version a trainer run pushed (rank 0's probe)."""
     rows = [json.loads(line) for line in (out / "digests.jsonl").read_text().splitlines()]
     return {int(v): d for v, d in rows}
+
+
+@pytest.mark.timeout(420)  # six processes import torch at once: minutes at this machine's usual load
+def test_ddp_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_exact(tmp_path, port, children):
+    """DDP x 2 with no sharded= argument and cross_host='tree': sharded, each rank's share relayed down two trees
+    over 4 rollout hosts (host ids), every receiver verifying and applying every version bit-exact."""
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = f"127.0.0.1:{port}"
+    results = CTX.Queue()
+    names = [f"r{h}" for h in range(4)]
+    hosts = [f"rollout-{h}" for h in range(4)]  # one receiver each, all in one process
+    receiver = CTX.Process(target=receivers_main, args=(store, "ddp", hosts, results, True), daemon=True)
+    receiver.start()
+    children.track(receiver.pid)
+    receivers = [receiver]
+    for _ in names:
+        next_message(results, "ready", timeout_s=150)
+
+    trainer = _trainer(tmp_path, store, "ddp", "--every", "2", "--max-steps", "5", "--cross-host", "tree",
+                       "--log-relay-shapes")  # fmt: skip
+    children.track(trainer.pid)
+    output = _finish(trainer, 240)
+    assert trainer.returncode == 0, output[-4000:]
+
+    seen: dict[str, list[tuple[int, str]]] = {name: [] for name in names}
+    while any(not got or got[-1][0] < 5 for got in seen.values()):
+        msg = next_message(results, "version", timeout_s=30)
+        seen[msg[1]].append((msg[2], msg[3]))
+    for receiver in receivers:
+        receiver.join(timeout=30)
+        assert receiver.exitcode == 0
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["sharded_push"], r["unsharded_reason"]) for r in ranks] == [(True, None)] * 2  # the default path
+    assert [r["gathers"] for r in ranks] == [0, 0]
+    # Each rank headed its own stream, and each stream took the trees (the log's "relay trees N: [rids]").
+    trees = {line.split()[0] for line in output.splitlines() if " relay trees " in f" {line.split(' ', 1)[-1]}"}
+    assert len(trees) == 2, output[-4000:]
+    assert " relay chain " not in output.replace("pid=", " "), output[-4000:]
+    assert ranks[0]["versions"] == [0, 2, 4, 5]
+    expected = {int(v): d for v, d in ranks[0]["digests"].items()}
+    for name, got in seen.items():
+        assert [v for v, _ in got] == [0, 2, 4, 5], name  # max_version_lag=0: each receiver applies each
+        assert all(d == expected[v] for v, d in got), (name, got, expected)
+    del server

@@ -66,28 +66,69 @@ def loader(n: int = 256, batch_size: int = 4) -> torch.utils.data.DataLoader[Any
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g)), batch_size)
 
 
-def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any]) -> None:
-    """Follow the job; report ("version", name, version, digest) for every version applied."""
-    torch.set_num_threads(1)
-    from lightning_wsync import WeightReceiver, WeightSyncClosedError, WeightSyncError
-
+def _zeroed_policy() -> nn.Module:
     policy = make_policy()
     for t in policy.state_dict().values():
         t.detach().zero_()
+    return policy
+
+
+def _report(receiver: Any, name: str, policy: nn.Module, results: mp.Queue[Any]) -> None:
+    """Report ("version", name, version, digest) for every version ``receiver`` applies, until the close."""
+    from lightning_wsync import WeightSyncClosedError, WeightSyncError
+
+    want = 0
     try:
-        with WeightReceiver(policy, store=store, job=job, name=name, timeout_s=60) as receiver:
-            results.put(("ready", name, os.getpid()))
-            want = 0
-            while True:
-                try:
-                    version = receiver.wait_for_version(want, timeout_s=120)
-                except WeightSyncClosedError:
-                    results.put(("closed", name, receiver.version))
-                    return
-                results.put(("version", name, version, digest(policy)))
-                want = version + 1
+        while True:
+            try:
+                version = receiver.wait_for_version(want, timeout_s=120)
+            except WeightSyncClosedError:
+                results.put(("closed", name, receiver.version))
+                return
+            results.put(("version", name, version, digest(policy)))
+            want = version + 1
     except WeightSyncError as exc:
         results.put(("error", name, type(exc).__name__, str(exc)))
+
+
+def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any], verify: bool = False) -> None:
+    """Follow the job; report ("version", name, version, digest) for every version applied."""
+    torch.set_num_threads(1)
+    from lightning_wsync import WeightReceiver, WeightSyncError
+
+    policy = _zeroed_policy()
+    try:
+        with WeightReceiver(policy, store=store, job=job, name=name, timeout_s=60, verify=verify) as receiver:
+            results.put(("ready", name, os.getpid()))
+            _report(receiver, name, policy, results)
+    except WeightSyncError as exc:
+        results.put(("error", name, type(exc).__name__, str(exc)))
+
+
+def receivers_main(store: str, job: str, hosts: list[str], results: mp.Queue[Any], verify: bool = False) -> None:
+    """One receiver per host id in ``hosts`` (named ``r<i>``), all in this process (one torch import for
+    all: at this machine's usual load each process takes minutes to start), each followed by a thread
+    that reports as :func:`receiver_main` does."""
+    import contextlib
+    import threading
+
+    torch.set_num_threads(1)
+    from lightning_wsync import WeightReceiver
+
+    with contextlib.ExitStack() as stack:
+        threads = []
+        for i, host in enumerate(hosts):
+            os.environ["WSYNC_HOST_ID"] = host  # read as each receiver starts
+            policy = _zeroed_policy()
+            receiver = stack.enter_context(WeightReceiver(policy, store=store, job=job, name=f"r{i}", timeout_s=60,
+                                                          verify=verify))  # fmt: skip
+            threads.append(threading.Thread(target=_report, args=(receiver, f"r{i}", policy, results),
+                                            name=f"follow-r{i}"))  # fmt: skip
+        for i, thread in enumerate(threads):
+            results.put(("ready", f"r{i}", os.getpid()))
+            thread.start()
+        for thread in threads:
+            thread.join()
 
 
 def next_message(results: mp.Queue[Any], kind: str, timeout_s: float) -> tuple[Any, ...]:
@@ -232,6 +273,8 @@ def main() -> None:
     parser.add_argument("--sharded", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
                         help="the callback's sharded= (default: its own default, 'auto'); bare: true")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--cross-host", default=None, help="the callback's cross_host (default: its own)")
+    parser.add_argument("--log-relay-shapes", action="store_true", help="each rank logs its relay's shapes (INFO)")
     parser.add_argument("--kill-share-at", type=int, default=None, help="rank 1 dies mid-share of this version")
     parser.add_argument("--fsdp-shards", type=int, default=0, help="FSDP2's data-parallel size (0: Lightning's auto)")
     args = parser.parse_args()
@@ -239,9 +282,18 @@ def main() -> None:
     if args.kill_share_at is not None:
         _kill_mid_share(args.kill_share_at)
     gathers = _count_gathers()
+    if args.log_relay_shapes:  # "relay chain|trees N: [rids]", prefixed with the rank's pid
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("pid=%(process)d %(message)s"))
+        relay_log = logging.getLogger("lightning_wsync._planes.relay.head.feed")
+        relay_log.addHandler(handler)
+        relay_log.setLevel(logging.INFO)
 
     sync = WeightSyncCallback(every_n_steps=args.every, module="policy", store=args.store, job=args.job,
                               max_version_lag=0, timeout_s=args.timeout_s,
+                              **({} if args.cross_host is None else {"cross_host": args.cross_host}),
                               **({} if args.sharded == "auto" else {"sharded": args.sharded == "true"}))  # fmt: skip
     probe = _Probe(sync, args.out)
     logger = RecordingLogger()

@@ -26,6 +26,7 @@ from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
+from lightning_wsync._planes.relay.alone import alone_host, leave_alone, stand_alone
 from lightning_wsync._planes.relay.leader.member import MemberSpec, RelayMember
 from lightning_wsync._planes.relay.mate.board import Posted, read_board
 from lightning_wsync._planes.relay.mate.reader import open_leader_ring
@@ -75,48 +76,102 @@ class StreamRing:
         self.follow(None)
 
 
+class _Members:
+    """This receiver's members of the streams it gets relayed, including those it stands alone in."""
+
+    def __init__(self, control: Control, shares: list[Manifest], record: SenderRecord, *,
+                 epoch: int, rid: int, host: str, job: str, name: str, addr: str,
+                 on_published: Callable[[int], None], on_rejected: Callable[[int, str], None]) -> None:  # fmt: skip
+        self._control, self._shares, self._record = control, shares, record
+        self._epoch, self._rid, self._host, self._job, self._name, self._addr = epoch, rid, host, job, name, addr
+        self._on_published, self._on_rejected = on_published, on_rejected
+        self._own = alone_host(host, rid)
+        self._lock = threading.Lock()  # a member's thread adds the one that replaces it
+        self._members: list[RelayMember] = []
+        self._alone: set[int] = set()  # the ranks whose streams this receiver gets as a host of its own
+        self._closed = False
+
+    def stand(self, rank: int, ring: StreamRing, member_host: str) -> None:
+        """Stand in rank ``rank``'s stream on ``member_host`` (this host's, or this receiver's own)."""
+        member = RelayMember(self._control, self._shares[rank], ring, MemberSpec(
+            epoch=keys.relay_stream(self._epoch, rank), rid=self._rid, host=member_host, job=self._job,
+            backend=self._record.backend, addr=self._addr,  # the sender's timeout_s: it bounds every hop
+            timing=timing(heartbeat_timeout_s=self._record.heartbeat_timeout_s, timeout_s=self._record.timeout_s),
+            on_published=self._on_published, on_rejected=self._on_rejected,
+            fall_back=lambda why: self.alone(rank, ring, why, member_host, said=True),
+        ))  # fmt: skip
+        self._members.append(member)
+
+    def alone(self, rank: int, ring: StreamRing, why: str, member_host: str, *, said: bool = False) -> None:
+        """Rank ``rank``'s share cannot reach this receiver through its host's ring: as a host of its own.
+        ``said``: the member that gave up warned already (this is then said at INFO, for the rank)."""
+        if member_host == self._own:  # its own ring failed as well: nothing else to try
+            log.error("receiver %r: trainer rank %d's share cannot reach it (%s), not even as a host of its own; "
+                      "it applies no version of sender epoch %d", self._name, rank, why, self._epoch)  # fmt: skip
+            return
+        log.log(logging.INFO if said else logging.WARNING,
+                "receiver %r: cannot map this host's ring of trainer rank %d's share (%s); it receives that rank's "
+                "stream over the network into a ring of its own instead (one more copy into this host). Run "
+                "host-mates in one IPC namespace as one user to share one copy", self._name, rank, why)  # fmt: skip
+        with self._lock:
+            if self._closed:
+                return
+            self._alone.add(rank)
+            stand_alone(self._control, keys.relay_stream(self._epoch, rank), self._rid, self._own)
+            self.stand(rank, ring, self._own)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            members = list(self._members)
+        for member in members:
+            member.close()
+        for rank in sorted(self._alone):
+            leave_alone(self._control, keys.relay_stream(self._epoch, rank), self._rid)
+
+
 def open_sharded_relay(
     control: Control, layout: Manifest, plan: ShardPlan, ordered: list[torch.Tensor], record: SenderRecord, *,
     epoch: int, rid: int, host: str, job: str, name: str, addr: str,
-    on_published: Callable[[int], None], on_rejected: Callable[[int, str], None],
+    on_published: Callable[[int], None], on_rejected: Callable[[int, str], None], fallback: bool = True,
 ) -> ShardedSource:  # fmt: skip
-    """The data plane of a receiver of a sharded sender whose ranks are not all on this host."""
+    """The data plane of a receiver of a sharded sender whose ranks are not all on this host, or whose
+    rings on this host it cannot all map (with ``fallback``, it then gets those ranks' streams relayed,
+    standing alone: :mod:`~lightning_wsync._planes.relay.alone`)."""
     shares = plan.share_layouts(layout)
     rings: list[ShareRing] = []
-    members: list[RelayMember] = []
     holder: list[ShardedSource] = []
 
     def published(version: int) -> None:  # a stream's share is in; the version is staged once all are
         if holder and (newest := holder[0].newest_complete()) is not None:
             on_published(newest)
 
-    def fall_back(why: str) -> None:
-        log.error("receiver %r: a stream of the sharded sender cannot reach it (%s); there is no network path "
-                  "for a sharded push, so it applies no version of sender epoch %d", name, why, epoch)  # fmt: skip
-
+    members = _Members(control, shares, record, epoch=epoch, rid=rid, host=host, job=job, name=name, addr=addr,
+                       on_published=published, on_rejected=on_rejected)  # fmt: skip
     try:
-        for rank, (share, rank_host) in enumerate(zip(shares, plan.rank_hosts(record.host))):
+        for rank, rank_host in enumerate(plan.rank_hosts(record.host)):
             if rank_host == host:
-                rings.append(FixedRing(plan.segments[rank], share))
-                continue
-            ring = StreamRing(share)
-            rings.append(ring)
-            members.append(RelayMember(control, share, ring, MemberSpec(
-                epoch=keys.relay_stream(epoch, rank), rid=rid, host=host, job=job,
-                backend=record.backend, addr=addr,  # the sender's timeout_s: it bounds every hop
-                timing=timing(heartbeat_timeout_s=record.heartbeat_timeout_s, timeout_s=record.timeout_s),
-                on_published=published, on_rejected=on_rejected,
-                fall_back=fall_back,
-            )))  # fmt: skip
+                try:
+                    rings.append(FixedRing(plan.segments[rank], shares[rank]))
+                    continue
+                except (FileNotFoundError, PermissionError) as exc:
+                    if not fallback:
+                        raise
+                    rings.append(ring := StreamRing(shares[rank]))
+                    members.alone(rank, ring, f"trainer rank {rank}'s ring {plan.segments[rank]!r}: "
+                                              f"{exc.strerror or exc}", host)  # fmt: skip
+                    continue
+            rings.append(ring := StreamRing(shares[rank]))
+            members.stand(rank, ring, host)
     except BaseException:
-        for member in members:
-            member.close()
+        members.close()
         for done in rings:
             done.close()
         raise
+    relayed = sum(not isinstance(r, FixedRing) for r in rings)
     source = ShardedSource(
-        epoch, layout, plan, shares, ordered, name, rings, owned=[m.close for m in members],
-        describe=f"relay across hosts, sharded over {plan.world} trainer ranks ({len(members)} streams relayed)",
+        epoch, layout, plan, shares, ordered, name, rings, owned=[members.close],
+        describe=f"relay across hosts, sharded over {plan.world} trainer ranks ({relayed} streams relayed)",
         verify=True,  # with ReceiverConfig.verify, also against every rank's checksums as rank 0 publishes them
     )  # fmt: skip
     holder.append(source)

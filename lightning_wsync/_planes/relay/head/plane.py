@@ -71,8 +71,12 @@ class RelaySendPlane:
         if moved is not None and moved == self._moved and set(by_rid) == self._live and now < self._next_all:
             self._head.update_chain(self._head.leaders, look=False)
             return
-        self._head.update_chain(live_leaders(self._ctl, self._epoch, live, self._host))
+        self._head.update_chain(self._leaders(self._epoch, live, self._host))
         self._moved, self._live, self._next_all = moved, set(by_rid), now + self._follow_all_s
+
+    def _leaders(self, epoch: int, live: Sequence[Peer], own_host: str) -> dict[int, str]:
+        """rid -> host of the leaders of relay ``epoch`` (or stream) among ``live``, away from ``own_host``."""
+        return live_leaders(self._ctl, epoch, live, own_host)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
         pass  # the head's thread waits on the ring for the next version itself

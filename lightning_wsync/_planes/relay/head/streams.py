@@ -15,8 +15,9 @@ stream, and its receivers assemble whole versions from them
 Membership stays on rank 0: at each refresh :class:`ShardStreamsPlane` works out every
 stream's live leaders (the hosts other than that rank's own) and writes them to
 ``relay/<stream>/leaders`` for the other ranks, whose :class:`StreamHead` reads them every
-``CHAIN_POLL_S`` and re-forms its chain from them. Chains only, no trees; with ``delta`` on,
-each rank encodes its own share's deltas against the version each next leader holds.
+``CHAIN_POLL_S`` and re-forms its chain from them. Each stream takes the shape the unsharded relay
+would (the sender's ``cross_host``: a chain, two trees, or the push-time model's pick per stream); with
+``delta`` on, each rank encodes its own share's deltas against the version each next leader holds.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lightning_wsync._control.timing import Timing
 from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.base import Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
+from lightning_wsync._planes.relay.alone import alone_leaders
 from lightning_wsync._planes.relay.head.feed import RelayHead
 from lightning_wsync._planes.relay.head.plane import RelaySendPlane, live_leaders
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, Stream, error_text
@@ -50,23 +52,30 @@ class ShardStreamsPlane(RelaySendPlane):
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, *, epoch: int, host: str, backend: str, addr: str,
-        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy,
+        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy, topology: str = "relay",
     ) -> None:  # fmt: skip
+        """``topology``: the sender's ``cross_host`` (relay | chain | tree), every stream's shape as the
+        unsharded relay's would be."""
         self._hosts = plan.rank_hosts(host)
         self._streams = [keys.relay_stream(epoch, rank) for rank in range(plan.world)]
         self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
         stream = Stream(number=self._streams[0], backend=backend, addr=addr, timeout_s=timing.timeout_s)
         super().__init__(ctl, ring, stream, host=self._hosts[0], timing=timing, deltas=deltas, policy=policy,
-                         topology="chain", previous_epoch=epoch - 1 or None)  # fmt: skip
+                         topology=topology, previous_epoch=epoch - 1 or None)  # fmt: skip
 
     @override
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         super().sync(live, gone, retired)
         for stream, host in zip(self._streams[1:], self._hosts[1:]):
-            leaders = live_leaders(self._ctl, stream, live, host)
+            leaders = self._leaders(stream, live, host)
             if leaders != self._written.get(stream):
                 self._ctl.put(keys.relay_stream_leaders(stream), StreamLeadersRecord(leaders))
                 self._written[stream] = leaders
+
+    @override
+    def _leaders(self, epoch: int, live: Sequence[Peer], own_host: str) -> dict[int, str]:
+        """Also the receivers that stand alone in the stream (:mod:`~lightning_wsync._planes.relay.alone`)."""
+        return {**live_leaders(self._ctl, epoch, live, own_host), **alone_leaders(self._ctl, epoch, live)}
 
     @override
     def close(self, deadline: float) -> list[str]:
@@ -74,20 +83,24 @@ class ShardStreamsPlane(RelaySendPlane):
         try:
             for stream in self._written:
                 self._ctl.delete(keys.relay_stream_leaders(stream))
+            for stream in self._streams:
+                self._ctl.delete(keys.relay_stream_alone(stream))
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay streams: leaders keys left on the store: %s", exc)
         return stuck
 
 
 class StreamHead:
-    """A trainer rank's (other than 0) relay of its share: a chain headed here, its leaders named by rank 0."""
+    """A trainer rank's (other than 0) relay of its share: a chain (or trees) headed here, its leaders named by
+    rank 0."""
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, *, stream: int, written_key: str, backend: str, addr: str,
-        timing: Timing, delta: str = "off",
+        timing: Timing, delta: str = "off", topology: str = "relay",
     ) -> None:  # fmt: skip
         """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports;
-        ``delta``: the sender's setting, applied to this stream (this rank encodes its own share)."""
+        ``delta``: the sender's setting, applied to this stream (this rank encodes its own share);
+        ``topology``: the sender's ``cross_host`` (relay | chain | tree), as for stream 0."""
         self.ctl = ctl
         self._stream = stream
         self._written_key = written_key
@@ -96,7 +109,7 @@ class StreamHead:
         self._deltas = DeltaStreams(ring.layout) if delta != "off" else None
         hops = Stream(number=stream, backend=backend, addr=addr, timeout_s=timing.timeout_s)
         self._head = RelayHead(ctl, ring, hops, timing=timing, deltas=self._deltas, policy=AutoPolicy(delta),
-                               topology="chain")  # fmt: skip
+                               topology=topology)  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-relay-stream-{stream}", daemon=True)
         self._thread.start()
@@ -134,5 +147,5 @@ class StreamHead:
 
 
 def relays_streams(transport: str, cross_host: str) -> bool:
-    """A sharded sender with these settings relays each rank's share to other hosts (a chain per rank)."""
+    """A sharded sender with these settings relays each rank's share to other hosts (a stream per rank)."""
     return transport == "auto" and cross_host != "star"

@@ -118,9 +118,10 @@ class TreeFeed:
                 return
             plans: list[tuple[DeltaStream, Lease] | None] = []
             try:
-                for t in range(TREES):
+                for t in range(TREES):  # a tree with no chunk (a version of one chunk) gets its empty half in full
                     plans.append(delta_base(self._ring, self._deltas, self._policy, held[t], lease,
-                                            f"tree root rid={self.roots[t]}", self._cuts))  # fmt: skip
+                                            f"tree root rid={self.roots[t]}", self._cuts)
+                                 if self._halves[t] else None)  # fmt: skip
             except BaseException:
                 for plan in plans:
                     if plan is not None:
