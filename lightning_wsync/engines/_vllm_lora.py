@@ -71,21 +71,7 @@ class AdapterVersions:
 
     def refused(self, names: Collection[str]) -> list[str]:
         """Names that would not load as this model's LoRA weights, each with why."""
-        from vllm.lora.utils import parse_fine_tuned_lora_name
-
-        expected = set(self._manager.supported_lora_modules)
-        for packed in self._manager.packed_modules_mapping.values():
-            expected.update(packed)
-        refused = []
-        for name in names:
-            try:
-                module, _ = parse_fine_tuned_lora_name(peft_name(name), self._mapper())
-            except ValueError as exc:
-                refused.append(f"{name} ({exc}; publish only the adapter: include=ADAPTER_TENSORS)")
-                continue
-            if module.rsplit(".", 1)[-1] not in expected:
-                refused.append(f"{name} (no LoRA layer {module!r}; the engine's are {sorted(expected)!r})")
-        return refused
+        return refused_lora_names(self._manager, names)
 
     def add(self, version: int, tensors: Mapping[str, torch.Tensor], in_use: Collection[int] = ()) -> None:
         """Hold ``version`` as an adapter; drop versions beyond the newest ``keep`` not ``in_use``.
@@ -116,5 +102,29 @@ class AdapterVersions:
         self.versions = [v for v in kept if v in held] + [version]
 
     def _mapper(self) -> Any:
-        mapper = getattr(self._manager.model, "hf_to_vllm_mapper", None)  # as vLLM's own adapter loader does
-        return None if mapper is None else mapper.get_rename_mapper()
+        return _rename_mapper(self._manager)
+
+
+def refused_lora_names(manager: Any, names: Collection[str]) -> list[str]:
+    """Names that would not load as LoRA weights of ``manager``'s model (vLLM's
+    ``LoRAModelManager``), each with why."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    expected = set(manager.supported_lora_modules)
+    for packed in manager.packed_modules_mapping.values():
+        expected.update(packed)
+    refused = []
+    for name in names:
+        try:
+            module, _ = parse_fine_tuned_lora_name(peft_name(name), _rename_mapper(manager))
+        except ValueError as exc:
+            refused.append(f"{name} ({exc}; publish only the adapter: include=ADAPTER_TENSORS)")
+            continue
+        if module.rsplit(".", 1)[-1] not in expected:
+            refused.append(f"{name} (no LoRA layer {module!r}; the engine's are {sorted(expected)!r})")
+    return refused
+
+
+def _rename_mapper(manager: Any) -> Any:
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)  # as vLLM's own adapter loader does
+    return None if mapper is None else mapper.get_rename_mapper()

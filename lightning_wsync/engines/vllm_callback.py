@@ -25,6 +25,8 @@ from typing_extensions import override
 
 from lightning_wsync._control.store import resolve_job
 from lightning_wsync.callback import WeightSyncCallback
+from lightning_wsync.engines.lora import adapter_config
+from lightning_wsync.engines.vllm_lora_servers import ServedAdapterNames
 from lightning_wsync.engines.vllm_servers import VllmServers, apply_version
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ class VllmServersCallback(pl.Callback):
         pause_mode: ``"keep"``, ``"abort"`` or None, as :func:`apply_version`.
         server_options: :class:`~lightning_wsync.ReceiverConfig` fields for the servers'
             receivers (``verify``, ``fleet``); the secret comes from their ``$WSYNC_SECRET``.
+            With ``lora`` (the adapter's config) and ``keep_adapters``, each version is an
+            adapter served as ``wsync-v{N}`` (:mod:`~lightning_wsync.engines.vllm_lora_servers`).
     """
 
     def __init__(
@@ -63,6 +67,9 @@ class VllmServersCallback(pl.Callback):
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
         self.server_options = dict(server_options or {})
+        if self.server_options.get("lora") is not None:
+            self.server_options["lora"] = adapter_config(self.server_options["lora"])  # plain data, for HTTP
+        self.adapters = ServedAdapterNames.from_options(self.servers, self.server_options)
         self.version: int | None = None  # the version every server holds
         self._joined = False
         self._dropped = 0
@@ -98,6 +105,9 @@ class VllmServersCallback(pl.Callback):
                 self._joined = True
         if not self._joined:
             return
-        apply_version(self.servers, self.servers, version, timeout_s=self.timeout_s, pause_mode=self.pause_mode)
+        if self.adapters is not None:
+            self.adapters.apply(self.servers, version, timeout_s=self.timeout_s, pause_mode=self.pause_mode)
+        else:
+            apply_version(self.servers, self.servers, version, timeout_s=self.timeout_s, pause_mode=self.pause_mode)
         self.version = version
         log.debug("VllmServersCallback: servers %s at version %d", self.servers.urls, version)

@@ -46,7 +46,9 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from lightning_wsync._pull.receiver import WeightReceiver
 from lightning_wsync.engines._commit import StagedVersion
 from lightning_wsync.engines._vllm_follow import Follower, follow_settings
+from lightning_wsync.engines._vllm_lora_server import ServedAdapters
 from lightning_wsync.engines._vllm_names import check_names
+from lightning_wsync.engines.lora import adapter_config
 from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
     receiver: WeightReceiver | None = None
     version: int | None = None  # the version loaded into the model
     follower: Follower | None = None  # with WSYNC_FOLLOW: the server applies new versions itself
+    adapters: ServedAdapters | None = None  # with options {"lora": ...}: versions are adapters, the base stays
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -97,7 +100,15 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         rank = self.parallel_config.rank
         self.staged = StagedVersion()
         name = f"{init_info.name or f'vllm-{os.getpid()}'}-w{rank}"
-        self.receiver = WeightReceiver(self.staged, init_info.store, init_info.job, name=name, **init_info.options)
+        options = dict(init_info.options)
+        lora, keep = options.pop("lora", None), options.pop("keep_adapters", None)
+        if self.adapters is not None:
+            self.adapters.close()
+            self.adapters = None
+        if lora is not None:
+            self.adapters = ServedAdapters(self.vllm_config, self.model, adapter_config(lora), keep)
+            self.adapters.serve()
+        self.receiver = WeightReceiver(self.staged, init_info.store, init_info.job, name=name, **options)
 
     def join_job(self, name: str | None, options: dict[str, Any]) -> None:
         """Start this worker's receiver with store and job from the environment (for the follower)."""
@@ -151,16 +162,23 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             self._reload(receiver.name, version)
 
     def _check_names(self, name: str) -> None:
-        refused, _ = check_names(self.vllm_config, self.staged.tensors.items())
+        if self.adapters is not None:
+            refused = self.adapters.refused(self.staged.tensors)
+        else:
+            refused, _ = check_names(self.vllm_config, self.staged.tensors.items())
         if refused:
             raise WeightSyncSchemaError(
                 f"wsync weight transfer {name!r}: the trainer's tensors {refused!r} would not load "
-                f"into the engine's model; publish the checkpoint's names, or exclude=[...] them"
+                f"into the engine's {'LoRA layers' if self.adapters else 'model'}; publish the checkpoint's names, "
+                f"or exclude=[...] them"
             )
 
     def _reload(self, name: str, version: int) -> None:
         self.version = None  # until the reload returns, the model may hold parts of two versions
-        reload_weights(self.vllm_config, self.model, iter(self.staged.tensors.items()), None, True)
+        if self.adapters is not None:  # loadable by name from now on: /v1/load_lora_adapter wsync:v{version}
+            self.adapters.add(version, self.staged.tensors)
+        else:
+            reload_weights(self.vllm_config, self.model, iter(self.staged.tensors.items()), None, True)
         self.version = version
         log.debug("wsync weight transfer %r loaded version %d", name, version)
 
@@ -171,6 +189,9 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         follower, self.follower = self.follower, None
         if follower is not None:
             follower.close()
+        adapters, self.adapters = self.adapters, None
+        if adapters is not None:
+            adapters.close()
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             receiver.close()

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import requests
@@ -21,12 +22,13 @@ import requests
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group."""
 
-    def __init__(self, model: Path, port: int, log: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, port: int, log: Path, extra_env: dict[str, str] | None = None,
+                 args: Sequence[str] = ()) -> None:  # fmt: skip
         self.model, self.url, self.log = str(model), f"http://127.0.0.1:{port}", log
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
-               "--weight-transfer-config", '{"backend": "wsync"}']  # fmt: skip
+               "--weight-transfer-config", '{"backend": "wsync"}', *args]  # fmt: skip
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -49,8 +51,8 @@ class Server:
         response.raise_for_status()
         return str(response.json()["weight_version"])
 
-    def complete(self, prompt_ids: list[int], tokens: int) -> list[int]:
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0.0,
+    def complete(self, prompt_ids: list[int], tokens: int, model: str | None = None) -> list[int]:
+        body = {"model": model or self.model, "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True}  # fmt: skip
         response = requests.post(f"{self.url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
@@ -59,13 +60,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, object]:
         VllmWeightSync(llm, store=sender.store_address, job="bench", timeout_s=120, **sync_kwargs) as sync,
     ):
         for version in range(args.pushes + 1):
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.requires_grad:
-                        p.add_(0.01)
-            started = time.perf_counter()
-            sender.push(version)
-            pushed = time.perf_counter()
+            started, pushed = step_and_push(model, sender, version)
             sync.wait_for_version(version, timeout_s=120)
             if version:  # the first one also starts the planes
                 times.append(time.perf_counter() - started)
@@ -74,6 +69,20 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, object]:
         return {"mode": mode, "bytes": sender.layout.total_bytes, "model_bytes": total,
                 "p50_s": statistics.median(times), "max_s": max(times),
                 "snapshot_p50_s": statistics.median(snapshots)}  # fmt: skip
+
+
+def step_and_push(model: Any, sender: Any, version: int) -> tuple[float, float]:
+    """Move every trainable weight a little and push ``version``; ``push()``'s start and end
+    (``time.perf_counter`` seconds)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.01)
+    started = time.perf_counter()
+    sender.push(version)
+    return started, time.perf_counter()
 
 
 def main() -> None:
