@@ -107,6 +107,22 @@ def test_memory_flat_over_many_small_pushes(children, port):
             assert growth < 0.05, rss
 
 
+def test_a_verifying_receiver_that_joins_after_a_push_gets_that_version(port):
+    """The checksums of a version pushed while no receiver verified are published when one joins (before, a
+    late receiver with verify=True waited for the next push and timed out: 'no version >= 0 within ...')."""
+    src, dst = build(("mixed", 0)), build(("mixed", 1))
+    store = f"127.0.0.1:{port}"
+    with WeightSender(src, store=store, job="late-verify", timeout_s=10) as sender:
+        sender.push(0).wait(10)
+        with WeightReceiver(dst, store=store, job="late-verify", name="late", verify=True) as receiver:
+            assert receiver.wait_for_version(0, timeout_s=10) == 0
+            assert digest(dst) == digest(src)
+            mutate(src, 1)
+            sender.push(1)
+            assert receiver.wait_for_version(1, timeout_s=10) == 1
+            assert digest(dst) == digest(src)
+
+
 def test_shared_memory_verify_rejects_corrupted_bytes(port):
     src, dst = build(("mixed", 0)), build(("mixed", 1))
     store = f"127.0.0.1:{port}"

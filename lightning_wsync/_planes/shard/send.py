@@ -74,11 +74,19 @@ class ShardSendPlane:
         self._missing: tuple[int, int] | None = None  # (version, rank) of the newest incomplete version
         self._warned: set[int] = set()  # ranks whose missing share was logged (again once they complete one)
         self._watched: dict[int, tuple[float, bool]] = {}  # version -> (deadline, publish checksums)
+        self._unsummed: int | None = None  # the newest version, published while no live receiver verified
         self._thread = threading.Thread(target=self._run, name="wsync-shard-wait", daemon=True)
         self._thread.start()
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
-        pass  # readers pin slots themselves; a dead reader's pin expires
+        """Readers pin slots themselves (a dead reader's pin expires); a receiver that verifies and joined after
+        the newest push has that version watched again, to publish its checksums now."""
+        version = self._unsummed
+        if version is not None and self._checks and any(p.verify for p in live):
+            self._unsummed = None
+            with self._cond:
+                self._watched[version] = (time.monotonic() + self._timeout_s, True)
+                self._cond.notify()
 
     def _missing_ranks(self, version: int) -> list[int]:
         """Ranks (>= 1) that have written neither ``version`` nor a newer version: by their ring on this host,
@@ -104,6 +112,7 @@ class ShardSendPlane:
         complete, publish checksums for verifying receivers; past ``timeout_s``, name the missing rank."""
         ahead = min(_AHEAD_MAX_S, self._timeout_s / 10)
         verify = self._checks and any(p.verify for p in live)
+        self._unsummed = None if verify else version
         with self._cond:
             self._watched[version] = (time.monotonic() + self._timeout_s - ahead, verify)
             self._cond.notify()

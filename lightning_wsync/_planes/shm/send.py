@@ -18,14 +18,25 @@ class ShmSendPlane:
     def __init__(self, control: Control, ring: SnapshotRing) -> None:
         self._ctl = control
         self._ring = ring
+        self._unsummed: int | None = None  # the newest version, published while no live receiver verified
 
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
-        pass  # readers pin slots themselves; a dead reader's pin expires
+        """Readers pin slots themselves (a dead reader's pin expires); a receiver that verifies and joined after
+        the newest push gets that version's checksums now, not only with the next push."""
+        version = self._unsummed
+        if version is not None and any(p.verify for p in live):
+            self._unsummed = None
+            self._publish_sums(version)
 
     def published(self, version: int, live: Sequence[Peer]) -> None:
         """Publish the checksums, after the version is out so receivers that do not verify are not delayed."""
         if not any(p.verify for p in live):
+            self._unsummed = version
             return
+        self._unsummed = None
+        self._publish_sums(version)
+
+    def _publish_sums(self, version: int) -> None:
         ref = self._ring.find(version)
         lease = None if ref is None else self._ring.acquire(ref)
         if lease is None:  # already overwritten by the next push
