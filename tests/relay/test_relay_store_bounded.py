@@ -47,7 +47,11 @@ def visit(sender: WeightSender, model: torch.nn.Module, version: int, monkeypatc
     try:
         wait_until(f"visitor{n} to register", lambda: f"visitor{n}" in sender.receivers(), 30)
         mutate(model, version)
-        report = sender.push(version).wait(timeout_s=30)
+        # Every visit needs its version published, so the push waits (bounded) for a free slot as a
+        # run's final push does: a chain change can leave the other slot pinned by a send to the host
+        # that just left, up to the pin lease, and push() drops a version at once then (CI saw it:
+        # dropped=True at version 9 of 12).
+        report = sender.push(version, wait_for_slot_s=10).wait(timeout_s=30)
         # What this test is about is the store's keys; every receiver here shares one process
         # with the sender, whose stalls (seen: > heartbeat_timeout_s now and then) can leave a
         # receiver out of a report, so delivery is checked on the visitor itself.
