@@ -94,7 +94,7 @@ def test_a_server_serves_each_adapter_version_by_name_and_refuses_those_pushed_o
         sync = WeightSyncCallback(every_n_steps=1, store=f"127.0.0.1:{free_port()}", job="lora-server", timeout_s=60,
                                   include=ADAPTER_TENSORS)  # fmt: skip
         follow = VllmServersCallback(
-            sync, [server.url], timeout_s=60, server_options={"lora": peft_model, "keep_adapters": KEEP}
+            sync, [server.url], timeout_s=60, server_options={"lora": peft_model, "keep_adapters": KEEP, "verify": True}
         )
         check = Check(follow, server, prompts)
         data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor([prompts[0]] * STEPS)))
