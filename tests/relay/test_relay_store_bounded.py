@@ -48,9 +48,9 @@ def visit(sender: WeightSender, model: torch.nn.Module, version: int, monkeypatc
         wait_until(f"visitor{n} to register", lambda: f"visitor{n}" in sender.receivers(), 30)
         mutate(model, version)
         # Every visit needs its version published, so the push waits (bounded) for a free slot as a
-        # run's final push does: a chain change can leave the other slot pinned by a send to the host
-        # that just left, up to the pin lease, and push() drops a version at once then (CI saw it:
-        # dropped=True at version 9 of 12).
+        # run's final push does: the other slot can still be pinned (a reader, or a send down the
+        # chain, holds it up to the pin lease) and push() then drops the version at once (ci-fresh
+        # saw it: dropped=True at version 9 of 12; which pin held it was not recorded).
         report = sender.push(version, wait_for_slot_s=10).wait(timeout_s=30)
         # What this test is about is the store's keys; every receiver here shares one process
         # with the sender, whose stalls (seen: > heartbeat_timeout_s now and then) can leave a
