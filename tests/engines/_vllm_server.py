@@ -46,8 +46,8 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"vLLM server not up within {timeout_s} s: {self.log.read_text()[-3000:]}")
 
-    def weight_version(self) -> str:
-        response = requests.get(f"{self.url}/weight_info", timeout=30)
+    def weight_version(self, timeout_s: float = 30.0) -> str:
+        response = requests.get(f"{self.url}/weight_info", timeout=timeout_s)
         response.raise_for_status()
         return str(response.json()["weight_version"])
 
@@ -67,6 +67,12 @@ class Server:
         response.raise_for_status()
         choice = response.json()["choices"][0]
         return list(choice["token_ids"]), [(s["start"], s["version"]) for s in choice["weight_versions"]]
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The server log's last ``lines`` lines but for its per-request access lines."""
+        text = self.log.read_text(errors="replace").splitlines()
+        kept = [line for line in text if not line.startswith("INFO:") or "generate" not in line]
+        return "\n".join(kept[-lines:])
 
     def stop(self) -> None:
         """SIGTERM to the server's process group (API server, engine core, workers), SIGKILL after 20 s."""
