@@ -8,7 +8,6 @@ import glob
 from typing import Any
 
 import pytest
-import torch
 from _sharded import sharded_model, zeroed_sharded_model
 from _workers import mixed_model
 
@@ -37,29 +36,29 @@ CASES: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("sender timeout_s", WeightSender, {"timeout_s": "30"}, ValueError, r"timeout_s='30' must be a number > 0"),
     ("sender transport", WeightSender, {"transport": "udp"}, ValueError, r"transport='udp' is unknown; choose one of"),
     ("sender heartbeat", WeightSender, {"heartbeat_timeout_s": -1}, ValueError, r"heartbeat_timeout_s=-1 must be"),
-    ("sender nccl on cpu", WeightSender, {"transport": "nccl"}, ValueError, r"transport='nccl' needs the module on a CUDA"),
+    ("sender nccl on cpu", WeightSender, {"transport": "nccl"}, ValueError, r"transport='nccl' needs the module on a CUDA"),  # noqa: E501  (a table: one case per line)
     ("sender cuda_ipc on cpu", WeightSender, {"cuda_ipc": True}, ValueError,
      r"cuda_ipc=True shares snapshot slots on the module's GPU, but its tensors are on \['cpu'\]"),
     ("sender cuda_ipc over gloo", WeightSender, {"cuda_ipc": True, "transport": "gloo"}, ValueError,
      r"cuda_ipc=True serves same-host receivers .* transport='gloo'; use transport='auto' or 'shm'"),
-    ("sender unknown option", WeightSender, {"bucket_size": 3}, TypeError, r"unexpected keyword argument 'bucket_size'"),
+    ("sender unknown option", WeightSender, {"bucket_size": 3}, TypeError, r"unexpected keyword argument 'bucket_size'"),  # noqa: E501  (a table: one case per line)
     ("sender store", WeightSender, {"store": "localhost"}, ValueError, r"store='localhost' is not 'host:port'"),
     ("sender store port", WeightSender, {"store": "h:99999"}, ValueError, r"store='h:99999' is not 'host:port'"),
     ("sender store type", WeightSender, {"store": 29400}, TypeError, r"store=29400 must be a torch.distributed.Store"),
     ("sender job", WeightSender, {"job": "a/b"}, ValueError, r"job='a/b' must not contain '/'"),
-    ("sender config and default", WeightSender, {"config": SenderConfig(), "delta": "auto"}, TypeError, r"got config=SenderConfig\(...\) and the options \['delta'\]; pass one or the other"),
-    ("receiver config and option", WeightReceiver, {"config": ReceiverConfig(), "verify": False}, TypeError, r"got config=ReceiverConfig\(...\) and the options \['verify'\]"),
+    ("sender config and default", WeightSender, {"config": SenderConfig(), "delta": "auto"}, TypeError, r"got config=SenderConfig\(...\) and the options \['delta'\]; pass one or the other"),  # noqa: E501  (a table: one case per line)
+    ("receiver config and option", WeightReceiver, {"config": ReceiverConfig(), "verify": False}, TypeError, r"got config=ReceiverConfig\(...\) and the options \['verify'\]"),  # noqa: E501  (a table: one case per line)
     ("receiver name", WeightReceiver, {"name": ""}, ValueError, r"name='' must be non-empty"),
     ("receiver heartbeat", WeightReceiver, {"heartbeat_s": 0}, ValueError, r"heartbeat_s=0 must be a number > 0"),
     ("receiver timeout", WeightReceiver, {"timeout_s": None}, ValueError, r"timeout_s=None must be a number > 0"),
     ("receiver include", WeightReceiver, {"include": "x"}, TypeError, r"include='x' must be a list"),
     ("receiver verify", WeightReceiver, {"verify": "yes"}, TypeError, r"verify='yes' must be True or False"),
-    ("receiver apply", WeightReceiver, {"apply": "move"}, ValueError, r"apply='move' must be one of \('copy', 'swap'\) \(default 'copy'\)"),
+    ("receiver apply", WeightReceiver, {"apply": "move"}, ValueError, r"apply='move' must be one of \('copy', 'swap'\) \(default 'copy'\)"),  # noqa: E501  (a table: one case per line)
     ("receiver job", WeightReceiver, {"job": ""}, ValueError, r"job=''; pass job='<run name>' or set WSYNC_JOB"),
-    ("callback every_n_steps", WeightSyncCallback, {"every_n_steps": 0}, ValueError, r"every_n_steps=0 must be an int >= 1"),
-    ("callback module", WeightSyncCallback, {"every_n_steps": 1, "module": "a..b"}, ValueError, r"module='a..b' must be an attribute path"),
-    ("callback lag", WeightSyncCallback, {"every_n_steps": 1, "max_version_lag": -1}, ValueError, r"max_version_lag=-1 must be an int >= 0"),
-    ("callback dtype", WeightSyncCallback, {"every_n_steps": 1, "dtype": "fp8"}, ValueError, r"dtype='fp8' is not supported"),
+    ("callback every_n_steps", WeightSyncCallback, {"every_n_steps": 0}, ValueError, r"every_n_steps=0 must be an int >= 1"),  # noqa: E501  (a table: one case per line)
+    ("callback module", WeightSyncCallback, {"every_n_steps": 1, "module": "a..b"}, ValueError, r"module='a..b' must be an attribute path"),  # noqa: E501  (a table: one case per line)
+    ("callback lag", WeightSyncCallback, {"every_n_steps": 1, "max_version_lag": -1}, ValueError, r"max_version_lag=-1 must be an int >= 0"),  # noqa: E501  (a table: one case per line)
+    ("callback dtype", WeightSyncCallback, {"every_n_steps": 1, "dtype": "fp8"}, ValueError, r"dtype='fp8' is not supported"),  # noqa: E501  (a table: one case per line)
     ("writer capacity", ExperienceWriter, {"capacity": 0}, ValueError, r"capacity=0 must be an int >= 1"),
     ("writer channel", ExperienceWriter, {"channel": "a/b"}, ValueError, r"channel='a/b' must be a non-empty name"),
     ("writer timeout", ExperienceWriter, {"timeout_s": 0}, ValueError, r"timeout_s=0 must be > 0"),

@@ -134,7 +134,8 @@ def test_retiring_an_old_sharded_epoch_takes_every_ranks_note_with_it():
     from lightning_wsync._control.shards import Piece, ShardPlan
 
     ctl = Control(dist.HashStore(), "j")
-    plan = ShardPlan(((Piece(0, 0, 4),), (Piece(0, 4, 8),), (Piece(1, 0, 4),)), bucket_bytes=1 << 20).with_segments(["s0", "s1", "s2"])
+    pieces = ((Piece(0, 0, 4),), (Piece(0, 4, 8),), (Piece(1, 0, 4),))
+    plan = ShardPlan(pieces, bucket_bytes=1 << 20).with_segments(["s0", "s1", "s2"])
     ctl.put(keys.shards(1), ShardsRecord(plan))
     for rank in range(3):
         ctl.set_text(keys.shard_written(1, rank), "7")

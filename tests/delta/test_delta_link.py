@@ -15,7 +15,6 @@ from _delta_workers import sums, versions
 from conftest import Children
 
 from lightning_wsync._control.manifest import Manifest, entry_views
-from lightning_wsync.config import CallbackConfig, SenderConfig
 from lightning_wsync._planes.delta.codec import base_digest, sampled_changed_share
 from lightning_wsync._planes.delta.encode import (
     AUTO_MAX_WIRE_SHARE,
@@ -26,8 +25,9 @@ from lightning_wsync._planes.delta.encode import (
     delta_base,
 )
 from lightning_wsync._planes.delta.wire import DeltaStats, Held, parse_ready_note, ready_note, send_records
-from lightning_wsync._planes.wire import PeerGroup, make_group
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
+from lightning_wsync._planes.wire import PeerGroup, make_group
+from lightning_wsync.config import CallbackConfig, SenderConfig
 
 pytestmark = pytest.mark.timeout(90)
 CTX = mp.get_context("spawn")
@@ -118,8 +118,10 @@ def test_one_encoding_serves_every_link(workers: int) -> None:
     pool.encode = counting  # type: ignore[method-assign]
     stream = DeltaStream(pool, version=2, base_version=1, base=base, new=new, base_sums=sums(layout, base))
     got: dict[int, list[Any]] = {}
-    readers = [threading.Thread(target=lambda n=n: got.__setitem__(n, [stream.record(i) for i in range(len(layout.buckets))]),
-                                name=f"test-reader-{n}") for n in range(3)]  # fmt: skip
+    def read_all(n: int) -> None:
+        got[n] = [stream.record(i) for i in range(len(layout.buckets))]
+
+    readers = [threading.Thread(target=read_all, args=(n,), name=f"test-reader-{n}") for n in range(3)]
     for t in readers:
         t.start()
     for t in readers:

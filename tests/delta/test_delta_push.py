@@ -45,7 +45,8 @@ def test_deltas_after_one_full_version_late_join_restart_and_stall(children, por
     inbox = Inbox(CTX)
     store = f"127.0.0.1:{port}"
     job = "delta"
-    with WeightSender(model, store=store, job=job, transport="gloo", bucket_mb=2, timeout_s=4, delta="always") as sender:
+    options = dict(transport="gloo", bucket_mb=2, timeout_s=4, delta="always")
+    with WeightSender(model, store=store, job=job, **options) as sender:
         procs = {"copy": _start(children, store, job, "copy", inbox),
                  "swap": _start(children, store, job, "swap", inbox, apply="swap")}  # fmt: skip
         collect(inbox, "ready", set(procs), timeout_s=120)
@@ -92,7 +93,8 @@ def test_corrupted_delta_is_rejected_previous_kept_then_full_then_deltas(childre
     model = build(SPEC)
     inbox = Inbox(CTX)
     store = f"127.0.0.1:{port}"
-    with WeightSender(model, store=store, job="bad", transport="gloo", bucket_mb=2, timeout_s=10, delta="always") as sender:
+    options = dict(transport="gloo", bucket_mb=2, timeout_s=10, delta="always")
+    with WeightSender(model, store=store, job="bad", **options) as sender:
         _start(children, store, "bad", "r", inbox, target=corrupting_receiver_main, extra=(3,))
         collect(inbox, "ready", {"r"}, timeout_s=120)
         _push(sender, model, 1, {"r"}, inbox)
@@ -125,7 +127,8 @@ def test_sender_restart_sends_full_then_deltas(children, port):
     model = build(SPEC)
     sparse_change(model, 1)
     sparse_change(model, 2)
-    with WeightSender(model, store=store, job="again", transport="gloo", bucket_mb=2, timeout_s=10, delta="always") as sender:
+    options = dict(transport="gloo", bucket_mb=2, timeout_s=10, delta="always")
+    with WeightSender(model, store=store, job="again", **options) as sender:
         # The receiver holds version 2 of the dead sender: no shared base, so a full version first.
         assert _push(sender, model, 3, {"r"}, inbox).delta_receivers == ()
         assert _push(sender, model, 4, {"r"}, inbox).delta_receivers == ("r",)

@@ -62,7 +62,8 @@ def test_failing_target_leaves_no_version_and_the_next_update_hands_over_again(p
             assert receiver.wait_for_version(1, timeout_s=10) == 1
             mutate(src, 2)
             sender.push(2)
-            with pytest.raises(WeightSyncError, match=r"'engine': the apply target raised on version 2 \(RuntimeError: engine busy\); it held 1"):
+            message = r"'engine': the apply target raised on version 2 \(RuntimeError: engine busy\); it held 1"
+            with pytest.raises(WeightSyncError, match=message):
                 receiver.wait_for_version(2, timeout_s=10)
             assert receiver.version is None
             assert receiver.update() == 2 and digest(dst) == digest(src)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("vllm", reason="vLLM not installed: pip install 'lightning-wsync[vllm]' (bash .ci/run tests it in .venv-vllm)")
+pytest.importorskip(
+    "vllm", reason="vLLM not installed: pip install 'lightning-wsync[vllm]' (bash .ci/run tests it in .venv-vllm)"
+)
 
 
 @pytest.mark.slow

@@ -16,14 +16,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("vllm", reason="vLLM not installed: pip install 'lightning-wsync[vllm]' (bash .ci/run tests it in .venv-vllm)")
+pytest.importorskip(
+    "vllm", reason="vLLM not installed: pip install 'lightning-wsync[vllm]' (bash .ci/run tests it in .venv-vllm)"
+)
 pytest.importorskip("transformers", reason="transformers comes with vLLM")
 sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
 
-from tiny_llama import write_tiny_llama
+from tiny_llama import write_tiny_llama  # noqa: E402  (after the skips and the examples' path)
 
-from lightning_wsync import WeightSender, WeightSyncError
-from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
+from lightning_wsync import WeightSender, WeightSyncError  # noqa: E402
+from lightning_wsync.engines.vllm import VllmWeightSync, make_llm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

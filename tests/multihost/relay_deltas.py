@@ -24,10 +24,10 @@ from _scenario import Procs, main, wait_until
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import ModelSpec, digest
 from lightning_wsync.testing.steps import Trainer
-from lightning_wsync._planes.relay.head.feed import leader_record
 
 HERE = Path(__file__).resolve().parent
 SPEC = ModelSpec(d_model=256, vocab=4096, n_layers=2)  # 2.6M parameters: 5.3 MB in bf16, 6 buckets of 1 MiB

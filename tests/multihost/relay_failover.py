@@ -25,9 +25,9 @@ from _scenario import Procs, main, wait_until
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
-from lightning_wsync._planes.relay.head.feed import leader_record
 
 HERE = Path(__file__).resolve().parent
 
@@ -67,7 +67,8 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             ]
             for name in names:
                 argv_ = [sys.executable, str(HERE / "_relay_receiver.py"), "--store", str(sender.store_address),
-                         "--job", "failover", "--name", name, "--size-mb", str(size_mb), "--events", str(events)]  # fmt: skip
+                         "--job", "failover", "--name", name, "--size-mb", str(size_mb),
+                         "--events", str(events)]  # fmt: skip
                 procs.start(name, int(name[1 : name.index("r")]), argv_)
             wait_until(
                 "every receiver to register",

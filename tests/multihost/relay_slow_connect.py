@@ -20,9 +20,9 @@ from _scenario import Procs, main, wait_until
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
+from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
-from lightning_wsync._planes.relay.head.feed import leader_record
 
 HERE = Path(__file__).resolve().parent
 SIZE_MB = 4
@@ -70,7 +70,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 sender.push(version)
                 # One hop's late connection (1.5 s) plus the resend: well inside this bound, while
                 # without the resend the version never reaches the hosts behind the first leader.
-                wait_until(f"every host to apply version {version}", lambda: applied(version), 30, procs)
+                wait_until(f"every host to apply version {version}", lambda v=version: applied(v), 30, procs)
         return {
             "applied": [{"name": r["name"], "version": r["version"], "exact": r["digest"] == expected.get(r["version"])}
                         for r in read(events) if r["event"] == "applied"],  # fmt: skip

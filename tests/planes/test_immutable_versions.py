@@ -143,7 +143,9 @@ def test_back_to_back_pushes_never_mix_versions(children, port, mode):
         dropped = sender.dropped_pushes
     assert sorted(report.delivered) and not report.failed, report
     for out in outcomes:
-        assert out["mixes"] == 0, f"{out['mixes']} of {out['checks']} checks saw a module unlike its version: {out['seen']}"
+        assert out["mixes"] == 0, (
+            f"{out['mixes']} of {out['checks']} checks saw a module unlike its version: {out['seen']}"
+        )
         assert out["final"] == last and out["ok_final"]
         versions = [v for _, v in out["applies"]]
         assert versions == sorted(versions) and len(set(versions)) == len(versions)

@@ -102,7 +102,7 @@ def test_mismatched_module_gets_schema_error(port):
     ("options", "match"),
     [
         ({"bucket_mb": 0}, r"bucket_mb=0 must be a number > 0"),
-        ({"transport": "carrier-pigeon"}, r"transport='carrier-pigeon' is unknown; choose one of \('auto', 'shm', 'gloo', 'nccl', 'nixl'\)"),
+        ({"transport": "carrier-pigeon"}, r"transport='carrier-pigeon' is unknown; choose one of \('auto', 'shm', 'gloo', 'nccl', 'nixl'\)"),  # noqa: E501  (a table: one case per line)
         ({"dtype": "int8"}, r"dtype='int8' is not supported"),
         ({"timeout_s": -1}, r"timeout_s=-1 must be a number > 0"),
         ({"include": "*.weight"}, r"include='\*.weight' must be a list of glob patterns"),
@@ -242,6 +242,7 @@ def test_swap_apply_refuses_a_module_not_in_the_wire_dtype(port):
             with pytest.raises(
                 WeightSyncSchemaError,
                 match=r"apply='swap' needs every tensor as the gloo link stages it, but '[\w.]+' is float32 on cpu "
-                r"and arrives as bfloat16 on cpu; hold the module in the wire dtype on that device, or use apply='copy'",
+                r"and arrives as bfloat16 on cpu; hold the module in the wire dtype on that device, "
+                r"or use apply='copy'",
             ):
                 receiver.wait_for_version(1, timeout_s=10)

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from lightning_wsync._planes.shm.files import check_segment_name
 from lightning_wsync._control.manifest import build_manifest
-from lightning_wsync.errors import WeightSyncConfigError
+from lightning_wsync._planes.shm.files import check_segment_name
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, ShmSegment, SlotRef, remove_stale_segments
+from lightning_wsync.errors import WeightSyncConfigError
 
 
 def _layout():

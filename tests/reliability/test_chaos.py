@@ -47,7 +47,8 @@ class Fleet:
         name = f"r{self.count}"
         self.count += 1
         q = CTX.Queue()
-        p = CTX.Process(target=receiver_main, args=(self.store, self.job, name, self.spec, q, self.options), daemon=True)
+        args = (self.store, self.job, name, self.spec, q, self.options)
+        p = CTX.Process(target=receiver_main, args=args, daemon=True)
         p.start()
         self.children.track(p.pid)
         self.procs[name], self.queues[name], self.held[name] = p, q, -1

@@ -71,7 +71,8 @@ def test_store_loss_keeps_weights_and_reports_clearly(children, port):
             assert time.monotonic() < deadline, "receiver never noticed the store went away"
             time.sleep(0.05)
         assert receiver.update() is None
-        with pytest.raises(WeightSyncStoreError, match=rf"store '127.0.0.1:{port}' has been unreachable .* keeps version 1"):
+        unreachable = rf"store '127.0.0.1:{port}' has been unreachable .* keeps version 1"
+        with pytest.raises(WeightSyncStoreError, match=unreachable):
             receiver.wait_for_version(2, timeout_s=3)
         assert digest(module) == pushed[3]
 

@@ -120,7 +120,8 @@ def writer_main(store: str, job: str, producer: int, count: int) -> None:
 
     writer = ExperienceWriter(store=store, job=job, capacity=4, timeout_s=60)
     for i in range(count):
-        writer.put({"who": torch.tensor([producer, i]), "x": torch.full((3,), float(i), dtype=torch.bfloat16)}, version=i)
+        tensors = {"who": torch.tensor([producer, i]), "x": torch.full((3,), float(i), dtype=torch.bfloat16)}
+        writer.put(tensors, version=i)
 
 
 def corrupting_receiver_main(
