@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model picks), chain, tree, star (default: relay and star; with --delta, each "
                              "full against deltas, default relay)")  # fmt: skip
     parser.add_argument("--no-reference", action="store_true", help="skip the one-host reference run")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="with --transport: measure every transport and topology in turn this many times "
+                             "(alternating; medians and the spread; default 3 with two transports)")  # fmt: skip
 
 
 def link_bits_per_s(rate: str) -> float:
@@ -91,6 +94,11 @@ def validate(args: argparse.Namespace) -> None:
     if args.transports != ["auto"] and not set(args.transports) <= {"gloo", "nixl"}:
         raise ValueError(f"--transport {args.transports!r} with --hosts: give gloo and/or nixl (each measured in "
                          f"turn, star) or none (the relay and the star over gloo)")  # fmt: skip
+    if args.transports != ["auto"] and not set(args.topology or ()) <= {"star", "chain"}:
+        raise ValueError(f"--topology {args.topology!r} with --transport: give star and/or chain (NIXL hops "
+                         f"form chains only)")  # fmt: skip
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds!r} must be >= 1")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +137,8 @@ def _run_isolated(args: argparse.Namespace) -> int:
         argv += ["--dtype", args.dtype]
     if args.no_reference:
         argv.append("--no-reference")
+    if args.rounds is not None:
+        argv += ["--rounds", str(args.rounds)]
     if args.json:
         argv.append("--json")
     proc = subprocess.Popen(isolated_argv(argv), start_new_session=True)
@@ -168,27 +178,54 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
 def _measure_transports(
     args: argparse.Namespace, hosts: SimHosts, rate: float, config: dict[str, object]
 ) -> dict[str, object]:
-    """Each ``--transport`` (gloo links, NIXL READs: the star) in turn, one host and all, with its raw hop bound."""
+    """Each ``--transport`` (gloo, NIXL) over each ``--topology`` (star: links or READs; chain: the relay's
+    hops) in turn, ``--rounds`` times alternating so that load hits all alike, with the raw hop bounds."""
     if "nixl" in args.transports:
         os.environ["UCX_TLS"] = "tcp"  # UCX would take shared memory between simulated hosts of one machine
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints each agent's start on stdout (--json)
     spec = spec_for_size(args.size_mb)
     model = build_model(spec, seed=args.seed)
+    topologies = args.topology or ["star"]
+    rounds = args.rounds or (3 if len(args.transports) > 1 else 1)
     phases: dict[str, dict[str, object]] = {}
-    for transport in args.transports:
-        ones = None
-        if not args.no_reference and args.hosts > 1:
-            ones = _phase(model, spec, hosts, args, rate, n_hosts=1, topology="star", transport=transport)
-            phases[f"one_host/{transport}"] = ones
-        phase = _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology="star", transport=transport)
-        raw = raw_hop(hosts, transport, int(phase["pushed_bytes"]), reps=3, timeout_s=args.timeout_s)  # type: ignore[call-overload]
+    measured: dict[str, list[dict[str, object]]] = {}
+    for round_ in range(rounds):
+        for topology in topologies:
+            for transport in args.transports:
+                name = transport if topology == "star" else f"{transport}/{topology}"
+                if round_ == 0 and not args.no_reference and args.hosts > 1:
+                    phases[f"one_host/{name}"] = _phase(model, spec, hosts, args, rate, n_hosts=1, topology=topology,
+                                                        transport=transport)  # fmt: skip
+                measured.setdefault(name, []).append(
+                    _phase(model, spec, hosts, args, rate, n_hosts=args.hosts, topology=topology, transport=transport)
+                )
+    raws = {t: raw_hop(hosts, t, int(next(iter(measured.values()))[0]["pushed_bytes"]), reps=3,  # type: ignore[call-overload]
+                       timeout_s=args.timeout_s) for t in args.transports}  # fmt: skip
+    for name, runs in measured.items():
+        phase = combine_rounds(runs)
+        raw = raws[str(phase["transport"])]
         phase["raw_hop"] = raw
         phase["cpu_vs_raw"] = _ratio(phase["cpu_s_per_gb_per_hop"], raw["cpu_s_per_gb"])
+        ones = phases.get(f"one_host/{name}")
         if ones is not None:
             phase["latency_vs_one_host"] = _ratio(phase["latency_s"], ones["latency_s"])
-        phases[transport] = phase
-    return {"config": {**config, "transports": args.transports}, "phases": phases,
-            "ok": all(bool(p["ok"]) for p in phases.values())}  # fmt: skip
+        phases[name] = phase
+    return {"config": {**config, "transports": args.transports, "topologies": topologies, "rounds": rounds},
+            "phases": phases, "ok": all(bool(p["ok"]) for p in phases.values())}  # fmt: skip
+
+
+def combine_rounds(runs: list[dict[str, object]]) -> dict[str, object]:
+    """One phase from its rounds: the median round's figures, with the median and the spread
+    (each round's value) of the latency and of the CPU per GB per hop across all of them."""
+    by_latency = sorted(runs, key=lambda p: float(p["latency_s"]))  # type: ignore[arg-type]
+    phase = dict(by_latency[(len(runs) - 1) // 2])
+    for key in ("latency_s", "cpu_s_per_gb_per_hop"):
+        values = [float(p[key]) for p in runs]  # type: ignore[arg-type]
+        phase[key] = statistics.median(values)
+        phase[f"{key}_rounds"] = values
+    phase["latency_vs_wire_bound"] = phase["latency_s"] / float(phase["wire_bound_s"])  # type: ignore[arg-type,operator]
+    phase["ok"] = all(bool(p["ok"]) for p in runs)
+    return phase
 
 
 def _measure_phases(
@@ -230,7 +267,9 @@ def _phase(
     n_hosts: int, topology: str, transport: str = "auto",
 ) -> dict[str, object]:  # fmt: skip
     placement = placements(hosts, n_hosts, args.receivers_per_host)
-    run = PushRun(model, spec, n_receivers=len(placement), transport=transport, dtype=args.dtype,
+    # A chain over gloo is the relay's own hops, which the sender offers with transport='auto' (not 'gloo': links).
+    sender_transport = "auto" if transport == "gloo" and topology != "star" else transport
+    run = PushRun(model, spec, n_receivers=len(placement), transport=sender_transport, dtype=args.dtype,
                   bucket_mb=args.bucket_mb, timeout_s=args.timeout_s, store_host=hosts.address(0),
                   placement=placement, cross_host=topology, count_store=True)  # fmt: skip
     samples: list[dict[str, object]] = []
@@ -258,7 +297,7 @@ def _phase(
     egress = statistics.median(float(s["egress_models"]) for s in timed)  # type: ignore[arg-type]
     nic_s = egress * wire_bound_s
     # Copies that crossed a hop per push: one per receiver over links (the star), one per host through the relay.
-    copies = len(placement) if topology == "star" or transport != "auto" else n_hosts
+    copies = len(placement) if topology == "star" else n_hosts
     cpu_s = statistics.median(float(s["cpu_s"]) for s in timed)  # type: ignore[arg-type]
     return {
         "transport": transport, "cpu_s_per_push": cpu_s, "cpu_s_per_gb_per_hop": cpu_s / (pushed * copies / 1e9),
@@ -292,26 +331,33 @@ def format_table(result: dict[str, object]) -> str:
         f"links {cfg['link']} (tc tbf), {cfg['size_mb']:g} MiB model, {cfg['pushes']} timed pushes (medians), "
         f"{cfg['cpus']} CPUs"
     )
+    phases = result["phases"]
+    assert isinstance(phases, dict)
+    width = max([10, *(len(name) + 6 for name in phases)])
     header = (
-        f"{'phase':<10} {'hosts':>5} {'recv':>5} {'latency s':>10} {'wire bound s':>13} {'x bound':>8} "
+        f"{'phase':<{width}} {'hosts':>5} {'recv':>5} {'latency s':>10} {'wire bound s':>13} {'x bound':>8} "
         f"{'x 1 host':>9} {'egress models':>14} {'hop overhead s':>15} {'store req/push':>15} "
         f"{'idle req/s/host':>16} {'bit-exact':>10} {'CPU s/GB/hop':>13} {'x raw':>6}"
     )
     lines = [title, header]
-    phases = result["phases"]
-    assert isinstance(phases, dict)
     for name, p in phases.items():
         vs_one = p.get("latency_vs_one_host")
         lines.append(
-            f"{name:<10} {p['hosts']:>5} {p['receivers']:>5} {p['latency_s']:>10.2f} {p['wire_bound_s']:>13.2f} "
+            f"{name:<{width}} {p['hosts']:>5} {p['receivers']:>5} {p['latency_s']:>10.2f} {p['wire_bound_s']:>13.2f} "
             f"{p['latency_vs_wire_bound']:>8.2f} {'-' if vs_one is None else f'{vs_one:.2f}':>9} "
             f"{p['egress_models_per_push']:>14.2f} {p['per_hop_overhead_s']:>15.2f} "
             f"{p.get('store_requests_per_push', 0):>15.0f} {p.get('store_idle_requests_per_s_per_host', 0):>16.1f} "
             f"{'yes' if p['ok'] else 'NO':>10} {p.get('cpu_s_per_gb_per_hop', 0):>13.2f} "
             f"{'-' if p.get('cpu_vs_raw') is None else format(p['cpu_vs_raw'], '.2f'):>6}"
         )
+        rounds = p.get("latency_s_rounds")
+        if isinstance(rounds, list) and len(rounds) > 1:  # the spread: each round's figure, in the order measured
+            cpu = p["cpu_s_per_gb_per_hop_rounds"]
+            lines.append(f"{'':<{width}} {len(rounds)} rounds: latency s {' '.join(f'{x:.2f}' for x in rounds)}; "
+                         f"CPU s/GB/hop {' '.join(f'{x:.2f}' for x in cpu)}")  # fmt: skip
         raw = p.get("raw_hop")
         if isinstance(raw, dict):
-            lines.append(f"{'  raw ' + name:<10} {'':>5} {1:>5} {raw['latency_s']:>10.2f} {'':>13} {'':>8} {'':>9} "
-                         f"{'':>14} {'':>15} {'':>15} {'':>16} {'':>10} {raw['cpu_s_per_gb']:>13.2f}")  # fmt: skip
+            blank = " " * (13 + 8 + 9 + 14 + 15 + 15 + 16 + 10 + 7)  # the columns the raw hop has no figure for
+            lines.append(f"{'  raw ' + name:<{width}} {'':>5} {1:>5} {raw['latency_s']:>10.2f} {blank} "
+                         f"{raw['cpu_s_per_gb']:>13.2f}")  # fmt: skip
     return "\n".join(lines)

@@ -31,9 +31,32 @@ def remote_receiver_main(
                 time.sleep(stall_s)
 
         NixlReader.after_chunk = after_chunk  # type: ignore[method-assign]
+    hop_delay_s = options.pop("hop_chunk_delay_s", None)
+    if hop_delay_s is not None:
+        slow_hop(name, results, hop_delay_s, options.pop("hop_slow_from", 2))
     from _workers import receiver_main
 
     receiver_main(store, job, name, spec, results, options)
+
+
+def slow_hop(name: str, results: Any, delay_s: float, slow_from: int) -> None:
+    """This receiver's relay hop over NIXL, if it leads its host, sleeps ``delay_s`` after each chunk
+    of versions ``slow_from`` and on, having said ("hop-reading", name, version, its rid, its
+    upstream's rid or None) at the first chunk of each version (tests of a chain's failures)."""
+    from lightning_wsync._planes.nixl.hop import ChainHop
+
+    said: set[int] = set()
+
+    def after_chunk(self: ChainHop) -> None:
+        version = self.reading
+        if version is None or version < slow_from:
+            return
+        if version not in said:
+            said.add(version)
+            results.put(("hop-reading", name, version, self._rid, self._upstream))
+        time.sleep(delay_s)
+
+    ChainHop.after_chunk = after_chunk  # type: ignore[method-assign]
 
 
 def remote_sender_main(port: int, job: str, spec: tuple[str, int], commands: Any, results: Any) -> None:

@@ -41,8 +41,9 @@ def unusable() -> str | None:
         return f"NIXL does not load here ({type(exc).__name__}: {exc})"
     try:
         probe = Agent(f"wsync-probe-{os.getpid()}")
-    except NixlError as exc:
-        return str(exc)
+    except NixlError as exc:  # e.g. UCX_TLS asks for transports this host lacks (rc without an RDMA NIC)
+        ucx = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
+        return f"{exc} ({'UCX settings: ' + ucx + '; ' if ucx else ''}UCX logs the cause)"
     probe.close()
     return None
 

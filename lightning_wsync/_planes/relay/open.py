@@ -25,11 +25,12 @@ def offered(spec: SenderSpec, from_device: bool) -> bool:
 
 def open_send(side: SendContext) -> RelaySendPlane:
     spec = side.spec
-    nixl = spec.transport == "nixl"  # its hops are NIXL READs, down a chain (nixl/hop.py)
+    nixl = spec.transport == "nixl"  # its hops are NIXL READs, down a chain or one tree (nixl/hop.py)
     stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s,
                     nixl=nixl)  # fmt: skip
+    shape = ("tree" if spec.cross_host == "tree" else "chain") if nixl else spec.cross_host  # NIXL: one tree
     return RelaySendPlane(side.ctl, side.ring, stream, host=spec.host, timing=side.timing, deltas=side.deltas,
-                          policy=side.policy, topology="chain" if nixl else spec.cross_host,
+                          policy=side.policy, topology=shape,
                           previous_epoch=spec.epoch - 1 or None)  # fmt: skip
 
 

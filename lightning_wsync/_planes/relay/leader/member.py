@@ -264,6 +264,18 @@ class RelayMember:
         def superseded() -> bool:
             return self._stop.is_set() or not bell.current(chain.number)
 
+        if self._nixl and self._own is not None and self._own.segment is not None:  # READs from upstream (nixl/hop.py)
+            pos = chain.rids.index(self._rid)
+            # A chain: the previous leader; a tree: the parent in the binary heap over the leaders (one tree,
+            # each leader READs the whole version: a READ's owner serves any number of readers).
+            up = chain.rids[(pos - 1) // 2 if chain.tree else pos - 1] if pos else None
+            if self._nixl_hop is None:  # one per leadership: chains change its upstream, not its agents
+                self._nixl_hop = NixlChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
+                                              rid=self._rid, upstream=up, timeout_s=self._timeout_s,
+                                              on_accepted=self._published, on_rejected=self._on_rejected,
+                                              have=self.published_version)  # fmt: skip
+            self._nixl_hop.lead(up, superseded)
+            return
         if chain.tree:
             hop = self._hop
             assert hop is not None
@@ -277,15 +289,6 @@ class RelayMember:
                 deaf()
             return
         pos = chain.rids.index(self._rid)
-        if self._nixl and self._own is not None and self._own.segment is not None:  # READs from upstream (nixl/hop.py)
-            up = chain.rids[pos - 1] if pos else None
-            if self._nixl_hop is None:  # one per leadership: chains change its upstream, not its agents
-                self._nixl_hop = NixlChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
-                                              rid=self._rid, upstream=up, timeout_s=self._timeout_s,
-                                              on_accepted=self._published, on_rejected=self._on_rejected,
-                                              have=self.published_version)  # fmt: skip
-            self._nixl_hop.lead(up, superseded)
-            return
         self._notes = 0
         up_prefix = keys.relay_hop_prefix(self._epoch, chain.number, self._rid)
         nxt = chain.rids[pos + 1] if pos + 1 < len(chain.rids) else None
