@@ -104,6 +104,8 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
 
 
 def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path, port, children):
+    """DDP x 2 under the default: rank 1 SIGKILLed mid-share; no receiver applies that version or a mix, rank 0's
+    log names rank 1, and both receivers follow the relaunched trainer (a new sender epoch)."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
@@ -119,12 +121,20 @@ def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_rel
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    # Rank 1 SIGKILLs itself halfway through its share of version 4; Lightning then kills rank 0.
+    # Rank 1 SIGKILLs itself halfway through its share of version 4; rank 0 gives up on that share after
+    # timeout_s and says so, then fails at its next collective (or Lightning kills it, 60 s on).
     trainer = _trainer(first, store, "ddp", "--every", "2", "--max-steps", "9", "--timeout-s", "10",
                        "--kill-share-at", "4")  # fmt: skip
     children.track(trainer.pid)
     output = _finish(trainer, 120)
     assert trainer.returncode != 0, output[-4000:]
+    # The callback's default (no sharded= argument) pushed sharded on both ranks: rank 1 died in its share's write.
+    started = [json.loads((first / f"start{r}.json").read_text()) for r in (0, 1)]
+    assert started == [{"sharded_push": True, "unsharded_reason": None}] * 2, started
+    assert "rank 1: SIGKILL mid-share of version 4" in output, output[-4000:]
+    # Rank 0 names the rank, not the receivers (every receiver is live and heartbeating).
+    assert "trainer rank 1 did not complete its share of version 4 within timeout_s=10.0" in output, output[-4000:]
+    assert "no heartbeat for" not in output, output[-4000:]
     killed = _digests(first)
     assert sorted(killed)[:2] == [0, 2]
 
