@@ -105,10 +105,14 @@ def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any], verif
         results.put(("error", name, type(exc).__name__, str(exc)))
 
 
-def receivers_main(store: str, job: str, hosts: list[str], results: mp.Queue[Any], verify: bool = False) -> None:
-    """One receiver per host id in ``hosts`` (named ``r<i>``), all in this process (one torch import for
-    all: at this machine's usual load each process takes minutes to start), each followed by a thread
-    that reports as :func:`receiver_main` does."""
+def receivers_main(
+    store: str, job: str, hosts: list[str | None], results: mp.Queue[Any], verify: bool = False,
+    fleet: str | None = None,
+) -> None:  # fmt: skip
+    """One receiver per host id in ``hosts`` (named ``r<i>``; None: this machine's own host id), all in
+    this process (one torch import for all: at this machine's usual load each process takes minutes to
+    start), each followed by a thread that reports as :func:`receiver_main` does; with ``fleet``, all in
+    that fleet group."""
     import contextlib
     import threading
 
@@ -118,10 +122,13 @@ def receivers_main(store: str, job: str, hosts: list[str], results: mp.Queue[Any
     with contextlib.ExitStack() as stack:
         threads = []
         for i, host in enumerate(hosts):
-            os.environ["WSYNC_HOST_ID"] = host  # read as each receiver starts
+            if host is None:
+                os.environ.pop("WSYNC_HOST_ID", None)
+            else:
+                os.environ["WSYNC_HOST_ID"] = host  # read as each receiver starts
             policy = _zeroed_policy()
             receiver = stack.enter_context(WeightReceiver(policy, store=store, job=job, name=f"r{i}", timeout_s=60,
-                                                          verify=verify))  # fmt: skip
+                                                          verify=verify, fleet=fleet))  # fmt: skip
             threads.append(threading.Thread(target=_report, args=(receiver, f"r{i}", policy, results),
                                             name=f"follow-r{i}"))  # fmt: skip
         for i, thread in enumerate(threads):
