@@ -29,7 +29,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import SenderRecord, ShardsRecord
 from lightning_wsync._control.shards import ShardPlan, Shares
 from lightning_wsync._control.store import Control
-from lightning_wsync._planes.base import MateNotes, ReceiveSource, SendPlane
+from lightning_wsync._planes.base import MateNotes, ReceiveSource, SendPlane, Snapshots
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net import open as net_plane
 from lightning_wsync._planes.net.send import NetSendPlane
@@ -76,6 +76,7 @@ class SendSide:
         mirror = spec.device if spec.cuda_ipc and segment is not None else None
         self.ring = SnapshotRing(layout, segment=segment, device=spec.device if from_device else torch.device("cpu"),
                                  slots=2, lease_s=self.timing.pin_lease_s, mirror=mirror)  # fmt: skip
+        self.holds: Snapshots = self.ring  # what a fleet round leases its target in
         # Deltas between ring slots, for network receivers and the relay (one encoding per base for all).
         self.deltas = DeltaStreams(layout) if spec.delta != "off" and not from_device else None
         side = SendContext(ctl=ctl, spec=spec, ring=self.ring, segment=segment, backend=self.backend,
@@ -110,8 +111,10 @@ class SendSide:
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
         relay = relays_streams(spec.transport, spec.cross_host)
         self.deltas = DeltaStreams(shares[0]) if relay and spec.delta != "off" else None  # rank 0's share's
-        planes: list[SendPlane] = [ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
-                                                  timeout_s=spec.timeout_s, relayed=relay)]  # fmt: skip
+        watch = ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
+                               timeout_s=spec.timeout_s, relayed=relay)  # fmt: skip
+        self.holds = watch  # a fleet round holds its target in every rank's ring on this host
+        planes: list[SendPlane] = [watch]
         if relay:  # every rank relays its own share to the other hosts (docs/sharded.md)
             planes.append(ShardStreamsPlane(
                 ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,

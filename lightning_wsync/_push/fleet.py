@@ -5,7 +5,8 @@ to. The sender runs the group's rounds on a thread of its own (:class:`FleetCoor
 started when the first receiver naming a group registers::
 
     open     target T = the newest version published; the sender leases T's slot of its
-             snapshot ring for the whole round (pushes go on into the other slot), and
+             snapshot ring for the whole round (pushes go on into the other slot; with a
+             sharded push, T's slot of every trainer rank's ring on its host), and
              writes fleet/<group>/round = {round, T, rids}: the live members taking part
     stage    each member copies exactly T into a private copy and says so on
              member/<rid>/fleet (it holds T there until it has applied it)
@@ -66,7 +67,8 @@ class FleetCoordinator:
     Args:
         ctl: a control of its own (the thread's).
         members: the sender's membership (members carry their ``fleet`` group).
-        ring: the snapshot ring the targets are leased from.
+        ring: what the targets are leased from: the sender's snapshot ring, or with a sharded push every
+            rank's ring on the sender's host (a round's target is then kept in each of them).
         published: the newest version the sender has published, or None.
         timing: the sender's (``timeout_s``: how long a round waits for its members; its polls).
         partial: ``ring`` holds trainer rank 0's share only (a sharded push): a round carries no

@@ -121,7 +121,7 @@ class WeightSender:
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
         # Fleet receivers (ReceiverConfig.fleet) switch together: rounds on a thread started with the first.
-        self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._ring, self._newest_published,
+        self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._side.holds, self._newest_published,
                                        spec.timing, partial=shares is not None)  # fmt: skip
         self._reporter = Reporter(self._ctl, self._members, lambda: self._side.planes, self._side.deltas,
                                   total_bytes=self.layout.total_bytes, timeout_s=cfg.timeout_s,

@@ -12,8 +12,10 @@ Each configuration is its own trainer (:mod:`~lightning_wsync.bench._ranks_train
 torch thread per rank) with ``--receivers`` receiver processes on this host following
 the job. Reported per configuration: each rank's median stall per push (time in the push
 hook), a push's stall (the slowest rank's: the others wait for it at the next
-collective), each rank's memory per push (the peak resident memory during the push hook
-above what the rank held just before it: FSDP2's gathered copy without sharding; median
+collective), the CPU time of each rank's training thread in the hook (the push's own work,
+which other processes' load does not inflate; per push the largest over the ranks), each
+rank's memory per push (the peak resident memory during the push hook above what the rank
+held just before it: FSDP2's gathered copy without sharding; median
 and largest of the pushes after the first few), each rank's peak resident memory over the
 run above what it held before the callback started (snapshot rings, FSDP2's CPU mirror,
 but also the training's own gradients), and the median delivery latency (push to the last
@@ -53,9 +55,10 @@ def run_ranks(args: argparse.Namespace) -> int:
         for strategy in strategies:
             group = [_one(args, spec, strategy, ranks, sharded)
                      for ranks, sharded in [(1, "auto"), (args.trainer_ranks, "false"), (args.trainer_ranks, "auto")]]
-            base = group[0]["stall_s"]
+            base, cpu_base = group[0]["stall_s"], group[0]["cpu_s"]
             for row in group:
                 row["vs_one_rank"] = row["stall_s"] / base if base else None
+                row["cpu_vs_one_rank"] = row["cpu_s"] / cpu_base if cpu_base else None
             rows += group
     except BenchError as exc:
         print(f"lightning-wsync bench: {exc}", file=sys.stderr)
@@ -112,6 +115,10 @@ def _one(args: argparse.Namespace, spec: ModelSpec, strategy: str, ranks: int, s
         "unsharded_reason": per_rank[0].get("unsharded_reason"),
         "stall_s": statistics.median(slowest),
         "rank_stall_s": stalls,
+        # CPU time of each rank's training thread in the hook (the push's own work; waiting and being
+        # preempted by other processes do not count), and per push the largest over the ranks.
+        "cpu_s": statistics.median(max(c) for c in zip(*(r["cpu_s"][_WARMUP:] for r in per_rank))),
+        "rank_cpu_s": [_median(r["cpu_s"]) for r in per_rank],
         "rank_push_rise_mib": [_median(r["push_rise_mib"]) for r in per_rank],
         "rank_push_rise_max_mib": [max(r["push_rise_mib"][_WARMUP:] or r["push_rise_mib"]) for r in per_rank],
         "rank_peak_rise_mib": [r["peak_rise_mib"] for r in per_rank],
@@ -154,9 +161,9 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     lines = [
         f"trainer ranks {args.trainer_ranks}, {args.strategy}, {args.size_mb:g} MiB float32 policy, a push every "
         f"step, {args.receivers} receiver(s) on this host; medians of {args.pushes} pushes after {_WARMUP}",
-        "| trainer | stall per push (slowest rank) | / one rank | stall by rank | memory per push, by rank (MiB) "
-        "| run's memory rise (MiB) | delivery |",
-        "|---|---|---|---|---|---|---|",
+        "| trainer | stall per push (slowest rank) | / one rank | stall by rank | CPU per push (largest rank) "
+        "| / one rank | memory per push, by rank (MiB) | run's memory rise (MiB) | delivery |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ranks = ", ".join(f"{s * 1e3:.1f} ms" for s in row["rank_stall_s"])
@@ -165,5 +172,6 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         rises = ", ".join(f"{m:.0f}" for m in row["rank_peak_rise_mib"])
         delivery = "—" if row["delivery_s"] is None else f"{row['delivery_s'] * 1e3:.0f} ms"
         lines.append(f"| {row['config']} | {row['stall_s'] * 1e3:.1f} ms | {row['vs_one_rank']:.2f} | {ranks} | "
+                     f"{row['cpu_s'] * 1e3:.1f} ms | {row['cpu_vs_one_rank']:.2f} | "
                      f"{pushes} | {rises} | {delivery} |")  # fmt: skip
     return "\n".join(lines)

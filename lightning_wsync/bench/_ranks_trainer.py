@@ -90,6 +90,7 @@ class _Before(pl.Callback):
 
     def __init__(self) -> None:
         self.started = 0.0
+        self.cpu_started = 0.0
         self.rss_kib = 0
         self.memory: MemSample | None = None  # just before this push, with the peak reset
 
@@ -99,6 +100,7 @@ class _Before(pl.Callback):
     def on_train_batch_end(self, *args: Any) -> None:
         self.memory = reset_peak()
         self.started = time.perf_counter()
+        self.cpu_started = time.thread_time()
 
 
 class _After(pl.Callback):
@@ -107,10 +109,12 @@ class _After(pl.Callback):
     def __init__(self, before: _Before) -> None:
         self.before = before
         self.stall_s: list[float] = []
+        self.cpu_s: list[float] = []  # the training thread's CPU time in the hook: what load does not inflate
         self.rise_mib: list[float] = []
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.stall_s.append(time.perf_counter() - self.before.started)
+        self.cpu_s.append(time.thread_time() - self.before.cpu_started)
         assert self.before.memory is not None
         self.rise_mib.append(growth(self.before.memory).peak_rss / 2**20)
 
@@ -153,6 +157,7 @@ def main() -> None:
     record = {
         "rank": trainer.global_rank,
         "stall_s": after.stall_s,
+        "cpu_s": after.cpu_s,
         "peak_rise_mib": (_rss_kib()[1] - before.rss_kib) / 1024,  # the run's peak over the memory before any push
         "push_rise_mib": after.rise_mib,
         "delivery_s": metrics.values("wsync/delivery_s"),

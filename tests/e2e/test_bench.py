@@ -246,6 +246,10 @@ def test_trainer_ranks_bench_reports_every_configuration(capsys):
         assert row["stall_s"] > 0 and row["delivery_s"] is not None and row["delivery_s"] > 0, row
         ranks = 1 if row["config"] == "1 rank" else 2
         assert len(row["rank_stall_s"]) == len(row["rank_peak_rise_mib"]) == len(row["rank_push_rise_mib"]) == ranks
+        # CPU per push: the median over pushes of the largest rank's, so at least each rank's own median.
+        assert len(row["rank_cpu_s"]) == ranks and 0 < min(row["rank_cpu_s"]), row
+        assert row["cpu_s"] >= max(row["rank_cpu_s"]), row
+        assert row["cpu_vs_one_rank"] is not None and row["cpu_vs_one_rank"] > 0, row
         assert all(0 <= m <= x for m, x in zip(row["rank_push_rise_mib"], row["rank_push_rise_max_mib"])), row
     assert not _children_alive()
 

@@ -104,6 +104,8 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
 
 
 def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(tmp_path, port, children):
+    """DDP x 2 under the default: rank 1 SIGKILLed mid-share; no receiver applies that version or a mix, rank 0's
+    log names rank 1, and both receivers follow the relaunched trainer (a new sender epoch)."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
@@ -119,12 +121,20 @@ def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_rel
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    # Rank 1 SIGKILLs itself halfway through its share of version 4; Lightning then kills rank 0.
+    # Rank 1 SIGKILLs itself halfway through its share of version 4; rank 0 gives up on that share after
+    # timeout_s and says so, then fails at its next collective (or Lightning kills it, 60 s on).
     trainer = _trainer(first, store, "ddp", "--every", "2", "--max-steps", "9", "--timeout-s", "10",
                        "--kill-share-at", "4")  # fmt: skip
     children.track(trainer.pid)
     output = _finish(trainer, 120)
     assert trainer.returncode != 0, output[-4000:]
+    # The callback's default (no sharded= argument) pushed sharded on both ranks: rank 1 died in its share's write.
+    started = [json.loads((first / f"start{r}.json").read_text()) for r in (0, 1)]
+    assert started == [{"sharded_push": True, "unsharded_reason": None}] * 2, started
+    assert "rank 1: SIGKILL mid-share of version 4" in output, output[-4000:]
+    # Rank 0 names the rank, not the receivers (every receiver is live and heartbeating).
+    assert "trainer rank 1 did not complete its share of version 4 within timeout_s=10.0" in output, output[-4000:]
+    assert "no heartbeat for" not in output, output[-4000:]
     killed = _digests(first)
     assert sorted(killed)[:2] == [0, 2]
 
@@ -198,4 +208,42 @@ def test_ddp_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_ex
     for name, got in seen.items():
         assert [v for v, _ in got] == [0, 2, 4, 5], name  # max_version_lag=0: each receiver applies each
         assert all(d == expected[v] for v, d in got), (name, got, expected)
+    del server
+
+
+@pytest.mark.timeout(420)  # three processes import torch at once: minutes at this machine's usual load
+def test_ddp_default_fleet_on_the_trainers_host_and_another_switches_together_bit_exact(tmp_path, port, children):
+    """DDP x 2 with no sharded= argument, two receivers in fleet "g": one on the trainer's host (reading both ranks'
+    rings), one on another host id (both shares relayed). Each applies only versions the fleet switched to, each
+    bit-exact with the trainer's weights at that version, and both end on the final version."""
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = f"127.0.0.1:{port}"
+    results = CTX.Queue()
+    names = ["r0", "r1"]
+    receiver = CTX.Process(target=receivers_main, args=(store, "ddp", [None, "rollout-0"], results, False, "g"),
+                           daemon=True)  # fmt: skip
+    receiver.start()
+    children.track(receiver.pid)
+    for _ in names:
+        next_message(results, "ready", timeout_s=150)
+
+    trainer = _trainer(tmp_path, store, "ddp", "--every", "1", "--max-steps", "6")
+    children.track(trainer.pid)
+    output = _finish(trainer, 240)
+    assert trainer.returncode == 0, output[-4000:]
+
+    seen: dict[str, list[tuple[int, str]]] = {name: [] for name in names}
+    while any(not got or got[-1][0] < 6 for got in seen.values()):
+        msg = next_message(results, "version", timeout_s=60)
+        seen[msg[1]].append((msg[2], msg[3]))
+    receiver.join(timeout=30)
+    assert receiver.exitcode == 0
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["sharded_push"], r["unsharded_reason"]) for r in ranks] == [(True, None)] * 2  # the default path
+    assert ranks[0]["versions"] == [0, 1, 2, 3, 4, 5, 6]
+    expected = {int(v): d for v, d in ranks[0]["digests"].items()}
+    for name, got in seen.items():
+        assert got and all(d == expected[v] for v, d in got), (name, got, expected)  # bit-exact at every version
+        assert [v for v, _ in got] == sorted({v for v, _ in got}), (name, got)  # never back
     del server

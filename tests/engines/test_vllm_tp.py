@@ -17,7 +17,9 @@ import torch
 from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy, perturb
 from tiny_llama import write_tiny_llama
 
-from lightning_wsync import WeightSender
+from lightning_wsync import SenderConfig, WeightSender
+from lightning_wsync._planes.shares import ShareWriter
+from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,8 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BURST = range(3, 9)  # versions pushed every few ms while the engine updates
 
 
-@pytest.mark.parametrize("zero_copy", [False, True], ids=["copying", "zero_copy"])
-def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatch, children, zero_copy):
+@pytest.mark.parametrize(("zero_copy", "sharded"), [(False, False), (True, False), (True, True)],
+                         ids=["copying", "zero_copy", "zero_copy-sharded"])  # fmt: skip
+def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatch, children, zero_copy, sharded):
+    """``sharded``: the versions come as two trainer ranks' shares (rank 0's sender, rank 1's ring in this process,
+    as the callback's default pushes under DDP x 2); with ``zero_copy`` both workers load out of both rings."""
+    import dataclasses
+
     import psutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
@@ -49,6 +56,8 @@ def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatc
         if version:
             perturb(trainer, version)
         pushed[version] = {k: v.clone() for k, v in trainer.state_dict().items()}
+        if writer is not None:
+            writer.write(version)  # rank 1's share first, as the callback's ranks do side by side
         sender.push(version)
 
     def check(version: int) -> list[list[int]]:
@@ -61,9 +70,15 @@ def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatc
         return got
 
     store = f"127.0.0.1:{port}"
+    cfg = SenderConfig(job="tp2", timeout_s=60)
+    writer, shares = None, None
+    if sharded:
+        mine, theirs = prepare_shares(trainer, cfg, 0, 2), prepare_shares(trainer, cfg, 1, 2)
+        writer = ShareWriter(theirs, cfg)
+        shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
     try:
         with (
-            WeightSender(trainer, store=store, job="tp2", timeout_s=60) as sender,
+            WeightSender(trainer, store=store, config=cfg, shares=shares) as sender,
             VllmWeightSync(llm, store=store, job="tp2", name="engine", timeout_s=60, zero_copy=zero_copy) as sync,
         ):
             assert sync.names == ["engine-w0", "engine-w1"]
@@ -99,3 +114,5 @@ def test_tp2_engine_loads_one_version_in_both_workers(tmp_path, port, monkeypatc
             assert applied == sorted(set(applied)) and applied[-1] == BURST[-1]
     finally:
         llm.llm_engine.engine_core.shutdown()
+        if writer is not None:
+            writer.close()

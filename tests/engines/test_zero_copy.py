@@ -162,3 +162,54 @@ def test_a_slot_overwritten_during_the_load_fails_it_and_the_next_update_loads_t
 def test_zero_copy_is_refused_with_fleet(port):
     with pytest.raises(ValueError, match=r"VllmWeightSync: zero_copy=True with fleet='g'"):
         VllmWeightSync(FakeEngine(1), store=f"127.0.0.1:{port}", job="zc", zero_copy=True, fleet="g")
+
+
+def test_a_sharded_senders_rings_are_lent_to_both_workers_stitching_only_a_cut_tensor(port):
+    """A sharded push (rank 0's sender, rank 1's ring): both workers of a TP=2 engine load every version
+    bit-exact out of both ranks' rings at once. Each tensor one rank's share holds whole is handed as a view
+    of that rank's read-only mapping; only the tensor the plan cuts across the ranks (the 2 MiB weight) is
+    stitched into a buffer of the worker's (one per worker, reused)."""
+    import dataclasses
+    import math
+
+    from _sharded import sharded_model, zeroed_sharded_model
+
+    from lightning_wsync import SenderConfig
+    from lightning_wsync._planes.shares import ShareWriter
+    from lightning_wsync._push.shares import prepare_shares
+    from lightning_wsync.testing.models import digest as full_digest
+    from lightning_wsync.testing.models import mutate as step
+
+    model = sharded_model()
+    cfg = SenderConfig(job="zc-sharded", timeout_s=10)
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    numel = [math.prod(e.shape) for e in mine.layout.entries]
+    cut = {p.entry for share in mine.plan.shares for p in share if p.end - p.start != numel[p.entry]}
+    names = [e.name for e in mine.layout.entries]
+    assert [names[i] for i in cut] == ["0.weight"], cut
+    writer = ShareWriter(theirs, cfg)
+    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+    engine = FakeEngine(2)
+    engine.workers = [LendingWorker(rank, zeroed_sharded_model()) for rank in range(2)]
+    store = f"127.0.0.1:{port}"
+    try:
+        with (
+            WeightSender(model, store=store, config=cfg, shares=shares) as sender,
+            VllmWeightSync(engine, store=store, job="zc-sharded", name="engine", timeout_s=10, zero_copy=True) as sync,
+        ):
+            for version in range(1, 4):
+                step(model, version)
+                assert writer.write(version)
+                sender.push(version)
+                assert sync.wait_for_version(version) == version
+                assert [full_digest(w.model) for w in engine.workers] == [full_digest(model)] * 2, version
+            ranges = segment_mappings()
+            for w in engine.workers:
+                assert len(w.ptrs) == 3
+                for load in w.ptrs:
+                    outside = [i for i, p in enumerate(load) if not any(a <= p < b for a, b in ranges)]
+                    assert [names[i] for i in outside] == ["0.weight"], (w.rank, outside)
+                assert len({load[names.index("0.weight")] for load in w.ptrs}) == 1  # one buffer, reused
+            assert [(s["version"], s["zero_copy"]) for s in sync.state()] == [(3, True), (3, True)]
+    finally:
+        writer.close()

@@ -40,6 +40,7 @@ from lightning_wsync import SenderConfig, WeightSender
 from lightning_wsync._control import keys
 from lightning_wsync._control.records import ChainRecord
 from lightning_wsync._control.store import Control
+from lightning_wsync._push.report import PushHandle
 from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size, touch
@@ -145,12 +146,12 @@ def scenario(argv: list[str]) -> dict[str, Any]:
         def applied(version: int) -> set[str]:
             return {r["name"] for r in read(events) if r["event"] == "applied" and r["version"] == version}
 
-        def push(version: int, *, rank1: bool = True) -> None:
+        def push(version: int, *, rank1: bool = True) -> PushHandle:
             expected[version] = trainer.step(version)
             if rank1:
                 trainer.ask_rank1(version)
                 wait_until(f"rank 1 to write version {version}", lambda: trainer.rank1_wrote(version), 30, procs)
-            sender.push(version)
+            return sender.push(version)
 
         def everyone(version: int) -> None:
             push(version)
@@ -185,15 +186,17 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             ``first + 4`` to everyone."""
             for version in (first, first + 1):
                 everyone(version)
-            killed = stop_rank1_mid_share(hosts, trainer, push, shares, procs, sig, first + 2)
+            killed, cut = stop_rank1_mid_share(hosts, trainer, push, shares, procs, sig, first + 2)
             # Rank 0 alone pushes the next: its share reaches every host, rank 1's never does.
             rx = [hosts.counters(h)[1] for h in ROLLOUT]
-            push(first + 3, rank1=False)
+            alone = push(first + 3, rank1=False)
             wait_until(f"rank 0's share of version {first + 3} to reach every rollout host",
                        lambda: all(hosts.counters(h)[1] >= b + shares[0] for h, b in zip(ROLLOUT, rx)), 30, procs)
+            # Each push report (at most timeout_s on) says why each receiver lacks the version: rank 1's share.
+            reports = {str(handle.version): handle.wait().failed for handle in (cut, alone)}
             os.kill(int(trainer.rank1["pid"]), signal.SIGKILL)  # a stalled rank 1 too: the trainer is relaunched
             procs.wait(f"rank1-l{trainer.launch}", 30)
-            return {"killed": killed, "partial": (first + 2, first + 3), "relaunched": first + 4}
+            return {"killed": killed, "partial": (first + 2, first + 3), "relaunched": first + 4, "failed": reports}
 
         shares = [prepare_shares(trainer.model, trainer.cfg, r, 2).share.total_bytes for r in (0, 1)]
         result: dict[str, Any] = {"names": names, "share_bytes": shares, "model_bytes": sender.layout.total_bytes}
@@ -224,14 +227,14 @@ def scenario(argv: list[str]) -> dict[str, Any]:
 
 def stop_rank1_mid_share(
     hosts: SimHosts, trainer: Trainer, push: Any, shares: list[int], procs: Procs, sig: signal.Signals, version: int
-) -> dict[str, Any]:
-    """Rank 1 SIGKILLed (or SIGSTOPped) once 30% of its share of ``version`` has left its host."""
+) -> tuple[dict[str, Any], PushHandle]:
+    """Rank 1 SIGKILLed (or SIGSTOPped) once 30% of its share of ``version`` has left its host; the push's handle."""
     tx = hosts.counters(1)[0]
-    push(version)
+    handle = push(version)
     goal = tx + 0.3 * shares[1]
     wait_until("30% of rank 1's share of version 3 to leave host 1", lambda: hosts.counters(1)[0] >= goal, 30, procs)
     os.kill(int(trainer.rank1["pid"]), sig)
-    return {"sent_bytes": hosts.counters(1)[0] - tx, "share_bytes": shares[1], "signal": sig.name}
+    return {"sent_bytes": hosts.counters(1)[0] - tx, "share_bytes": shares[1], "signal": sig.name}, handle
 
 
 if __name__ == "__main__":

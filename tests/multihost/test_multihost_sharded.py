@@ -77,7 +77,8 @@ def test_each_rank_sends_its_shares_delta_and_every_receiver_is_bit_exact(egress
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["kill", "stop"])
 def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(kill_then_stop, mode) -> None:
-    """Rank 1 SIGKILLed, or SIGSTOPped (a stall past every timeout), while its share of a version is on the wire."""
+    """Rank 1 SIGKILLed, or SIGSTOPped (a stall past every timeout), while its share of a version is on the wire:
+    applied nowhere, nor the next (rank 0's share alone), whose push report names rank 1 for every receiver."""
     result, phase = kill_then_stop, kill_then_stop[mode]
     print(json.dumps(phase))
     killed = phase["killed"]
@@ -88,6 +89,12 @@ def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_rel
     _exact(result)
     first, relaunched = {"kill": (1, 5), "stop": (6, 10)}[mode]
     assert tuple(phase["partial"]) == (first + 2, first + 3) and phase["relaunched"] == relaunched
+    # The push reports: every receiver failed both versions; the one rank 1 never began names it for each.
+    failed = phase["failed"]
+    assert set(failed) == {str(first + 2), str(first + 3)}, failed
+    assert all(set(reasons) == set(result["names"]) for reasons in failed.values()), failed
+    assert all(f"trainer rank 1 did not complete its share of version {first + 3}" in reason
+               for reason in failed[str(first + 3)].values()), failed  # fmt: skip
     versions = {a["version"] for a in result["applied"] if first <= a["version"] <= relaunched}
     assert versions == {first, first + 1, relaunched}
     assert {a["name"] for a in result["applied"] if a["version"] == relaunched} == set(result["names"])

@@ -212,3 +212,47 @@ def test_a_fleet_switches_together_to_versions_every_rank_wrote(server):
             assert a.rejected == b.rejected == 0
     finally:
         writer.close()
+
+
+def test_a_fleet_round_holds_its_target_in_every_ranks_ring_while_pushes_go_on(server):
+    """A round's target stays in rank 1's ring too (not rank 0's alone): a member that stages it only after
+    both ranks pushed three newer versions (its staging held off) still stages it, and the fleet switches to
+    it with that member, bit-exact. Without the hold in rank 1's ring, rank 1's two slots would hold the two
+    newest versions by then and the member would be left out of the round."""
+    model = _model()
+    cfg = SenderConfig(job="shfleethold", timeout_s=20)
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+    rollout = _zeroed()
+    digests: dict[int, str] = {}
+
+    def push(version: int) -> None:
+        mutate(model, version)
+        digests[version] = digest(model)
+        assert writer.write(version), version  # never dropped: the held slot is one of two
+        assert not sender.push(version).dropped, version
+
+    def until(what: str, done: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    try:
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(rollout, store=server, job="shfleethold", name="a", fleet="g") as a:
+            push(1)
+            until("the fleet's first switch", lambda: (a.update(), a.version)[1] == 1)
+            with a._apply_lock:  # the member cannot stage (a slow copy) while this is held
+                push(2)
+                group = sender._fleet._groups["g"]
+                until("the round of version 2", lambda: group.open is not None and group.open.version == 2)
+                for version in (3, 4, 5):  # both rings move on around the held slot
+                    push(version)
+            until("the switch to version 2", lambda: any(
+                s.version == 2 and a.rid in s.rids for s in sender.fleet_switches("g")))  # fmt: skip
+            until("a switched version applied", lambda: (a.update(), a.version)[1] in (2, 5))
+            assert digest(rollout) == digests[a.version]  # 2, or already the next round's target (5)
+    finally:
+        writer.close()

@@ -105,10 +105,14 @@ def receiver_main(store: str, job: str, name: str, results: mp.Queue[Any], verif
         results.put(("error", name, type(exc).__name__, str(exc)))
 
 
-def receivers_main(store: str, job: str, hosts: list[str], results: mp.Queue[Any], verify: bool = False) -> None:
-    """One receiver per host id in ``hosts`` (named ``r<i>``), all in this process (one torch import for
-    all: at this machine's usual load each process takes minutes to start), each followed by a thread
-    that reports as :func:`receiver_main` does."""
+def receivers_main(
+    store: str, job: str, hosts: list[str | None], results: mp.Queue[Any], verify: bool = False,
+    fleet: str | None = None,
+) -> None:  # fmt: skip
+    """One receiver per host id in ``hosts`` (named ``r<i>``; None: this machine's own host id), all in
+    this process (one torch import for all: at this machine's usual load each process takes minutes to
+    start), each followed by a thread that reports as :func:`receiver_main` does; with ``fleet``, all in
+    that fleet group."""
     import contextlib
     import threading
 
@@ -118,10 +122,13 @@ def receivers_main(store: str, job: str, hosts: list[str], results: mp.Queue[Any
     with contextlib.ExitStack() as stack:
         threads = []
         for i, host in enumerate(hosts):
-            os.environ["WSYNC_HOST_ID"] = host  # read as each receiver starts
+            if host is None:
+                os.environ.pop("WSYNC_HOST_ID", None)
+            else:
+                os.environ["WSYNC_HOST_ID"] = host  # read as each receiver starts
             policy = _zeroed_policy()
             receiver = stack.enter_context(WeightReceiver(policy, store=store, job=job, name=f"r{i}", timeout_s=60,
-                                                          verify=verify))  # fmt: skip
+                                                          verify=verify, fleet=fleet))  # fmt: skip
             threads.append(threading.Thread(target=_report, args=(receiver, f"r{i}", policy, results),
                                             name=f"follow-r{i}"))  # fmt: skip
         for i, thread in enumerate(threads):
@@ -165,6 +172,9 @@ class _Probe(pl.Callback):
         self._record(trainer, pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._out is not None:  # the path each rank took, written before any push (a killed run has it too)
+            chosen = {"sharded_push": self.sync.sharded_push, "unsharded_reason": self.sync.unsharded_reason}
+            Path(self._out, f"start{trainer.global_rank}.json").write_text(json.dumps(chosen))
         self._record(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -213,11 +223,25 @@ class _Probe(pl.Callback):
 
 
 def _kill_mid_share(version: int) -> None:
-    """Ranks other than 0 SIGKILL themselves halfway through writing their share of ``version``."""
+    """Ranks other than 0 SIGKILL themselves halfway through writing their share of ``version``.
+
+    Lightning's launcher (rank 0) looks for a dead child every 5 s and then SIGKILLs every rank:
+    here every 60 s, so that rank 0 lives past its verdict on the version (``timeout_s``) and logs
+    it; it then fails at its next collective with the dead rank."""
     import signal
+
+    from lightning.fabric.strategies.launchers import subprocess_script
 
     from lightning_wsync._control.manifest import copy_tensors
     from lightning_wsync._planes import shares
+
+    observer = subprocess_script._ChildProcessObserver
+    observer_init = observer.__init__
+
+    def slow_observer(self: Any, main_pid: int, child_processes: Any, sleep_period: int = 5) -> None:
+        observer_init(self, main_pid, child_processes, sleep_period=60)
+
+    observer.__init__ = slow_observer  # type: ignore[method-assign]
 
     original = shares.ShareWriter.write
 
@@ -228,6 +252,7 @@ def _kill_mid_share(version: int) -> None:
             assert draft is not None
             half = len(self._shares.sources) // 2 or 1
             copy_tensors(ring._views[draft.slot][:half], self._shares.sources[:half])
+            print(f"rank {self._shares.rank}: SIGKILL mid-share of version {v}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         result: bool = original(self, v, **kwargs)
         return result

@@ -23,7 +23,8 @@ from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.untrusted import Untrusted, counter
 from lightning_wsync._planes.base import Delivery, Peer
-from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync._planes.shm.pins import ReaderPin
+from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef
 from lightning_wsync.errors import WeightSyncAuthError, WeightSyncRecordError
 
@@ -217,6 +218,24 @@ class ShardSendPlane:
             by_rank[rank] = part
         return [s for rank in range(self._world) for s in by_rank[rank]]
 
+    def hold(self, version: int) -> SharesHold | None:
+        """Hold ``version`` in every ring on this host (``base.Snapshots``, for a fleet round): rank 0's slot
+        leased, every other rank's slot pinned, so that no share of the round's target is overwritten while
+        the fleet stages it; None unless each of them holds the version complete now."""
+        ref = self._ring.find(version)
+        lease = None if ref is None else self._ring.acquire(ref)
+        if lease is None:
+            return None
+        pins: list[ReaderPin] = []
+        for reader in self._others:
+            theirs = next((r for r in reader.complete() if r.version == version), None)
+            pin = None if theirs is None else reader.hold(theirs)
+            if pin is None:
+                SharesHold(lease, pins).release()
+                return None
+            pins.append(pin)
+        return SharesHold(lease, pins)
+
     def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
         return {}  # always the whole version, copied from the rings
 
@@ -249,3 +268,28 @@ class ShardSendPlane:
             for reader in others:
                 reader.close()
         return stuck
+
+
+class SharesHold:
+    """A fleet round's hold on one version of a sharded push (``base.SlotHold``): rank 0's ring lease and a pin
+    in the ring of every other rank on this host. Ranks on other hosts are not held: their shares reach the
+    fleet's hosts through relay streams, whose host rings their leaders keep."""
+
+    def __init__(self, lease: Lease, pins: list[ReaderPin]) -> None:
+        self._lease = lease
+        self._pins = pins
+
+    def touch(self) -> None:
+        self._lease.touch()
+        for pin in self._pins:
+            pin.touch()
+
+    def release(self) -> None:
+        self._lease.release()
+        pins, self._pins = self._pins, []
+        for pin in pins:
+            pin.release()
+            pin.close()
+
+    def checksums(self) -> list[int] | None:
+        return None  # one share's would not do: members check the version's own sums record (every rank's)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,7 +20,7 @@ import torch
 
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.shards import ShardPlan, piece_views
-from lightning_wsync._planes.base import ExactApply, ReceiveSource, Reject, SumsLookup
+from lightning_wsync._planes.base import ExactApply, Lender, ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.shm.segment import ShmReader, SlotRef, remove_stale_segments
 from lightning_wsync.errors import WeightSyncIntegrityError
 
@@ -77,6 +78,11 @@ class ShardedSource(ReceiveSource):
         self._describe = describe or f"shared memory, sharded over {len(self._rings)} trainer ranks"
         self._idle = threading.Event()  # set by close(): a waiter leaves at once
         self._rejected: int | None = None
+        # Zero-copy loans (an engine worker's): only when every ring is a trainer rank's own on this host.
+        self._lends = bool(self._rings) and all(isinstance(ring, FixedRing) for ring in self._rings)
+        self._plan = plan
+        self._loan: tuple[list[ShmReader], list[SlotRef]] | None = None  # every ring's pinned slot, while lent
+        self._stitched: dict[int, torch.Tensor] = {}  # entry -> a tensor cut across ranks, stitched here
 
     @contextlib.contextmanager
     def _held(self) -> Iterator[list[ShmReader] | None]:
@@ -143,6 +149,75 @@ class ShardedSource(ReceiveSource):
 
     def exact(self) -> ExactApply:
         return self
+
+    def lender(self) -> Lender | None:
+        """Lends versions out of the ranks' rings when all of them are on this host (the trainer's), else None."""
+        return self if self._lends else None
+
+    def lend(
+        self, version: int | None, sums: SumsLookup | None, reject: Reject
+    ) -> tuple[SlotRef, list[torch.Tensor]] | None:
+        """Pin the newest version complete in every ring (or ``version``) in all of them, verified against ``sums``,
+        and return it with every entry's read-only view, in layout order: a tensor one rank's share holds whole
+        is a view of that rank's ring (no copy); one cut across ranks (FSDP2's rows, a run of a large replicated
+        tensor) is stitched into a buffer of this source's, kept for the next loans. Held until :meth:`give_back`,
+        renewed by :meth:`touch`; None when there is no such version, its checksums are not out, or it failed them."""
+        with self._held() as readers:
+            if readers is None:
+                return None
+            sums = sums if self._verify else None
+            for _ in range(_ATTEMPTS):
+                common = self._common(readers)
+                pick = max(common, default=None) if version is None else version
+                refs = None if pick is None or pick == self._rejected else common.get(pick)
+                if pick is None or refs is None:
+                    return None
+                expected = sums(pick) if sums is not None else None
+                if sums is not None and expected is None:
+                    return None
+                if self._pin(readers, refs) is None:
+                    continue
+                if expected is not None and not self._verified(readers, pick, refs, expected, reject):
+                    self._unpin(readers, refs)
+                    return None
+                self._loan = readers, refs
+                return refs[0], self._lent_views(readers, refs)
+        return None
+
+    def _lent_views(self, readers: list[ShmReader], refs: list[SlotRef]) -> list[torch.Tensor]:
+        entries = self.layout.entries
+        views: list[torch.Tensor | None] = [None] * len(entries)
+        for rank, (reader, ref) in enumerate(zip(readers, refs)):
+            for piece, src in zip(self._plan.shares[rank], reader.views(ref)):
+                e = entries[piece.entry]
+                if piece.start == 0 and piece.end == math.prod(e.shape):
+                    views[piece.entry] = src.view(e.shape)  # the whole tensor in this rank's share
+                    continue
+                stitched = self._stitched.get(piece.entry)
+                if stitched is None:
+                    stitched = self._stitched[piece.entry] = torch.empty(e.shape, dtype=e.wire_dtype)
+                stitched.view(-1)[piece.start : piece.end].copy_(src)
+                views[piece.entry] = stitched
+        assert all(v is not None for v in views), "a shard plan covers every entry"
+        return [v for v in views if v is not None]
+
+    def give_back(self, ref: SlotRef) -> bool:
+        """Unpin every ring's lent slot; True when all of them stayed intact the whole time."""
+        loan, self._loan = self._loan, None
+        if loan is None:
+            return False
+        try:
+            return self._unpin(*loan)
+        except (AttributeError, ValueError):
+            return False  # closed under the loan (a new sender epoch): not known to be intact
+
+    def touch(self) -> None:
+        loan = self._loan
+        try:
+            for reader in [] if loan is None else loan[0]:
+                reader.touch()
+        except ValueError:
+            pass  # closed under the loan: give_back says so
 
     def apply_exactly(self, version: int, sums: SumsLookup | None, reject: Reject) -> int | None:
         """Write ``version`` itself (a fleet's round target, not the newest) when every rank's ring still holds

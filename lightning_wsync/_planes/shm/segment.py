@@ -259,6 +259,18 @@ class ShmReader:
             return False
         return True
 
+    def hold(self, ref: SlotRef) -> ReaderPin | None:
+        """A pin of its own on ``ref``'s slot, beside this reader's (a fleet round's hold, kept while the
+        reader goes on pinning other slots); None when the slot no longer holds that version. The caller
+        touches it within every writer's lease, then releases and closes it."""
+        pin = ReaderPin(self._segment.pin_dir)
+        pin.hold(ref.slot, ref.seq)
+        if self._segment.seq(ref.slot) != ref.seq:
+            pin.release()
+            pin.close()
+            return None
+        return pin
+
     def unpin(self, ref: SlotRef) -> bool:
         """Let go of ``ref``; True when its bytes stayed intact the whole time."""
         fence()
