@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_wsync.engines._vllm_lora import peft_name, refused_lora_names
+from lightning_wsync.engines._worker.lora import peft_name, refused_lora_names
 from lightning_wsync.errors import WeightSyncError
 
 PATH_PREFIX = "wsync:v"
