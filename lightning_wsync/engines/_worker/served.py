@@ -128,7 +128,7 @@ class ServedAdapters:
 
 def install_loader() -> None:
     """Wrap vLLM's ``WorkerLoRAManager._load_adapter`` in this process (once): a ``wsync:v{N}``
-    path is built by the worker's :class:`ServedAdapters`; any other path loads as before."""
+    path is built by the worker's :class:`ServedAdapters`; any other path loads as vLLM loads it."""
     global _installed
     from vllm.lora.worker_manager import WorkerLoRAManager
 
