@@ -1,5 +1,9 @@
 """WeightSyncCallback: push a LightningModule's weights to rollout workers while it trains.
 
+Longer than 300 lines: the public callback, its user-facing docstring (when, where, what
+blocks) and each of Lightning's hooks it takes part in; the push decision is one pure
+function (:func:`_should_push`) and the sending is :class:`~lightning_wsync._push.sender.WeightSender`'s.
+
 ::
 
     trainer = L.Trainer(max_steps=1000, callbacks=[WeightSyncCallback(every_n_steps=10, module="policy")])

@@ -1,14 +1,12 @@
 """Configuration of each component: one dataclass each, validated at construction.
 
-Longer than 300 lines: every component's settings, declared once, side by side.
+Longer than 300 lines: every component's settings and their docstrings, declared once, side by side.
 
 The same fields are the components' keyword arguments, so they work without Hydra::
 
     WeightSender(model, store="127.0.0.1:29400", job="exp1", dtype="bfloat16", bucket_mb=32)
 
 and as Hydra structured configs (see :func:`register_configs`).
-
-Longer than 300 lines: every component's settings and their docstrings, declared once.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class SenderRecord:
     def encode(self) -> object:
         value = asdict(self)
         if not self.nixl:
-            del value["nixl"]  # as before the NIXL plane: older readers see the same record
+            del value["nixl"]  # absent when false: readers without the NIXL plane see the same record
         return value
 
     @classmethod

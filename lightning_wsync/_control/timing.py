@@ -89,7 +89,7 @@ def timing(*, heartbeat_timeout_s: float, timeout_s: float, heartbeat_s: float =
     Leases: ``pin_lease_s = min(timeout_s, hbt, 5)``, the sender's ring (and a sharded
     rank's): a same-host reader that makes no progress this long no longer holds its slot.
     ``host_ring_lease_s = min(timeout_s, hbt)``: a relay leader's host ring, read by its
-    host-mates only (no 5 s cap, as since the relay's first version). ``pin_renew_s = 0.05``:
+    host-mates only (no 5 s cap). ``pin_renew_s = 0.05``:
     a lent slot's pin is renewed this often, far inside either lease (at least a quarter of it
     for any ``timeout_s`` >= 0.2 s).
 

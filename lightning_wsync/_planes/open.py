@@ -181,53 +181,13 @@ class Plane:
     open_receive: Callable[[ReceiveContext], ReceiveSource | None]
 
 
-def _nixl_offered(spec: SenderSpec, from_device: bool) -> bool:
-    """transport='nixl', or 'auto' with cross_host='star' where NIXL is usable; says which."""
-    if from_device:
-        return False
-    if spec.transport == "nixl":
-        if (refused := nixl_plane.unusable()) is not None:
-            raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {refused}; or use transport='auto'")
-        return True
-    if spec.transport != "auto" or spec.cross_host != "star":
-        return False
-    why = nixl_plane.unusable()
-    if why is None:
-        log.info("WeightSender: transport='auto', cross_host='star': receivers on other hosts READ through NIXL")
-    else:
-        log.info("WeightSender: transport='auto', cross_host='star': receivers on other hosts get gloo links (%s)", why)
-    return why is None
-
-
-def _nixl_send(side: SendContext) -> SendPlane:
-    assert side.segment is not None  # offered only with the shared-memory row
-    return nixl_plane.open_send(nixl_plane.NixlSendParams(
-        ctl=side.ctl, ring=side.ring, segment=side.segment, epoch=side.spec.epoch, job=side.spec.job))  # fmt: skip
-
-
-def _nixl_receive(side: ReceiveContext) -> ReceiveSource | None:
-    """A reader of the sender's ring; None: not offered to this receiver, or NIXL is not usable
-    here and the sender also serves gloo links (transport='auto'), said once in the log."""
-    me, record = side.me, side.record
-    if not record.nixl or side.same_host:
-        return None
-    why = nixl_plane.unusable()
-    if why is not None and record.transport == "auto":
-        log.warning("receiver %r: the sender offers NIXL, but %s; receiving over a gloo link instead", me.name, why)
-        return None
-    return nixl_plane.open_receive(nixl_plane.NixlReceiveParams(
-        ctl=me.ctl, layout=side.layout, ordered=side.ordered, epoch=side.epoch, rid=me.rid, name=me.name,
-        timeout_s=me.timeout_s, newest=me.newest, on_staged=me.on_staged, on_rejected=me.on_rejected,
-    ))  # fmt: skip
-
-
 # The table of planes, in the order a sender opens (and closes) them. Adding a plane is a row here,
 # its subpackage (with its open.py), a config value and a record field.
 PLANES: tuple[Plane, ...] = (
     Plane("net", net_plane.offered, net_plane.open_send, net_plane.open_receive),
     Plane("shm", shm_plane.offered, shm_plane.open_send, shm_plane.open_receive),
     Plane("relay", relay_plane.offered, relay_plane.open_send, relay_plane.open_receive),
-    Plane("nixl", _nixl_offered, _nixl_send, _nixl_receive),
+    Plane("nixl", nixl_plane.offered, nixl_plane.open_send, nixl_plane.open_receive),
 )
 _BY_NAME = {row.name: row for row in PLANES}
 RECEIVE_ORDER = ("relay", "nixl", "shm", "net")  # a receiver takes the first row that serves it

@@ -68,7 +68,7 @@ class Interruptible:
     gloo's ``abort()`` wakes no waiter; a wait that times out closes the pair (gloo's tcp
     ``Pair::signalException``), and that wakes the waits it knows of. :meth:`interrupt`
     does so, so a link stops on close instead of at ``timeout_s`` (one stalled peer each,
-    in turn, was N x timeout_s). What it ends and what it cannot: see :meth:`interrupt`.
+    in turn, would take N x timeout_s). What it ends and what it cannot: see :meth:`interrupt`.
     """
 
     def __init__(self, pg: PeerGroup, backend: str) -> None:

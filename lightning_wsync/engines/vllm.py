@@ -16,7 +16,7 @@ Each worker process stages and verifies versions in the background like any rece
 ``update()`` brings every worker to one staged version, then has each load it with
 ``reload_weights(weights_iterator=...)`` (vLLM's layer-by-layer reload, which repacks
 weights for its kernels): all tensor-parallel workers load the same version or none
-(:mod:`~lightning_wsync.engines._commit`). It then resets the prefix cache once, so no
+(:mod:`~lightning_wsync.engines._worker.commit`). It then resets the prefix cache once, so no
 reused prompt is answered with attention state of the old weights. The weights travel
 inside the workers, never through ``collective_rpc`` (which turns tensors into lists
 between processes).
@@ -29,8 +29,8 @@ run the stage-then-load round itself; the extension gives it ``wsync_stage`` and
 engine's own model and tokenizer loading untouched.
 
 Longer than 300 lines: the public adapter (``make_llm``, ``VllmWeightSync``) and the
-worker extension it drives, with their docstrings; staging and commit are in ``_commit.py``,
-LoRA adapters by version in ``_vllm_lora.py``.
+worker extension it drives, with their docstrings; staging and commit are in ``_worker/commit.py``,
+LoRA adapters by version in ``_worker/lora.py``.
 """
 
 from __future__ import annotations
@@ -47,15 +47,24 @@ import torch
 from typing_extensions import Self
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, StagedVersion, agree, load, outcome, run, unwrap, zero_copy_option
-from lightning_wsync.engines._vllm_names import check_names
+from lightning_wsync.engines._worker.commit import (
+    Call,
+    StagedVersion,
+    agree,
+    load,
+    outcome,
+    run,
+    unwrap,
+    zero_copy_option,
+)
+from lightning_wsync.engines._worker.names import check_names
 from lightning_wsync.engines.lora import lora_options, lora_request
 from lightning_wsync.errors import WeightSyncError, WeightSyncIntegrityError, WeightSyncSchemaError
 
 if TYPE_CHECKING:
     from lightning_wsync._pull.loan import SharedLender
     from lightning_wsync._pull.receiver import WeightReceiver
-    from lightning_wsync.engines._vllm_lora import AdapterVersions
+    from lightning_wsync.engines._worker.lora import AdapterVersions
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +101,7 @@ class _Engine(Protocol):
 class WsyncWorkerExtension:
     """Mixed into every vLLM worker; reached through ``llm.collective_rpc("wsync_...")``.
 
-    The worker's receiver only stages versions (:class:`~lightning_wsync.engines._commit.StagedVersion`);
+    The worker's receiver only stages versions (:class:`~lightning_wsync.engines._worker.commit.StagedVersion`);
     the model is loaded by ``wsync_load`` once every worker has staged the same version.
     Its attribute names all start with ``wsync`` (vLLM refuses an extension whose names
     collide with the worker's).
@@ -120,7 +129,7 @@ class WsyncWorkerExtension:
         zero_copy = bool(options.pop("zero_copy", False))
         lora, keep = options.pop("lora", None), options.pop("keep_adapters", None)
         if lora is not None:
-            from lightning_wsync.engines._vllm_lora import AdapterVersions
+            from lightning_wsync.engines._worker.lora import AdapterVersions
 
             self._wsync_lora = AdapterVersions(cast(_Worker, self).model_runner, lora, keep)
         self._wsync_staged = StagedVersion()
@@ -337,7 +346,7 @@ class VllmWeightSync:
     def update(self) -> int | None:
         """Load the newest version every worker has staged, if newer; reset the prefix cache.
 
-        All workers load the same version or none (see :mod:`~lightning_wsync.engines._commit`).
+        All workers load the same version or none (see :mod:`~lightning_wsync.engines._worker.commit`).
         Call between ``generate`` calls. Returns the version loaded, or None.
 
         Raises:

@@ -16,7 +16,7 @@
     await sync.close()
 
 ``update()`` stages the newest version in every worker while requests keep running
-(:mod:`~lightning_wsync.engines._commit`), then pauses the scheduler at a step boundary
+(:mod:`~lightning_wsync.engines._worker.commit`), then pauses the scheduler at a step boundary
 (``pause_generation``), has every worker load it, and resumes. ``pause_mode``:
 
 - ``"keep"`` (default): in-flight requests are frozen and continue after the update. With
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
+from lightning_wsync.engines._worker.commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
 from lightning_wsync.engines.lora import lora_options, lora_request
 from lightning_wsync.engines.vllm_servers import UNKNOWN_LABEL
 from lightning_wsync.errors import WeightSyncError

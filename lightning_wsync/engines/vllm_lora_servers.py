@@ -10,7 +10,7 @@ trainer publishes only the adapter (``include=ADAPTER_TENSORS``) and passes its 
 
 For each version :class:`ServedAdapterNames` drives the usual update (every worker stages
 and takes exactly that version: :func:`~lightning_wsync.engines.vllm_servers.apply_version`;
-a worker keeps the tensors of the newest ``keep_adapters``, ``_vllm_lora_server``), then
+a worker keeps the tensors of the newest ``keep_adapters``, ``_worker/served.py``), then
 ``POST /v1/load_lora_adapter {"lora_name": "wsync-v7", "lora_path": "wsync:v7"}`` on every
 server: vLLM gives the name an id and its workers build the adapter from memory (no file).
 Before a version lands, the names of the versions it pushes out are unloaded
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lightning_wsync.engines._vllm_lora_server import adapter_path
+from lightning_wsync.engines._worker.served import adapter_path
 from lightning_wsync.engines.lora import adapter_name
 from lightning_wsync.engines.vllm_servers import SyncClient, VllmServers, apply_version
 from lightning_wsync.errors import WeightSyncError

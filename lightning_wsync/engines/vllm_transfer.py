@@ -24,7 +24,7 @@ the newest staged version (``min_version``: one at least that new), each worker 
 own: with tensor parallelism pass ``version``. Store, job and secret come from the init
 info or from ``WSYNC_STORE``, ``WSYNC_JOB``, ``WSYNC_SECRET`` in the server's environment.
 With ``WSYNC_FOLLOW=1`` there too, the server follows the trainer with no client calling
-these routes (:mod:`~lightning_wsync.engines._vllm_follow`).
+these routes (:mod:`~lightning_wsync.engines._worker.follow`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from lightning_wsync._pull.receiver import WeightReceiver
-from lightning_wsync.engines._commit import StagedVersion
-from lightning_wsync.engines._vllm_follow import Follower, follow_settings
-from lightning_wsync.engines._vllm_lora_server import ServedAdapters
-from lightning_wsync.engines._vllm_names import check_names
+from lightning_wsync.engines._worker.commit import StagedVersion
+from lightning_wsync.engines._worker.follow import Follower, follow_settings
+from lightning_wsync.engines._worker.names import check_names
+from lightning_wsync.engines._worker.served import ServedAdapters
 from lightning_wsync.engines.lora import adapter_config
 from lightning_wsync.errors import WeightSyncError, WeightSyncSchemaError
 

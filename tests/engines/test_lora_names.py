@@ -6,7 +6,7 @@ import fnmatch
 
 import pytest
 
-from lightning_wsync.engines._vllm_lora import peft_name
+from lightning_wsync.engines._worker.lora import peft_name
 from lightning_wsync.engines.lora import ADAPTER_TENSORS, adapter_config, adapter_id, adapter_name, lora_options
 
 NAMES = {  # a peft model under a LightningModule attribute, as the sender names its tensors

@@ -24,7 +24,7 @@ from test_vllm_server import replay_streamed
 from tiny_llama import write_tiny_llama
 
 from lightning_wsync import WeightSender
-from lightning_wsync.engines._vllm_follow import follow_settings
+from lightning_wsync.engines._worker.follow import follow_settings
 
 STREAM_TOKENS = 24
 START_S = 600  # both servers start at once; on two shared cores that can take minutes

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_wsync import WeightReceiver, WeightSender
-from lightning_wsync.engines._commit import StagedVersion
-from lightning_wsync.engines._vllm_follow import Follower, FollowSettings
+from lightning_wsync.engines._worker.commit import StagedVersion
+from lightning_wsync.engines._worker.follow import Follower, FollowSettings
 from lightning_wsync.engines.vllm_servers import VllmServers, apply_version
 from lightning_wsync.errors import WeightSyncError
 

@@ -27,7 +27,7 @@ def wants_nixl(spec: planes.SenderSpec) -> bool:
 @pytest.mark.parametrize("why", [None, "NIXL is not installed (test)"])
 def test_auto_picks_nixl_for_the_star_where_usable_and_says_which(monkeypatch, caplog, why):
     monkeypatch.setattr(planes.nixl_plane, "unusable", lambda: why)
-    with caplog.at_level(logging.INFO, logger=planes.__name__):
+    with caplog.at_level(logging.INFO, logger=planes.nixl_plane.__name__):  # the NIXL row says which
         assert wants_nixl(spec("auto", "star")) is (why is None)
     said = caplog.text
     assert ("READ through NIXL" in said) if why is None else ("gloo links (NIXL is not installed (test))" in said)

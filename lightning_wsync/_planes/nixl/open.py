@@ -1,8 +1,14 @@
-"""The NIXL plane's two entries, each from one parameter object: what the picker
-(:mod:`lightning_wsync._planes.open`) calls, and nothing else of this package."""
+"""The NIXL plane's row of the picker (:mod:`lightning_wsync._planes.open`): whether a sender
+offers it, its send side and its receive side, each from one parameter object; nothing else of
+this package is called from above it.
+
+The row's ``open_send``/``open_receive`` read the picker's contexts and call
+:func:`send_plane`/:func:`receive_source`, which take this plane's own parameter objects
+(:class:`NixlSendParams`, :class:`NixlReceiveParams`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -15,11 +21,16 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl.agent import NixlError, unusable
 from lightning_wsync._planes.nixl.receive import NixlReader, NixlSource
 from lightning_wsync._planes.nixl.send import NixlSendPlane
+from lightning_wsync._planes.params import ReceiveContext, SenderSpec
+from lightning_wsync._planes.sending import SendContext
 from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment
 from lightning_wsync.errors import WeightSyncConfigError
 
-__all__ = ["NixlReceiveParams", "NixlSendParams", "open_receive", "open_send", "unusable"]
+__all__ = ["NixlReceiveParams", "NixlSendParams", "offered", "open_receive", "open_send", "receive_source",
+           "send_plane", "unusable"]
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 << 20  # one READ; the owner's lease is renewed as each lands
 
@@ -48,7 +59,47 @@ class NixlReceiveParams:
     chunk_bytes: int = CHUNK_BYTES
 
 
-def open_send(p: NixlSendParams) -> NixlSendPlane:
+def offered(spec: SenderSpec, from_device: bool) -> bool:
+    """transport='nixl', or 'auto' with cross_host='star' where NIXL is usable; says which."""
+    if from_device:
+        return False
+    if spec.transport == "nixl":
+        if (refused := unusable()) is not None:
+            raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {refused}; or use transport='auto'")
+        return True
+    if spec.transport != "auto" or spec.cross_host != "star":
+        return False
+    why = unusable()
+    if why is None:
+        log.info("WeightSender: transport='auto', cross_host='star': receivers on other hosts READ through NIXL")
+    else:
+        log.info("WeightSender: transport='auto', cross_host='star': receivers on other hosts get gloo links (%s)", why)
+    return why is None
+
+
+def open_send(side: SendContext) -> NixlSendPlane:
+    assert side.segment is not None  # offered only with the shared-memory row
+    return send_plane(NixlSendParams(ctl=side.ctl, ring=side.ring, segment=side.segment, epoch=side.spec.epoch,
+                                     job=side.spec.job))  # fmt: skip
+
+
+def open_receive(side: ReceiveContext) -> NixlSource | None:
+    """A reader of the sender's ring; None: not offered to this receiver, or NIXL is not usable
+    here and the sender also serves gloo links (transport='auto'), said once in the log."""
+    me, record = side.me, side.record
+    if not record.nixl or side.same_host:
+        return None
+    why = unusable()
+    if why is not None and record.transport == "auto":
+        log.warning("receiver %r: the sender offers NIXL, but %s; receiving over a gloo link instead", me.name, why)
+        return None
+    return receive_source(NixlReceiveParams(
+        ctl=me.ctl, layout=side.layout, ordered=side.ordered, epoch=side.epoch, rid=me.rid, name=me.name,
+        timeout_s=me.timeout_s, newest=me.newest, on_staged=me.on_staged, on_rejected=me.on_rejected,
+    ))  # fmt: skip
+
+
+def send_plane(p: NixlSendParams) -> NixlSendPlane:
     """The owner's side. Raises WeightSyncConfigError when NIXL cannot be used here."""
     why = unusable()
     if why is not None:
@@ -60,7 +111,7 @@ def open_send(p: NixlSendParams) -> NixlSendPlane:
         raise WeightSyncConfigError(f"WeightSender: transport='nixl': {exc}") from None
 
 
-def open_receive(p: NixlReceiveParams) -> NixlSource:
+def receive_source(p: NixlReceiveParams) -> NixlSource:
     """A reader of the sender's ring. Raises WeightSyncConfigError when NIXL cannot be used here."""
     why = unusable()
     if why is not None:

@@ -39,7 +39,7 @@ from lightning_wsync._planes.relay.hops import chunks
 from lightning_wsync._planes.wire import DELTA, FULL, PeerGroup, Work
 
 # A tree's sends posted ahead of the one the sender waits for: a full half's chunks (views of
-# the slot) all at once up to 128 MiB a half, as before deltas; a delta's batches as encoded.
+# the slot) all at once up to 128 MiB a half; a delta's batches as encoded.
 _IN_FLIGHT = 256
 # Records travel in batches of up to this many records or bytes: one message per record made
 # a level cost ~64 gloo wake-ups per 32 MiB half on a busy machine (measured: 0.41 s a push at

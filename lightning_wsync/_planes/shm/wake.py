@@ -10,7 +10,7 @@ during a push and their wake-up lag was part of every push's latency.
 A path-named socket is found through the file system, so the writer reaches readers in
 other network namespaces of the same host (which share ``/dev/shm``). Where a socket
 cannot be bound (a path over the 107 bytes of ``sun_path``, a read-only directory), the
-reader polls as before.
+reader polls the header instead.
 """
 
 from __future__ import annotations

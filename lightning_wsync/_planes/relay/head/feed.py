@@ -1,5 +1,8 @@
 """Across hosts, one network copy per host: host leaders relay each version down a chain.
 
+Longer than 300 lines: some sixty of them are this description of the relay (leaders,
+chain, checks, failures), kept beside the head that feeds the chain's first leader.
+
 ::
 
     trainer ──► leader of host 1 ──► leader of host 2 ──► ... ──► leader of host H

@@ -1,7 +1,7 @@
 """A relay leader's doorbell: what it serves (the chain, its own leadership) without polling the store.
 
-A leader used to read the chain record and its leader record every ``CHAIN_POLL_S`` in
-each of its loops (its hop from upstream, its hop downstream, waiting to be in a chain):
+Reading the chain record and its leader record every ``CHAIN_POLL_S`` in each of a leader's
+loops (its hop from upstream, its hop downstream, waiting to be in a chain) would cost
 about 60 requests a second per host while idle. Instead one thread per leader waits on
 its bell key (``relay/<epoch>/bell/<rid>``, one blocking wait on a connection of its own)
 and reads both records when the bell rings; the loops look at what it read, in memory.

@@ -15,7 +15,7 @@ a host-mate whose notes stop being passed on beats and acknowledges on the store
 
 Whoever reads the ring shares the leader's ``/dev/shm`` and user, so the board is readable
 wherever the ring is; a host-mate that cannot read it (no board yet, a stale one) asks the
-store as before.
+store instead.
 """
 
 from __future__ import annotations

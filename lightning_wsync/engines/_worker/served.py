@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_wsync.engines._vllm_lora import peft_name, refused_lora_names
+from lightning_wsync.engines._worker.lora import peft_name, refused_lora_names
 from lightning_wsync.errors import WeightSyncError
 
 PATH_PREFIX = "wsync:v"
@@ -128,7 +128,7 @@ class ServedAdapters:
 
 def install_loader() -> None:
     """Wrap vLLM's ``WorkerLoRAManager._load_adapter`` in this process (once): a ``wsync:v{N}``
-    path is built by the worker's :class:`ServedAdapters`; any other path loads as before."""
+    path is built by the worker's :class:`ServedAdapters`; any other path loads as vLLM loads it."""
     global _installed
     from vllm.lora.worker_manager import WorkerLoRAManager
 
