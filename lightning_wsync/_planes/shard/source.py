@@ -4,6 +4,9 @@ when every ring holds it complete, pinned in all of them while it is copied.
 A ring is a trainer rank's own (same host, :class:`FixedRing`) or, across hosts, the host
 ring its stream's leader fills (:mod:`~lightning_wsync._planes.relay.sharded`); either way a
 :class:`ShareRing`, held while a copy reads it.
+
+Longer than 300 lines: the copy into the module and the loan to an engine's workers
+(zero-copy: every ring pinned together, a cut tensor stitched) share the rings' pins.
 """
 
 from __future__ import annotations

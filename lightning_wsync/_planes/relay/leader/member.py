@@ -32,6 +32,7 @@ from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     POLL_S,
+    Chain,
     Stream,
     Superseded,
     error_text,
@@ -249,6 +250,20 @@ class RelayMember:
             self._hop = None
 
     # -- leading ------------------------------------------------------------------
+    def _lead_nixl(self, ctl: Control, chain: Chain, superseded: Callable[[], bool]) -> None:
+        """Lead this chain or tree by NIXL READs from the upstream leader's registered ring."""
+        assert self._own is not None and self._own.segment is not None
+        pos = chain.rids.index(self._rid)
+        # A chain: the previous leader; a tree: the parent in the binary heap over the leaders (one tree,
+        # each leader READs the whole version: a READ's owner serves any number of readers).
+        up = chain.rids[(pos - 1) // 2 if chain.tree else pos - 1] if pos else None
+        if self._nixl_hop is None:  # one per leadership: chains change its upstream, not its agents
+            self._nixl_hop = NixlChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
+                                          rid=self._rid, upstream=up, timeout_s=self._timeout_s,
+                                          on_accepted=self._published, on_rejected=self._on_rejected,
+                                          have=self.published_version)  # fmt: skip
+        self._nixl_hop.lead(up, superseded)
+
     def _lead(self, ctl: Control) -> None:
         bell = self._bell
         assert bell is not None
@@ -265,16 +280,7 @@ class RelayMember:
             return self._stop.is_set() or not bell.current(chain.number)
 
         if self._nixl and self._own is not None and self._own.segment is not None:  # READs from upstream (nixl/hop.py)
-            pos = chain.rids.index(self._rid)
-            # A chain: the previous leader; a tree: the parent in the binary heap over the leaders (one tree,
-            # each leader READs the whole version: a READ's owner serves any number of readers).
-            up = chain.rids[(pos - 1) // 2 if chain.tree else pos - 1] if pos else None
-            if self._nixl_hop is None:  # one per leadership: chains change its upstream, not its agents
-                self._nixl_hop = NixlChainHop(ctl, self.layout, self._own, self._own.segment, stream=self._epoch,
-                                              rid=self._rid, upstream=up, timeout_s=self._timeout_s,
-                                              on_accepted=self._published, on_rejected=self._on_rejected,
-                                              have=self.published_version)  # fmt: skip
-            self._nixl_hop.lead(up, superseded)
+            self._lead_nixl(ctl, chain, superseded)
             return
         if chain.tree:
             hop = self._hop
