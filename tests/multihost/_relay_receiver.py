@@ -7,6 +7,7 @@ import json
 import os
 
 import torch
+from _relaylog import relay_info
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError
 from lightning_wsync.testing.models import ModelSpec, build_model, digest, spec_for_size
@@ -50,6 +51,7 @@ def slow_connect(seconds: float) -> None:
 
 
 def main() -> int:
+    relay_info()
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
     parser.add_argument("--job", required=True)

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _relaylog import relay_info
+
 from lightning_wsync.testing.hosts import SimHosts, prepare_session
 
 POLL_S = 0.05
@@ -107,6 +109,7 @@ def wait_until(
 
 def main(scenario: Callable[[list[str]], dict[str, Any]]) -> None:
     """Run ``scenario(argv)`` as the session's PID 1 and print its ``RESULT`` line."""
+    relay_info()
     try:
         prepare_session()
         result = scenario(sys.argv[1:])
