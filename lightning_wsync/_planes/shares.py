@@ -107,20 +107,21 @@ class ShareWriter:
         """Stop relaying and free the ring; with ``flush_timeout_s``, first wait (at most that long) for
         rank 0's sender to close: it waits for the last push's delivery, which may still need this share.
         The threads that relay the share (the checksum notes', the stream head's, its feed's, its
-        encoders') are then waited for within one ``timeout_s`` in all, not one bound each."""
+        encoders') are waited for within one ``timeout_s`` in all, not one bound each (the flush
+        wait has its own)."""
         stream, self._stream = self._stream, None
         sums, self._sums = self._sums, None
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         if sums is not None:
             sums.close(timeout_s)
+        spent = time.monotonic() - started  # of the one bound (the flush wait below has its own)
         if stream is not None:
             if flush_timeout_s > 0 and self._closed_key is not None:
                 try:
                     stream.ctl.clone().wait_for(self._closed_key, flush_timeout_s)
                 except WeightSyncError as exc:  # the store went with rank 0: nothing left to wait for
                     log.debug("trainer rank %d: %s", self._shares.rank, exc)
-                deadline = max(deadline, time.monotonic() + timeout_s)  # the flush wait is a bound of its own
-            stream.close(max(0.0, deadline - time.monotonic()))
+            stream.close(max(0.0, timeout_s - spent))
         self._ring.close()
         self.segment.close()
 
