@@ -36,6 +36,8 @@ from lightning_wsync.errors import WeightSyncError, WeightSyncStoreError
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 5.0  # ShareWriter.close: its relay's threads, all of them
+
 _SERIALS = itertools.count(10**12)  # a share ring's name: wsync-<pid>-<serial>-<job>, never a sender epoch
 
 
@@ -101,20 +103,25 @@ class ShareWriter:
             self._sums = _SumsNotes(ctl.clone(), self._ring, keys.shard_sums(epoch, self._shares.rank))  # these
         log.info("trainer rank %d relays its share of sender epoch %d to other hosts", self._shares.rank, epoch)
 
-    def close(self, flush_timeout_s: float = 0.0) -> None:
+    def close(self, flush_timeout_s: float = 0.0, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Stop relaying and free the ring; with ``flush_timeout_s``, first wait (at most that long) for
-        rank 0's sender to close: it waits for the last push's delivery, which may still need this share."""
+        rank 0's sender to close: it waits for the last push's delivery, which may still need this share.
+        The threads that relay the share (the checksum notes', the stream head's, its feed's, its
+        encoders') are waited for within one ``timeout_s`` in all, not one bound each (the flush
+        wait has its own)."""
         stream, self._stream = self._stream, None
         sums, self._sums = self._sums, None
+        started = time.monotonic()
         if sums is not None:
-            sums.close()
+            sums.close(timeout_s)
+        spent = time.monotonic() - started  # of the one bound (the flush wait below has its own)
         if stream is not None:
             if flush_timeout_s > 0 and self._closed_key is not None:
                 try:
                     stream.ctl.clone().wait_for(self._closed_key, flush_timeout_s)
                 except WeightSyncError as exc:  # the store went with rank 0: nothing left to wait for
                     log.debug("trainer rank %d: %s", self._shares.rank, exc)
-            stream.close()
+            stream.close(max(0.0, timeout_s - spent))
         self._ring.close()
         self.segment.close()
 
@@ -160,11 +167,11 @@ class _SumsNotes:
             except WeightSyncStoreError as exc:  # the store went with rank 0: nobody reads them
                 log.debug("share checksums of version %d not noted: %s", version, exc)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=timeout_s)
         try:
             self._ctl.delete(self._key)
         except WeightSyncError as exc:

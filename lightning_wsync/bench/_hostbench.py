@@ -287,7 +287,8 @@ def _phase(
                             "egress_bytes": tx1 - tx0, "egress_models": (tx1 - tx0) / pushed,
                             "store_requests": sum(run.proxy.snapshot().values()) - asked0,
                             "cpu_s": sample.cpu_s, "cpu_s_with_bench": bench_cpu_s,
-                            "digest_ok": sample.digest_ok, "failed": sample.failed})  # fmt: skip
+                            "digest_ok": sample.digest_ok, "failed": sample.failed,
+                            "delivered": sorted(sample.delivered), "applied": sample.applied})  # fmt: skip
         idle = _idle_store_rate(run.proxy)
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate

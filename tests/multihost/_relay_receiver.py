@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 
 import torch
+from _relaylog import relay_info
 
-from lightning_wsync import WeightReceiver, WeightSyncClosedError
+from lightning_wsync import WeightReceiver, WeightSyncClosedError, WeightSyncTimeoutError
 from lightning_wsync.testing.models import ModelSpec, build_model, digest, spec_for_size
 
 
@@ -50,6 +52,7 @@ def slow_connect(seconds: float) -> None:
 
 
 def main() -> int:
+    relay_info()
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
     parser.add_argument("--job", required=True)
@@ -88,6 +91,10 @@ def main() -> int:
                 held = receiver.wait_for_version(held + 1, timeout_s=args.timeout_s)
             except WeightSyncClosedError:
                 return 0
+            except WeightSyncTimeoutError:
+                # Where every thread was (a leader that never joined a hop: issue 32), then the error.
+                faulthandler.dump_traceback(all_threads=True)
+                raise
             emit(args.events, event="applied", name=args.name, pid=os.getpid(), version=held,
                  digest=digest(model, wire))  # fmt: skip
 

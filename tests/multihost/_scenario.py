@@ -13,9 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _relaylog import relay_info
+
 from lightning_wsync.testing.hosts import SimHosts, prepare_session
 
 POLL_S = 0.05
+_DUMPABLE = ("_relay_receiver.py", "_shard_rank.py")  # scripts that call relay_info()
 # Signals a process gets from its own fault (the kernel or abort()), never from a scenario.
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL})
 
@@ -27,6 +30,7 @@ class Procs:
         self.hosts = hosts
         self.root = root
         self.started: dict[str, subprocess.Popen[bytes]] = {}
+        self._dumpable: set[str] = set()  # children that write their stacks on SIGUSR1 (relay_info())
 
     def start(
         self,
@@ -46,6 +50,8 @@ class Procs:
         )
         log.close()
         self.started[name] = proc
+        if any(Path(a).name in _DUMPABLE for a in argv[1:2]):
+            self._dumpable.add(name)
         return proc
 
     def tail(self, name: str, lines: int = 30) -> str:
@@ -68,6 +74,17 @@ class Procs:
             for n, p in self.started.items()
             if (rc := p.poll()) is not None and rc < 0 and -rc in CRASH_SIGNALS
         }
+
+    def dump_stacks(self, settle_s: float = 1.0) -> None:
+        """Have every live child that registered faulthandler on SIGUSR1 (``_relay_receiver.py``)
+        write each thread's stack to its log: where a process that made no progress was."""
+        for name in self._dumpable:
+            if (p := self.started[name]).poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(settle_s)  # the dumps are written by each child's own faulthandler thread; a failure path only
 
     def wait(self, name: str, timeout_s: float) -> int:
         try:
@@ -99,6 +116,8 @@ def wait_until(
         if result:
             return result
         if time.monotonic() > deadline:
+            if procs:
+                procs.dump_stacks()
             raise AssertionError(
                 f"timed out after {timeout_s} s waiting for {what}\n{procs.describe() if procs else ''}"
             )
@@ -107,6 +126,7 @@ def wait_until(
 
 def main(scenario: Callable[[list[str]], dict[str, Any]]) -> None:
     """Run ``scenario(argv)`` as the session's PID 1 and print its ``RESULT`` line."""
+    relay_info()
     try:
         prepare_session()
         result = scenario(sys.argv[1:])

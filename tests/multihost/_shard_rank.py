@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _relaylog import relay_info
 
 from lightning_wsync import SenderConfig
 from lightning_wsync._control.host import host_id
@@ -26,6 +27,7 @@ from lightning_wsync.testing.models import build_model, mutate, spec_for_size, t
 
 
 def main() -> int:
+    relay_info()
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
     parser.add_argument("--job", required=True)

@@ -149,8 +149,10 @@ class DeltaStream:
         return self._error is not None
 
     def join(self, timeout_s: float) -> None:
+        """Wait for the helpers, all of them within ``timeout_s`` (one bound, not one each)."""
+        deadline = time.monotonic() + timeout_s
         for helper in self._helpers:
-            helper.join(timeout_s)
+            helper.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> DeltaStats:
         """Totals over the buckets encoded so far (all of them once a link has sent the stream)."""
@@ -211,11 +213,12 @@ class DeltaStreams:
         return max((s.stats() for s in streams), key=lambda st: st.wire_bytes)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Wait for helper threads still encoding (bounded)."""
+        """Wait for helper threads still encoding, those of every stream within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             streams = list(self._streams.values())
         for stream in streams:
-            stream.join(timeout_s)
+            stream.join(max(0.0, deadline - time.monotonic()))
 
 
 class AutoPolicy:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from typing_extensions import override
@@ -135,11 +136,14 @@ class StreamHead:
         self._written = version
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop relaying; this head's thread, its feed's and its encoders' are waited for within one
+        ``timeout_s`` (each part gets what the parts before it left)."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._thread.join(timeout=timeout_s)
-        self._head.close(timeout_s=timeout_s)
+        self._head.close(timeout_s=max(0.0, deadline - time.monotonic()))
         if self._deltas is not None:
-            self._deltas.close(timeout_s=timeout_s)
+            self._deltas.close(timeout_s=max(0.0, deadline - time.monotonic()))
         try:
             self.ctl.delete(self._written_key)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
