@@ -3,6 +3,9 @@ against each base a receiver holds (:class:`DeltaStream`), buckets in parallel
 (:class:`EncoderPool`), and ``delta="auto"`` decides per version whether a delta is worth
 sending at all (:class:`AutoPolicy`). The wire and what receivers hold are in
 :mod:`~lightning_wsync._planes.delta.wire`.
+
+Longer than 300 lines: the stream, its encoder pool and the auto policy share one sender's
+buckets and bases; apart they would pass each other their state.
 """
 
 from __future__ import annotations
