@@ -4,6 +4,12 @@ The command line is vLLM's own plus ``--weight-transfer-config '{"backend": "wsy
 the ``wsync`` backend comes from our ``vllm.general_plugins`` entry point, and the RL
 routes from ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers them only then). ``--enable-scale-out``
 (vLLM's) serves ``/inference/v1/generate``, whose outputs carry per-token weight labels.
+
+Two servers on one host get a core each (``cpus``): left to itself, vLLM binds every CPU
+server's worker to core 0 (``VLLM_CPU_OMP_THREADS_BIND=auto`` reserves the other core for
+its engine process), and with one server busy the other's engine and worker then lose the
+wake-ups of vLLM's shared-memory queue and wait out its 5 s re-check, message after message
+(docs/engines.md, "Several CPU servers on one host").
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group."""
 
     def __init__(self, model: Path, port: int, log: Path, extra_env: dict[str, str] | None = None,
-                 args: Sequence[str] = ()) -> None:  # fmt: skip
+                 args: Sequence[str] = (), cpus: str | None = None) -> None:  # fmt: skip
         self.model, self.url, self.log = str(model), f"http://127.0.0.1:{port}", log
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
                "--weight-transfer-config", '{"backend": "wsync"}', *args]  # fmt: skip
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
+        if cpus is not None:  # vLLM binds every CPU server's worker to the same cores unless told
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    started = [Server(model_dir, free_port(), logs / f"server{i}.log") for i in range(2)]
+    started = [Server(model_dir, free_port(), logs / f"server{i}.log", cpus=str(i)) for i in range(2)]
     try:
         for s in started:
             s.wait_ready(START_S)
