@@ -69,13 +69,7 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
     output = _finish(trainer, 150)
     assert trainer.returncode == 0, output[-4000:]
 
-    seen: dict[str, list[tuple[int, str]]] = {"r0": [], "r1": []}
-    finished: set[str] = set()
-    while len(finished) < 2:
-        msg = next_message(results, "version", timeout_s=30)
-        seen[msg[1]].append((msg[2], msg[3]))
-        if msg[2] == 5:
-            finished.add(msg[1])
+    seen = _versions_until(results, ["r0", "r1"], final=5, timeout_s=30)
     for receiver in receivers:
         receiver.join(timeout=30)
         assert receiver.exitcode == 0
@@ -146,10 +140,7 @@ def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_rel
     assert relaunched and relaunched[0] > 2 and relaunched[-1] == 8
 
     served = {**{v: d for v, d in killed.items() if v < 4}, **_digests(second)}
-    seen: dict[str, list[tuple[int, str]]] = {"r0": [], "r1": []}
-    while any(not got or got[-1][0] < 8 for got in seen.values()):
-        msg = next_message(results, "version", timeout_s=30)
-        seen[msg[1]].append((msg[2], msg[3]))
+    seen = _versions_until(results, ["r0", "r1"], final=8, timeout_s=30)
     for name, got in seen.items():
         # Never the killed trainer's version 4 (nor a mix of its shares): 0 and 2 from it, then the relaunch's.
         assert [v for v, _ in got] == [0, 2, *relaunched], (name, got)
@@ -188,10 +179,7 @@ def test_ddp_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_ex
     output = _finish(trainer, 240)
     assert trainer.returncode == 0, output[-4000:]
 
-    seen: dict[str, list[tuple[int, str]]] = {name: [] for name in names}
-    while any(not got or got[-1][0] < 5 for got in seen.values()):
-        msg = next_message(results, "version", timeout_s=30)
-        seen[msg[1]].append((msg[2], msg[3]))
+    seen = _versions_until(results, names, final=5, timeout_s=30)
     for receiver in receivers:
         receiver.join(timeout=30)
         assert receiver.exitcode == 0
@@ -232,10 +220,7 @@ def test_ddp_default_fleet_on_the_trainers_host_and_another_switches_together_bi
     output = _finish(trainer, 240)
     assert trainer.returncode == 0, output[-4000:]
 
-    seen: dict[str, list[tuple[int, str]]] = {name: [] for name in names}
-    while any(not got or got[-1][0] < 6 for got in seen.values()):
-        msg = next_message(results, "version", timeout_s=60)
-        seen[msg[1]].append((msg[2], msg[3]))
+    seen = _versions_until(results, names, final=6, timeout_s=60)
     receiver.join(timeout=30)
     assert receiver.exitcode == 0
 
@@ -247,3 +232,13 @@ def test_ddp_default_fleet_on_the_trainers_host_and_another_switches_together_bi
         assert got and all(d == expected[v] for v, d in got), (name, got, expected)  # bit-exact at every version
         assert [v for v, _ in got] == sorted({v for v, _ in got}), (name, got)  # never back
     del server
+
+
+def _versions_until(results, names: list[str], *, final: int, timeout_s: float) -> dict[str, list[tuple[int, str]]]:
+    """Each receiver's ``(version, digest)`` reports, in order, until every one reported ``final``
+    (each report awaited up to ``timeout_s``)."""
+    seen: dict[str, list[tuple[int, str]]] = {name: [] for name in names}
+    while any(not got or got[-1][0] < final for got in seen.values()):
+        msg = next_message(results, "version", timeout_s=timeout_s)
+        seen[msg[1]].append((msg[2], msg[3]))
+    return seen
