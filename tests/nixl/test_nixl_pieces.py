@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -97,3 +98,13 @@ def test_hop_chunks_cover_every_bucket_without_straddling():
     assert [(a, b) for a, b, _ in got][0][0] == 0 and got[-1][1] == layout.total_bytes
     assert all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1))
     assert all(layout.buckets[k][0] <= a < b <= layout.buckets[k][1] for a, b, k in got)
+
+
+def test_a_peer_not_published_yet_is_debug_until_it_lasts_timeout_s():
+    from lightning_wsync._planes.nixl.agent import NixlError, NotPublished, failure_level
+
+    now = time.monotonic()
+    forming = NotPublished("the upstream (leader3) published no NIXL agent")
+    assert failure_level(forming, now, timeout_s=10) == logging.DEBUG  # a chain forming: not news
+    assert failure_level(forming, now - 11, timeout_s=10) == logging.WARNING  # past timeout_s: it is
+    assert failure_level(NixlError("a transfer in error"), now, timeout_s=10) == logging.WARNING

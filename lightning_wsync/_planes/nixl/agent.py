@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,19 @@ _BACKEND = "UCX"
 
 class NixlError(RuntimeError):
     """A NIXL call failed (a peer gone, metadata that does not load, a transfer in error)."""
+
+
+class NotPublished(NixlError):
+    """The peer to read from has not published its NIXL agent yet: usual while a chain forms
+    or a sender starts, so its readers say it at DEBUG until it lasts ``timeout_s``."""
+
+
+def failure_level(exc: Exception, failing_since: float, timeout_s: float) -> int:
+    """The log level of a reader's failed attempt: DEBUG for a peer not published yet (until
+    that has lasted ``timeout_s``), WARNING for anything else."""
+    if isinstance(exc, NotPublished) and time.monotonic() - failing_since < timeout_s:
+        return logging.DEBUG
+    return logging.WARNING
 
 
 @functools.lru_cache(maxsize=1)

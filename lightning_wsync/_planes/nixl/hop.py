@@ -35,7 +35,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl import messages
-from lightning_wsync._planes.nixl.agent import Agent, NixlError
+from lightning_wsync._planes.nixl.agent import Agent, NixlError, NotPublished, failure_level
 from lightning_wsync._planes.nixl.lend import HopOwner
 from lightning_wsync._planes.shm.ring import Draft, SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef, seq_word_offset
@@ -128,7 +128,7 @@ class ChainHop:
 
     # -- the hop's thread ---------------------------------------------------------------
     def _run(self) -> None:
-        failures = 0
+        failures, failing_since = 0, 0.0
         following = self._upstream
         while not self._stop.is_set():
             if self._upstream != following:  # a new chain: another upstream
@@ -142,9 +142,11 @@ class ChainHop:
                 log.debug("NIXL hop rid=%d: %s", self._rid, exc)
             except (NixlError, WeightSyncError, RuntimeError, TimeoutError) as exc:
                 failures += 1
+                failing_since = time.monotonic() if failures == 1 else failing_since
                 self.error = str(exc)
                 if not self._stop.is_set():
-                    log.warning("NIXL hop rid=%d (stream %d): %s", self._rid, self._stream, exc)
+                    level = failure_level(exc, failing_since, self._timeout_s)
+                    log.log(level, "NIXL hop rid=%d (stream %d): %s", self._rid, self._stream, exc)
                 self._forget_upstream()
                 self._stop.wait(min(1.0, 0.05 * 2**failures))
 
@@ -153,7 +155,7 @@ class ChainHop:
             who = "sender" if self._upstream is None else f"leader{self._upstream}"
             record = self._ctl.get_record(keys.nixl_agent(self._stream, who), NixlAgentRecord)
             if record is None:
-                raise NixlError(f"the upstream ({who}) published no NIXL agent")
+                raise NotPublished(f"the upstream ({who}) published no NIXL agent")
             if len(record.regions) < 2 or {n for _, n in record.regions[1:]} != {self.layout.total_bytes}:
                 raise NixlError(f"the upstream's NIXL record lists regions {record.regions!r:.80} that do not fit")
             self._agent.add_remote(record)

@@ -27,7 +27,7 @@ from lightning_wsync._control.records import NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.nixl import messages
-from lightning_wsync._planes.nixl.agent import Agent, NixlError
+from lightning_wsync._planes.nixl.agent import Agent, NixlError, NotPublished, failure_level
 from lightning_wsync._planes.nixl.send import reader_name
 from lightning_wsync._planes.shm.ring import bucket_checksums
 from lightning_wsync._planes.shm.segment import seq_word_offset
@@ -86,6 +86,7 @@ class NixlReader:
 
     # -- the reader's thread ----------------------------------------------------------
     def _run(self) -> None:
+        failing_since = 0.0
         while not self._stop.is_set():
             newest = self._newest()
             have = max((v for v in (self.version, self._rejected) if v is not None), default=None)
@@ -99,8 +100,10 @@ class NixlReader:
                 log.debug("NIXL reader %d: %s; reading again", self._rid, exc)
             except (NixlError, WeightSyncError, RuntimeError) as exc:
                 self.failures += 1
+                failing_since = time.monotonic() if self.failures == 1 else failing_since
                 self.error = str(exc)
-                log.warning("NIXL reader %d (sender epoch %d): %s", self._rid, self._epoch, exc)
+                level = failure_level(exc, failing_since, self._timeout_s)
+                log.log(level, "NIXL reader %d (sender epoch %d): %s", self._rid, self._epoch, exc)
                 self._forget_owner()
                 self._stop.wait(min(1.0, 0.05 * 2**self.failures))
 
@@ -108,7 +111,7 @@ class NixlReader:
         if self._owner is None:
             record = self._ctl.get_record(keys.nixl_agent(self._epoch, "sender"), NixlAgentRecord)
             if record is None:
-                raise NixlError(f"sender epoch {self._epoch} published no NIXL agent")
+                raise NotPublished(f"sender epoch {self._epoch} published no NIXL agent")
             regions = record.regions
             slot_sizes = {size for _, size in regions[1:]}
             if len(regions) < 2 or slot_sizes != {self.layout.total_bytes} or regions[0][1] < 4096:
