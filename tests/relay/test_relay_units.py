@@ -10,7 +10,14 @@ import torch
 from lightning_wsync import WeightSender
 from lightning_wsync._control.manifest import build_manifest
 from lightning_wsync._control.records import ChainRecord
-from lightning_wsync._planes.relay.hops import CHUNK_BYTES, TAIL_BYTES, chunks
+from lightning_wsync._planes.relay.hops import (
+    CHUNK_ALIGN,
+    CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    TAIL_BYTES,
+    chunk_bytes,
+    chunks,
+)
 from lightning_wsync._planes.relay.plan import HEAD, half, prefer_tree, roots, tree_depth, tree_links
 from lightning_wsync.config import SenderConfig
 from lightning_wsync.testing.pushmodel import Link, depth, fit, push_time
@@ -26,6 +33,27 @@ def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
         ba, bb = layout.buckets[bucket]
         assert ba <= a < b <= bb and b - a <= CHUNK_BYTES
     assert pieces[-1][1] - pieces[-1][0] <= TAIL_BYTES  # the last piece crosses each hop quickly
+
+
+def test_chunks_grow_with_the_version_within_bounds() -> None:
+    mib = 2**20
+    assert chunk_bytes(1000) == chunk_bytes(64 * mib) == CHUNK_BYTES == 512 * 1024  # as before for <= 64 MiB
+    assert chunk_bytes(256 * mib) == 2 * mib and chunk_bytes(80 * mib) == 640 * 1024
+    assert chunk_bytes(10 * 2**30) == MAX_CHUNK_BYTES == 4 * mib
+    assert all(chunk_bytes(n) % CHUNK_ALIGN == 0 for n in range(0, 1 << 30, 7_777_777))
+    # An 80 MiB layout: chunks of 640 KiB cover it once, never straddle a bucket, end in a short piece.
+    layout = build_manifest({"a": torch.zeros(3), "b": torch.zeros(80 * mib // 4 - 8), "c": torch.zeros(5)}, None,
+                            32 * mib)  # fmt: skip
+    pieces = chunks(layout)
+    assert pieces[0][0] == 0 and pieces[-1][1] == layout.total_bytes
+    assert all(b == a2 for (_, b, _), (a2, _, _) in itertools.pairwise(pieces))
+    size = chunk_bytes(layout.total_bytes)
+    assert size > CHUNK_BYTES
+    for a, b, bucket in pieces:
+        ba, bb = layout.buckets[bucket]
+        assert ba <= a < b <= bb and b - a <= size
+    assert max(b - a for a, b, _ in pieces) == size
+    assert pieces[-1][1] - pieces[-1][0] <= TAIL_BYTES
 
 
 def test_push_time_model() -> None:

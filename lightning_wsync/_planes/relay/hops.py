@@ -24,7 +24,10 @@ from lightning_wsync._planes.delta.wire import Held, parse_ready_note
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import FULL, Header, PeerGroup, make_group
 
-CHUNK_BYTES = 1 << 19  # pipelining unit between hops (a bucket is hashed once all its chunks are in)
+CHUNK_BYTES = 1 << 19  # the smallest pipelining unit between hops (:func:`chunk_bytes`)
+MAX_CHUNK_BYTES = 1 << 22  # the largest
+CHUNKS_PER_VERSION = 128  # a version is cut into about this many chunks between those two sizes
+CHUNK_ALIGN = 1 << 16  # chunk sizes are multiples of this (whole words of any dtype)
 TAIL_BYTES = 1 << 16  # the size the version's last chunk is halved down to
 POLL_S = 0.002
 CHAIN_POLL_S = 0.05
@@ -33,17 +36,33 @@ RELAY_RID = -1  # trailer MACs name no receiver: the same trailer is forwarded d
 log = logging.getLogger(__name__)
 
 
+def chunk_bytes(total_bytes: int) -> int:
+    """The pipelining unit for a version of ``total_bytes``: about 1/CHUNKS_PER_VERSION of it,
+    within CHUNK_BYTES..MAX_CHUNK_BYTES.
+
+    Each hop holds the version back by about one chunk's wire time, so a chunk of 1/128 of the
+    version costs under 1% of the version's wire time per hop, whatever the link. Every chunk
+    also costs each hop a fixed amount of CPU (a gloo message each way, a wait, a post, a
+    hash update: tens of microseconds of Python and of gloo's loop threads), which 512 KiB
+    chunks made a large share of a hop's CPU for versions of hundreds of MiB
+    (docs/benchmarks.md). A 64 MiB version keeps 512 KiB chunks; 256 MiB ones get 2 MiB.
+    """
+    size = total_bytes // CHUNKS_PER_VERSION // CHUNK_ALIGN * CHUNK_ALIGN
+    return max(CHUNK_BYTES, min(MAX_CHUNK_BYTES, size))
+
+
 def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
-    """``(start, end, bucket)`` pieces of at most CHUNK_BYTES, never straddling a bucket.
+    """``(start, end, bucket)`` pieces of at most :func:`chunk_bytes`, never straddling a bucket.
 
     The version's last chunk is split into pieces that halve down to TAIL_BYTES: the last
     byte reaches the H-th host one wire time after the first left the trainer plus H - 1
     times the last piece's wire time, so small last pieces save ~5 ms per hop at 700 Mbit/s.
     """
     out = []
+    size = chunk_bytes(layout.total_bytes)
     for i, (a, b) in enumerate(layout.buckets):
-        for start in range(a, b, CHUNK_BYTES):
-            out.append((start, min(b, start + CHUNK_BYTES), i))
+        for start in range(a, b, size):
+            out.append((start, min(b, start + size), i))
     if out:
         start, end, bucket = out.pop()
         while end - start > TAIL_BYTES:

@@ -59,7 +59,7 @@ from lightning_wsync._planes.wire import (
 
 log = logging.getLogger(__name__)
 
-_RECV_WINDOW = 8  # chunk receives posted ahead of the one being waited for (4 MiB)
+_RECV_WINDOW = 8  # chunk receives posted ahead of the one being waited for (4-32 MiB: hops.chunk_bytes)
 _UNSENT = -7  # a header word no sent header has (its byte count): the header has not landed
 
 
