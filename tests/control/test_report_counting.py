@@ -24,7 +24,7 @@ from lightning_wsync._control.timing import timing
 from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
 
-HB_TIMEOUT_S = 2.0
+HB_TIMEOUT_S = 4.0  # the stale window is half of it: a stall of this process that long would void the test
 N = 16
 VERSION = 3
 
