@@ -88,6 +88,7 @@ def _rank(rank: int, port: int, scenario: str, iters: int, seed: int) -> int:
     errors: Counter[str] = Counter()  # the thread's work errors, by first line
     loop_start = time.monotonic()
     for i in range(iters):
+        faulthandler.dump_traceback_later(30)  # an iteration stuck 30 s shows where (a hang is not a crash)
         t0 = time.monotonic()
         pg = Interruptible(make_group("gloo", dist.PrefixStore(f"it{i}", store), rank, "127.0.0.1", 5.0), "gloo")
         store.set(f"ready{i}/{rank}", "1")
@@ -96,7 +97,11 @@ def _rank(rank: int, port: int, scenario: str, iters: int, seed: int) -> int:
         if rank == 1:
             buf = torch.empty(_SIZE, dtype=torch.uint8)
             recv = scenario != "drop_under_recv"
-            work = pg.recv([buf], 0, 0) if recv else pg.send([buf], 0, 0)
+            try:
+                work = pg.recv([buf], 0, 0) if recv else pg.send([buf], 0, 0)
+            except RuntimeError as exc:  # rank 0 closed first
+                errors[_first_line(exc)] += 1
+                continue
             time.sleep(rng.uniform(0, 0.003))
             close_group(pg, 0, "gloo")  # the pair reset mid-transfer
             try:
