@@ -156,8 +156,8 @@ def close_group(pg: PeerGroup | None, peer: int, backend: str) -> None:
     the peer's waits that gloo holds as pending end at once ("Connection closed by peer");
     not a send the peer has already begun to write into this side's receive: that one ends
     at the peer's own group timeout (measured: 256 MiB sends, their receive closed 20 ms in,
-    each ended at timeout_s, 10 of 10; ``tests/relay/stress_native.py``'s notes in
-    docs/reliability.md). Either way no byte moves after the close.
+    each ended at timeout_s, 15 of 15: ``tests/relay/gloo_peer_close.py``, docs/reliability.md).
+    Either way no byte moves after the close.
     """
     if pg is None:
         return
