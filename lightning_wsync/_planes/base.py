@@ -282,7 +282,8 @@ class SendPlane(Protocol):
         ...
 
     def stop(self) -> None:
-        """Ask every thread of the plane to end now (ends sends blocked on stalled receivers)."""
+        """Ask every thread of the plane to end: a send waiting for a stalled receiver ends now,
+        one already part-written to it at ``timeout_s`` (see :meth:`.wire.Interruptible.interrupt`)."""
         ...
 
     def close(self, deadline: float) -> list[str]:

@@ -128,7 +128,7 @@ class SendSide:
         )  # fmt: skip
 
     def stop(self) -> None:
-        """Ask every plane's threads to end now."""
+        """Ask every plane's threads to end (:meth:`SendPlane.stop`: a send part-written at ``timeout_s``)."""
         for plane in self.planes:
             plane.stop()
 

@@ -17,6 +17,7 @@ from lightning_wsync._control.host import pid_namespace
 
 
 def main(store: str, job: str, name: str, events: str, last: int, spec: tuple[str, int] = ("mixed", 0)) -> None:
+    emit(events, event="imported", name=name)  # Python, torch and the library loaded: start-up is the machine's
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning_wsync._planes.relay").setLevel(logging.INFO)
     torch.set_num_threads(1)

@@ -248,6 +248,7 @@ class Downstream:
             self._notes_cv.notify_all()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
-        close_group(self._pg, 1, "")  # the next leader's waits on this hop end now, not at timeout_s
+        # The next leader's waits on this hop end now (one of its sends already part-written: at its timeout_s).
+        close_group(self._pg, 1, "")
         if self._prefix is not None:
             forget_hop(self._ctl, self._prefix, 0, spent=self._pg is not None, notes=(self._notes_read,))

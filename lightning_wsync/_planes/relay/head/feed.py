@@ -177,7 +177,8 @@ class RelayHead:
             ring_bell(ctl, self._epoch, rid)
         log.info("relay %s %d: %s", "trees" if tree else "chain", self.chain.number, list(rids))
         self._changed.set()
-        # A send into the old chain's first leader ends: a group nobody serves blocks it for timeout_s.
+        # A send into the old chain's first leader waiting for its receive ends now (one already
+        # part-written: at timeout_s): a group nobody serves would block it for timeout_s.
         if (hop := self._hop) is not None and hop[0] != self.chain.number:
             hop[1].interrupt()
 

@@ -312,7 +312,8 @@ class TreeLead:
             for down in downs:
                 down.close()
         for pg in self.pgs:
-            close_group(pg, 0, self._backend)  # the parents' sends into this side end now, not at timeout_s
+            # The parents' sends into this side end now, but one already part-written: at their timeout_s.
+            close_group(pg, 0, self._backend)
         for t, prefix in enumerate(self._prefixes):
             forget_hop(self._ctl, prefix, 1, spent=t < len(self.pgs), notes=(self._notes,))
         # Dropped, not only aborted: an aborted group keeps its sockets open until it is
