@@ -248,6 +248,27 @@ class Membership:
             return f"no heartbeat for {silent:.1f} s"
         return None
 
+    def recheck_silent(self) -> list[Member]:
+        """Read again the heartbeat of each member this view calls silent (and not gone); return
+        those found beating. The view moves only at a full :meth:`refresh`, which a busy sender
+        thread can leave older than ``heartbeat_timeout_s`` while receivers beat on: a push
+        report asks the store before it leaves such a receiver out or fails it."""
+        silent = [m for m in self.members() if m.gone_reason is None and self._silent_reason(m) is not None]
+        if not silent:
+            return []
+        beats, now, beating = self._heartbeats(silent), time.monotonic(), []
+        for member in silent:
+            hb = beats.get(member.rid, member.hb)
+            if hb != member.hb:
+                member.hb, member.hb_seen_at = hb, now
+                beating.append(member)
+        return beating
+
+    def is_silent(self, rid: int) -> bool:
+        """This view calls ``rid`` silent (no beat seen for ``heartbeat_timeout_s``), not gone."""
+        member = self.get(rid)
+        return member is not None and member.gone_reason is None and self._silent_reason(member) is not None
+
     def _silent_reason(self, member: Member) -> str | None:
         silent = time.monotonic() - member.hb_seen_at
         if silent > self._heartbeat_timeout_s:

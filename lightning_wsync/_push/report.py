@@ -124,6 +124,8 @@ class Reporter:
     def collect(self, handle: PushHandle, targets: list[Member], deadline: float, timeout_s: float) -> PushReport:
         if handle.dropped:
             return PushReport(handle.version, (), stall_s=handle.stall_s, bytes=self._bytes, dropped=True)
+        known = {m.rid for m in targets}  # left out at the push only because this view was stale: targets too
+        targets = [*targets, *(m for m in self._members.recheck_silent() if m.rid not in known)]
         delivered, failed, last = self._settle(handle, targets, deadline, timeout_s)
         return self._report(handle, targets, delivered, failed, last)
 
@@ -142,6 +144,8 @@ class Reporter:
         failed: dict[str, str] = {}
         last_delivery: float | None = None
         while pending:
+            if any(self._members.is_silent(rid) for rid in pending):
+                self._members.recheck_silent()  # never fail a target on a stale view: ask the store
             with self._lock:
                 states = self._members.read_states(self._ctl, list(pending))
             for (rid, member), raw in zip(list(pending.items()), states):

@@ -1,17 +1,19 @@
-"""How a push report counts its receivers, against the sender's view of their heartbeats
+"""How a push report counts its receivers when the sender's view of their heartbeats is stale
 (issue 32: "8 of 16 receivers reported the versions" in a 16-host bench run).
 
 A report's targets are the members the sender's ``Membership`` holds live when the version is
-pushed and published, and a target that has not acknowledged yet is failed at once when that
-view calls it silent. The view is what the sender last read: ``hb_seen_at`` moves only at a
-full refresh (every ``timing.member_check_s`` on the sender's background thread). These tests
-show that a report can name 8 of 16 receivers while all 16 hold the version: no receiver
-missed it, the sender's view was older than ``heartbeat_timeout_s`` for 8 of them.
+pushed and published. That view is what the sender last read: ``hb_seen_at`` moves only at a
+full refresh (every ``timing.member_check_s`` on the sender's background thread, which a busy
+or starved process can leave older than ``heartbeat_timeout_s``). Before, a report then named
+8 of 16 receivers while all 16 held the version: the 8 the stale view called silent were left
+out, or failed at once with "no heartbeat". Now a report reads those receivers' heartbeats
+again before it leaves one out or fails it (``Membership.recheck_silent``).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch.distributed as dist
@@ -66,40 +68,54 @@ def _after(when: float) -> None:
         time.sleep(0.01)
 
 
-def _acknowledge(ctl: Control, rids: list[int]) -> None:
+def _acknowledge(ctl: Control, rids: list[int], version: int = VERSION) -> None:
     for rid in rids:
         report = StateReport(rid)
-        report.held(VERSION)
+        report.held(version)
         report.write(ctl)
 
 
-def test_receivers_the_stale_view_calls_silent_at_the_push_are_not_targets_yet_all_hold_the_version():
-    """Pushed and published while the sender's view is stale: 8 targets, 8 delivered, none failed."""
+def test_receivers_a_stale_view_calls_silent_at_the_push_are_counted_when_they_beat():
+    """Pushed and published while the sender's view is stale: all 16 delivered, none failed
+    (before: 8 targets, 8 delivered)."""
     ctl, members, reporter, beat_late, beat_early = _setup()
     members.refresh(members=False)  # what push() and publication do: no heartbeat read
     handle = PushHandle(reporter, VERSION, time.perf_counter(), 0.0, targets=members.live())
     handle.published(members.live())
     _acknowledge(ctl, [*beat_late, *beat_early])  # all 16 hold the version
     report = handle.wait(timeout_s=5.0)
-    assert sorted(report.delivered) == sorted(f"h{r + 1}r0" for r in beat_early)
-    assert len(report.delivered) == N // 2 and report.failed == {}
+    assert sorted(report.delivered) == sorted(f"h{r + 1}r0" for r in [*beat_late, *beat_early])
+    assert len(report.delivered) == N and report.failed == {}
     states = members.read_states(ctl, [*beat_late, *beat_early])
     assert [decode_state(ctl, rid, raw).acked for rid, raw in zip([*beat_late, *beat_early], states)] == [VERSION] * N
-    # The store had their beats all along: the next full read makes them live again.
-    members.refresh()
-    assert len(members.live()) == N
+    assert len(members.live()) == N  # the report's read of their beats made them live again
 
 
-def test_targets_the_stale_view_calls_silent_before_they_acknowledge_are_failed_at_once():
-    """Targets at the push, judged silent by the report's first poll (they acknowledge a moment
-    later): failed with 'no heartbeat', though each applies the version."""
+def test_targets_a_stale_view_calls_silent_are_not_failed_while_they_beat():
+    """Targets at the push that the stale view calls silent and that acknowledge a moment after
+    the report's first poll: delivered (before: failed at once with 'no heartbeat'). A target
+    that really stopped beating is still failed at once, with the reason."""
     ctl, members, reporter, beat_late, beat_early = _setup()
     every = sorted(members.members(), key=lambda m: m.rid)
     handle = PushHandle(reporter, VERSION, time.perf_counter(), 0.0, targets=every)  # live when pushed
     handle.published([])
     _acknowledge(ctl, beat_early)
+    acked_late = threading.Timer(0.3, _acknowledge, (ctl, beat_late))  # after the report's first poll
+    acked_late.start()
     report = handle.wait(timeout_s=5.0)
-    _acknowledge(ctl, beat_late)  # they applied it too, after the report's first poll
-    assert len(report.delivered) == N // 2
-    assert sorted(report.failed) == sorted(f"h{r + 1}r0" for r in beat_late)
-    assert all(reason.startswith("no heartbeat for ") for reason in report.failed.values())
+    acked_late.join()
+    assert sorted(report.delivered) == sorted(m.label for m in every) and report.failed == {}
+
+    stopped = beat_late[0]  # no beat from here on: the store agrees with the view
+    _after(time.monotonic() + HB_TIMEOUT_S * 1.05)
+    beating = [m.rid for m in every if m.rid != stopped]
+    for rid in beating:
+        ctl.add(keys.member_heartbeat(rid), 1)
+    handle = PushHandle(reporter, VERSION + 1, time.perf_counter(), 0.0, targets=every)
+    handle.published([])
+    _acknowledge(ctl, beating, VERSION + 1)
+    report = handle.wait(timeout_s=5.0)
+    assert len(report.delivered) == N - 1
+    name = f"h{stopped + 1}r0"
+    assert report.failed.keys() == {name}, report.failed
+    assert report.failed[name].startswith("no heartbeat for "), report.failed
