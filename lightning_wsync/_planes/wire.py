@@ -153,11 +153,8 @@ def close_group(pg: PeerGroup | None, peer: int, backend: str) -> None:
     An aborted gloo group keeps its connection open while any of its works is still
     referenced (a send posted and never waited), so a peer blocked in a receive from this
     side would wait for its group timeout. A receive that times out closes the pair, and
-    the peer's waits that gloo holds as pending end at once ("Connection closed by peer");
-    not a send the peer has already begun to write into this side's receive: that one ends
-    at the peer's own group timeout (measured: 256 MiB sends, their receive closed 20 ms in,
-    each ended at timeout_s, 15 of 15: ``tests/relay/gloo_peer_close.py``, docs/reliability.md).
-    Either way no byte moves after the close.
+    the peer's pending waits end at once ("Connection closed by peer"), but a send it has begun
+    to write ends at its own group timeout (``tests/relay/gloo_peer_close.py``: 15 of 15).
     """
     if pg is None:
         return

@@ -10,6 +10,9 @@ against its own clock, so hosts need no synchronised clocks; it reads every hear
 one ``multi_get``. A receiver is gone when it closed (``gone`` key, read when the
 ``members/gone`` counter moves), when its process no longer exists (same host and PID namespace only), or when
 its heartbeat has not moved for ``heartbeat_timeout_s``.
+
+Longer than 300 lines: registration, the heartbeat view (and a report's re-check of it) and
+why a receiver is gone are one state over the same members, kept under one lock.
 """
 
 from __future__ import annotations
