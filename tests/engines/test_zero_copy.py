@@ -161,6 +161,42 @@ def test_a_slot_overwritten_during_the_load_fails_it_and_the_next_update_loads_t
         assert [s["version"] for s in sync.state()] == [3, 3]
 
 
+def test_a_push_landing_while_a_loan_and_another_reader_hold_both_slots_is_dropped_and_said_once(port, caplog):
+    """The cost of a loan: the sender has one slot left; while another reader holds that one too, pushes are
+    dropped (counted; the first drop is a warning naming the loan as a cause), and the engine catches up after."""
+    caplog.set_level("WARNING", logger="lightning_wsync._push.sender")
+    with lending_engine(port, "zc-drop", lambda: mixed_model(1)) as (src, engine, sender, sync):
+        sender.push(0)
+        assert sync.wait_for_version(0) == 0
+        mutate(src, 1)
+        sender.push(1)
+        dropped: list[bool] = []
+        at_two: list[str] = []
+
+        def hold_the_other_slot() -> None:  # worker 1 holds its loan of version 1 meanwhile
+            mutate(src, 2)
+            at_two.append(digest(src))
+            assert not sender.push(2).dropped  # into the one slot the loan leaves
+            ring = sender._ring
+            ref = ring.find(2)
+            lease = None if ref is None else ring.acquire(ref)  # another reader on this host holds 2 (a fleet round)
+            assert lease is not None
+            try:
+                for version in (3, 4):
+                    mutate(src, version)
+                    dropped.append(sender.push(version).dropped)
+            finally:
+                lease.release()
+
+        engine.workers[1].before_read = hold_the_other_slot
+        assert sync.update() == 1
+        assert dropped == [True, True] and sender.dropped_pushes == 2
+        said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("version 3 dropped: every snapshot slot is being read"), said
+        assert "an engine worker's zero_copy loan" in said[0] and "(said for the first drop only)" in said[0]
+        assert sync.update() == 2 and [digest(w.model) for w in engine.workers] == at_two * 2
+
+
 def test_zero_copy_is_refused_with_fleet_and_the_default_is_off_with_it_saying_why(port, caplog):
     store = f"127.0.0.1:{port}"
     with pytest.raises(ValueError, match=r"VllmWeightSync: zero_copy=True with fleet='g'"):
