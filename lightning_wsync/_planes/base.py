@@ -272,8 +272,9 @@ class SendPlane(Protocol):
         """Receiver name -> how it got ``version``, for the receivers this plane served it to."""
         ...
 
-    def failure(self, rid: int) -> str | None:
-        """Why this plane cannot serve ``rid`` now, or None."""
+    def failure(self, rid: int, version: int) -> str | None:
+        """Why this plane cannot serve ``rid`` now, or cannot serve ``version`` at all, or None; the report of
+        ``version`` asks, and a verdict on another version is not an answer."""
         ...
 
     @property

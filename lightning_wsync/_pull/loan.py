@@ -92,8 +92,9 @@ class SharedLender:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WeightSyncTimeoutError(
-                    f"receiver {self._name!r}: no version >= {min_version} in shared memory within "
-                    f"timeout_s={timeout_s} (newest published {watcher.latest!r})"
+                    f"receiver {self._name!r}: no version >= {min_version} within timeout_s={timeout_s} (waited "
+                    f"to lend it out of shared memory, zero_copy; newest published {watcher.latest!r}); is the "
+                    f"trainer pushing? raise timeout_s otherwise"
                 )
             watcher.wait_for_news(time.monotonic() + min(remaining, watcher.timing.wait_poll_s))
 

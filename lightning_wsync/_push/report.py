@@ -129,10 +129,10 @@ class Reporter:
         delivered, failed, last = self._settle(handle, targets, deadline, timeout_s)
         return self._report(handle, targets, delivered, failed, last)
 
-    def _failure(self, rid: int) -> str | None:
+    def _failure(self, rid: int, version: int) -> str | None:
         reason = self._members.failure(rid)
         for plane in self._planes():
-            reason = reason or plane.failure(rid)
+            reason = reason or plane.failure(rid, version)
         return reason
 
     def _settle(
@@ -154,7 +154,7 @@ class Reporter:
                     self._complaints.good(keys.member_state(rid))
                 except (WeightSyncRecordError, WeightSyncAuthError) as exc:  # as if it said nothing yet
                     self._complaints.bad(keys.member_state(rid), exc)
-                    if (reason := self._failure(rid)) is not None:
+                    if (reason := self._failure(rid, handle.version)) is not None:
                         failed[member.label] = reason
                         del pending[rid]
                     continue
@@ -163,7 +163,7 @@ class Reporter:
                     last_delivery = time.perf_counter()
                 elif (rejected := state.rejected) is not None and rejected.version >= handle.version:
                     failed[member.label] = f"rejected version {rejected.version}: {rejected.reason}"
-                elif (reason := self._failure(rid)) is not None:
+                elif (reason := self._failure(rid, handle.version)) is not None:
                     failed[member.label] = reason
                 else:
                     continue

@@ -204,7 +204,11 @@ class WeightSender:
             self._ring.wake_readers()  # after the stall is timed: a woken reader may apply at once
         self.latest_version = version
         if written is None:
-            log.debug("version %d dropped: every snapshot slot is being read", version)
+            first = self._ring.dropped == 1
+            log.log(logging.WARNING if first else logging.DEBUG, "version %d dropped: every snapshot slot is being "
+                    "read (receivers copying, a network send, a fleet round, or an engine worker's zero_copy loan, "
+                    "held from its stage to its load); counted in dropped_pushes (wsync/dropped), the next push "
+                    "carries newer weights%s", version, " (said for the first drop only)" if first else "")  # fmt: skip
             return PushHandle(self._reporter, version, started, stall, dropped=True)
         # The receivers live now (an in-memory view: push() never touches the store).
         handle = PushHandle(self._reporter, version, started, stall, targets=self._members.live())

@@ -50,6 +50,8 @@ from lightning_wsync.config import ReceiverConfig, config_values
 from lightning_wsync.engines._worker.commit import (
     Call,
     StagedVersion,
+    ZeroCopy,
+    ZeroCopyNote,
     agree,
     load,
     outcome,
@@ -110,6 +112,7 @@ class WsyncWorkerExtension:
     _wsync_receiver: WeightReceiver | None = None
     _wsync_staged: StagedVersion | None = None
     _wsync_lender: SharedLender | None = None  # with zero_copy: versions lent out of shared memory
+    _wsync_zero_copy: ZeroCopyNote | None = None  # with zero_copy: says whether this worker's versions are lent
     _wsync_loaded: int | None = None
     _wsync_checked: frozenset[str] = frozenset()
     _wsync_refused: tuple[frozenset[str], str] | None = None  # names refused, and why
@@ -126,7 +129,7 @@ class WsyncWorkerExtension:
         rank = cast(_Worker, self).rank
         options = dict(options)  # workers in one process share the caller's dict
         base = options.pop("name", None) or f"vllm-{os.getpid()}"
-        zero_copy = bool(options.pop("zero_copy", False))
+        zero_copy = options.pop("zero_copy", False)
         lora, keep = options.pop("lora", None), options.pop("keep_adapters", None)
         if lora is not None:
             from lightning_wsync.engines._worker.lora import AdapterVersions
@@ -136,6 +139,7 @@ class WsyncWorkerExtension:
         self._wsync_receiver = WeightReceiver(self._wsync_staged, store, job, name=f"{base}-w{rank}", **options)
         if zero_copy:
             self._wsync_lender = self._wsync_receiver.shared_lender()
+            self._wsync_zero_copy = ZeroCopyNote(self._wsync_receiver.name, zero_copy)
         return self._wsync_receiver.name
 
     def wsync_stage(self, min_version: int | None, timeout_s: float) -> dict[str, Any]:
@@ -147,9 +151,11 @@ class WsyncWorkerExtension:
         def stage() -> int | None:
             receiver, staged = self._wsync_get(), self._wsync_staged
             assert staged is not None
-            lender = self._wsync_lender
+            lender, note = self._wsync_lender, self._wsync_zero_copy
             if lender is not None and not lender.copies:  # zero_copy, the trainer's host: no private copy
                 loan = lender.lend(min_version, timeout_s, self._wsync_loaded)
+                if loan is not None and note is not None:
+                    note.saw(lends=True)
                 if loan is not None or not lender.copies:
                     if loan is not None and loan.version != self._wsync_loaded:
                         self._wsync_check_names(receiver.name, loan.tensors)
@@ -160,6 +166,8 @@ class WsyncWorkerExtension:
             elif staged.version is None or staged.version < min_version:
                 receiver.wait_for_version(min_version, timeout_s)
             if staged.version is not None:
+                if note is not None:
+                    note.saw(lends=False)
                 self._wsync_check_names(receiver.name, staged.tensors)
             return staged.version
 
@@ -294,7 +302,9 @@ class VllmWeightSync:
         name: receivers appear as ``{name}-w{worker rank}`` in push reports.
         zero_copy: workers on the trainer's host load each version straight out of the host's
             shared memory (the pinned snapshot slot) instead of a private copy each; elsewhere
-            they copy as usual. Not with ``fleet``. See docs/engines.md.
+            they copy as usual. ``"auto"`` (the default): on, except with ``fleet`` (each worker
+            says once which it does); ``True`` is refused with ``fleet``; ``False``: always copy.
+            Its cost, and when to turn it off: docs/engines.md.
         lora: the trainer pushes a LoRA adapter (``include=ADAPTER_TENSORS``): its config (a peft
             model, ``LoraConfig`` or mapping; :func:`~lightning_wsync.engines.lora.adapter_config`).
             Each version is then held as an in-memory adapter, named by :meth:`lora_request`; the
@@ -313,7 +323,7 @@ class VllmWeightSync:
         job: str | None = None,
         *,
         name: str | None = None,
-        zero_copy: bool = False,
+        zero_copy: ZeroCopy = "auto",
         lora: object = None,
         keep_adapters: int | None = None,
         **options: object,

@@ -57,7 +57,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_wsync.config import ReceiverConfig, config_values
-from lightning_wsync.engines._worker.commit import Call, Results, agree, load, run_async, unwrap, zero_copy_option
+from lightning_wsync.engines._worker.commit import (
+    Call,
+    Results,
+    ZeroCopy,
+    agree,
+    load,
+    run_async,
+    unwrap,
+    zero_copy_option,
+)
 from lightning_wsync.engines.lora import lora_options, lora_request
 from lightning_wsync.engines.vllm_servers import UNKNOWN_LABEL
 from lightning_wsync.errors import WeightSyncError
@@ -142,7 +151,7 @@ class AsyncVllmWeightSync:
         name: str | None = None,
         pause_mode: PauseMode = "keep",
         clear_cache: bool = False,
-        zero_copy: bool = False,
+        zero_copy: ZeroCopy = "auto",
         lora: object = None,
         keep_adapters: int | None = None,
         **options: object,

@@ -1,12 +1,13 @@
-"""``zero_copy=True``: engine workers on the trainer's host load each version straight out of
-the host's shared memory, without a private copy each (no vLLM needed: the workers are
-:class:`WsyncWorkerExtension` objects with real receivers, a real store and a real ring).
+"""``zero_copy`` (on by default, ``"auto"``): engine workers on the trainer's host load each version
+straight out of the host's shared memory, without a private copy each (no vLLM needed: the workers
+are :class:`WsyncWorkerExtension` objects with real receivers, a real store and a real ring).
 
 What is checked: every tensor handed to ``reload_weights`` lies in a read-only mapping of
 the snapshot segment; the workers' anonymous memory does not grow by a copy of the weights
 (it does by one per worker without ``zero_copy``); a slot overwritten while a worker loads
 it fails the load with ``WeightSyncIntegrityError`` and the next ``update()`` loads the
-newest everywhere.
+newest everywhere. The default is on where the worker maps the trainer's ring, off (copying) with
+``fleet`` or where versions come over the network, and each worker says which, once.
 """
 
 from __future__ import annotations
@@ -69,16 +70,17 @@ def anon_bytes() -> int:
 
 @contextmanager
 def lending_engine(
-    port: int, job: str, model: Callable[[], nn.Module], zero_copy: bool = True, verify: bool = False
+    port: int, job: str, model: Callable[[], nn.Module], zero_copy: bool | None = None, verify: bool = False,
+    transport: str = "auto",
 ) -> Iterator[tuple[nn.Module, FakeEngine, WeightSender, VllmWeightSync]]:
+    """``zero_copy=None``: the default (not passed)."""
     src, engine = model(), FakeEngine(2)
     engine.workers = [LendingWorker(rank, model()) for rank in range(2)]
     store = f"127.0.0.1:{port}"
+    chosen = {} if zero_copy is None else {"zero_copy": zero_copy}
     with (
-        WeightSender(src, store=store, job=job, timeout_s=10) as sender,
-        VllmWeightSync(
-            engine, store=store, job=job, name="engine", timeout_s=10, zero_copy=zero_copy, verify=verify
-        ) as sync,
+        WeightSender(src, store=store, job=job, timeout_s=10, transport=transport) as sender,
+        VllmWeightSync(engine, store=store, job=job, name="engine", timeout_s=10, verify=verify, **chosen) as sync,
     ):
         yield src, engine, sender, sync
 
@@ -102,7 +104,7 @@ def test_workers_load_views_of_the_shared_segment(port, verify):
         assert [w._wsync_lender.loan for w in engine.workers] == [None, None]  # type: ignore[union-attr]
 
 
-def measure_growth(conn: Connection, port: int, zero_copy: bool, mb: int) -> None:
+def measure_growth(conn: Connection, port: int, zero_copy: bool | None, mb: int) -> None:
     """In a fresh process (no freed memory to reuse): private memory grown by two versions' loads."""
     init_child()
     try:
@@ -120,13 +122,13 @@ def measure_growth(conn: Connection, port: int, zero_copy: bool, mb: int) -> Non
         report_failure(conn, "measure_growth")
 
 
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "copying"])
+@pytest.mark.parametrize("zero_copy", [None, False], ids=["default", "copying"])
 def test_no_private_copy_of_the_weights(port, zero_copy):
     mb = 64
     with Children() as kids:
         grown = receive(kids.start(measure_growth, (port, zero_copy, mb), "measure"), 90, "the growth")[1]
     assert isinstance(grown, int)
-    if zero_copy:
+    if zero_copy is None:  # the default lends
         assert grown < (mb << 20) // 4, f"the workers' private memory grew by {grown / 2**20:.1f} MiB"
     else:  # the measurement sees private copies: one per worker
         assert grown > 1.5 * (mb << 20), f"copying workers grew by only {grown / 2**20:.1f} MiB"
@@ -159,9 +161,82 @@ def test_a_slot_overwritten_during_the_load_fails_it_and_the_next_update_loads_t
         assert [s["version"] for s in sync.state()] == [3, 3]
 
 
-def test_zero_copy_is_refused_with_fleet(port):
+def test_a_push_landing_while_a_loan_and_another_reader_hold_both_slots_is_dropped_and_said_once(port, caplog):
+    """The cost of a loan: the sender has one slot left; while another reader holds that one too, pushes are
+    dropped (counted; the first drop is a warning naming the loan as a cause), and the engine catches up after."""
+    caplog.set_level("WARNING", logger="lightning_wsync._push.sender")
+    with lending_engine(port, "zc-drop", lambda: mixed_model(1)) as (src, engine, sender, sync):
+        sender.push(0)
+        assert sync.wait_for_version(0) == 0
+        mutate(src, 1)
+        sender.push(1)
+        dropped: list[bool] = []
+        at_two: list[str] = []
+
+        def hold_the_other_slot() -> None:  # worker 1 holds its loan of version 1 meanwhile
+            mutate(src, 2)
+            at_two.append(digest(src))
+            assert not sender.push(2).dropped  # into the one slot the loan leaves
+            ring = sender._ring
+            ref = ring.find(2)
+            lease = None if ref is None else ring.acquire(ref)  # another reader on this host holds 2 (a fleet round)
+            assert lease is not None
+            try:
+                for version in (3, 4):
+                    mutate(src, version)
+                    dropped.append(sender.push(version).dropped)
+            finally:
+                lease.release()
+
+        engine.workers[1].before_read = hold_the_other_slot
+        assert sync.update() == 1
+        assert dropped == [True, True] and sender.dropped_pushes == 2
+        said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("version 3 dropped: every snapshot slot is being read"), said
+        assert "an engine worker's zero_copy loan" in said[0] and "(said for the first drop only)" in said[0]
+        assert sync.update() == 2 and [digest(w.model) for w in engine.workers] == at_two * 2
+
+
+def test_zero_copy_is_refused_with_fleet_and_the_default_is_off_with_it_saying_why(port, caplog):
+    store = f"127.0.0.1:{port}"
     with pytest.raises(ValueError, match=r"VllmWeightSync: zero_copy=True with fleet='g'"):
-        VllmWeightSync(FakeEngine(1), store=f"127.0.0.1:{port}", job="zc", zero_copy=True, fleet="g")
+        VllmWeightSync(FakeEngine(1), store=store, job="zc", zero_copy=True, fleet="g")
+    with pytest.raises(TypeError, match=r"VllmWeightSync: zero_copy='yes' must be True, False or 'auto'"):
+        VllmWeightSync(FakeEngine(1), store=store, job="zc", zero_copy="yes")  # type: ignore[arg-type]
+    caplog.set_level("INFO", logger="lightning_wsync.engines._worker.commit")
+    with (
+        WeightSender(mixed_model(1), store=store, job="zc", timeout_s=10),  # hosts the store
+        VllmWeightSync(FakeEngine(1), store=store, job="zc", fleet="g") as sync,
+    ):
+        assert [s["zero_copy"] for s in sync.state()] == [False]
+    said = [r.getMessage() for r in caplog.records if "zero_copy" in r.getMessage()]
+    assert said == ["VllmWeightSync: zero_copy off: with fleet='g' each worker stages its round's version in a "
+                    "private copy"], said  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"], ids=["trainer-ring", "network"])
+def test_the_default_lends_where_the_ring_is_mapped_and_copies_elsewhere_saying_which_once(port, caplog, transport):
+    """The default: a worker mapping the trainer's ring loads views of it; one whose versions come over the
+    network (the sender's transport='gloo' here, as on another host or with a ring it cannot map) copies; each
+    worker says which once, not at every version."""
+    caplog.set_level("INFO", logger="lightning_wsync.engines._worker.commit")
+    lends = transport == "auto"
+    with lending_engine(port, f"zc-{transport}", lambda: mixed_model(1), transport=transport) as (
+        src, engine, sender, sync,
+    ):  # fmt: skip
+        for version in range(3):
+            mutate(src, version)
+            sender.push(version)
+            assert sync.wait_for_version(version) == version
+            assert [digest(w.model) for w in engine.workers] == [digest(src)] * 2
+        assert [s["zero_copy"] for s in sync.state()] == [lends, lends]
+        ranges = segment_mappings()
+        inside = [any(a <= p < b for a, b in ranges) for w in engine.workers for load in w.ptrs for p in load]
+        assert inside and all(x == lends for x in inside), inside
+    said = [r.getMessage() for r in caplog.records if "zero_copy='auto' is" in r.getMessage()]
+    word = "is on: versions load straight out of the trainer host's shared memory" if lends else "is off here"
+    assert sorted(m.split("'")[1] for m in said) == ["engine-w0", "engine-w1"], said  # once per worker
+    assert all(word in m for m in said), said
 
 
 def test_a_sharded_senders_rings_are_lent_to_both_workers_stitching_only_a_cut_tensor(port):
@@ -195,7 +270,7 @@ def test_a_sharded_senders_rings_are_lent_to_both_workers_stitching_only_a_cut_t
     try:
         with (
             WeightSender(model, store=store, config=cfg, shares=shares) as sender,
-            VllmWeightSync(engine, store=store, job="zc-sharded", name="engine", timeout_s=10, zero_copy=True) as sync,
+            VllmWeightSync(engine, store=store, job="zc-sharded", name="engine", timeout_s=10) as sync,  # lends
         ):
             for version in range(1, 4):
                 step(model, version)

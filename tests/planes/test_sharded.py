@@ -3,14 +3,17 @@ ShareWriter), a real TCPStore and a receiver. All shares of a version or none of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from _sharded import sharded_model, zeroed_sharded_model
+from torch import nn
 
 from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest, select_tensors
@@ -135,44 +138,83 @@ def test_the_shard_plan_record_round_trips_and_refuses_a_plan_without_segments()
         ShardsRecord.decode(dataclasses.replace(plan, segments=()).to_json())
 
 
+_Pair = tuple[nn.Module, nn.Module, ShareWriter, WeightSender, WeightReceiver]
+
+
+@contextlib.contextmanager
+def _live_pair(server: Any, cfg: SenderConfig) -> Iterator[_Pair]:
+    """Rank 0's sender (and its model) and rank 1's share writer of ``cfg.job``, and one receiver (and its module)
+    live at version 1."""
+    model, rollout = _model(), _zeroed()
+    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
+    writer = ShareWriter(theirs, cfg)
+    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
+    try:
+        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
+                WeightReceiver(rollout, store=server, job=cfg.job, timeout_s=10) as receiver:
+            mutate(model, 1)
+            assert writer.write(1)
+            sender.push(1)
+            assert receiver.wait_for_version(1, timeout_s=10) == 1  # live from here on
+            yield model, rollout, writer, sender, receiver
+    finally:
+        writer.close()
+
+
 def test_a_rank_that_never_writes_is_named_while_the_sender_keeps_its_pace(server):
     """Rank 0 waits for rank 1's missing shares on a thread of its own, not the sender's background
     thread: the report of a version rank 1 never wrote, awaited as the callback does (the sender's
     timeout_s, from the push, with heartbeat_timeout_s far below it), names rank 1 rather than a silent
     receiver; and while a version is awaited the next complete one is published and applied at once."""
-    model = _model()
     cfg = SenderConfig(job="lapse", timeout_s=4, heartbeat_timeout_s=1)
-    mine, theirs = prepare_shares(model, cfg, 0, 2), prepare_shares(model, cfg, 1, 2)
-    writer = ShareWriter(theirs, cfg)
-    shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
-    rollout = _zeroed()
-    try:
-        with WeightSender(model, store=server, config=cfg, shares=shares) as sender, \
-                WeightReceiver(rollout, store=server, job="lapse", timeout_s=10) as receiver:
-            mutate(model, 1)
-            assert writer.write(1)
-            sender.push(1)
-            assert receiver.wait_for_version(1, timeout_s=10) == 1  # live from here on
+    with _live_pair(server, cfg) as (model, rollout, writer, sender, receiver):
+        mutate(model, 2)  # rank 1 never writes its share of 2; nothing newer comes
+        report = sender.push(2).wait()
+        assert report.delivered == () and list(report.failed) == [receiver.name], report
+        assert report.failed[receiver.name].startswith(
+            "trainer rank 1 did not complete its share of version 2 within timeout_s=4"), report
+        assert receiver.version == 1 and sender.receivers() == [receiver.name]
 
-            mutate(model, 2)  # rank 1 never writes its share of 2; nothing newer comes
-            report = sender.push(2).wait()
-            assert report.delivered == () and list(report.failed) == [receiver.name], report
-            assert report.failed[receiver.name].startswith(
-                "trainer rank 1 did not complete its share of version 2 within timeout_s=4"), report
-            assert receiver.version == 1 and sender.receivers() == [receiver.name]
+        mutate(model, 3)  # nor of 3; but it writes 4 while rank 0 still waits for its share of 3
+        pushed = time.monotonic()
+        third = sender.push(3)
+        mutate(model, 4)
+        assert writer.write(4)
+        sender.push(4)
+        assert receiver.wait_for_version(4, timeout_s=10) == 4
+        assert time.monotonic() - pushed < cfg.timeout_s / 2, "version 4 was held behind the wait for 3"
+        assert digest(rollout) == digest(model)
+        assert third.wait().delivered == (receiver.name,)  # it holds 4
 
-            mutate(model, 3)  # nor of 3; but it writes 4 while rank 0 still waits for its share of 3
-            pushed = time.monotonic()
-            third = sender.push(3)
-            mutate(model, 4)
-            assert writer.write(4)
-            sender.push(4)
-            assert receiver.wait_for_version(4, timeout_s=10) == 4
-            assert time.monotonic() - pushed < cfg.timeout_s / 2, "version 4 was held behind the wait for 3"
-            assert digest(rollout) == digest(model)
-            assert third.wait().delivered == (receiver.name,)  # it holds 4
-    finally:
-        writer.close()
+
+def test_a_report_names_only_its_own_versions_missing_share(server):
+    """The plane's verdicts are per version: the report of a complete version whose receiver has not applied
+    it does not name a newer version's missing share, nor the report of a version still being written an older
+    version's; each says its own receiver did not acknowledge it. (Before, the plane kept only its newest
+    verdict, and every pending report named it.)"""
+    cfg = SenderConfig(job="verdicts", timeout_s=2)
+    with _live_pair(server, cfg) as (model, rollout, writer, sender, receiver):
+        mutate(model, 2)  # complete, but the receiver does not apply it (no update()) ...
+        at_two = digest(model)
+        assert writer.write(2)
+        second = sender.push(2)
+        mutate(model, 3)  # ... while rank 1 never writes its share of 3
+        third = sender.push(3)
+        report = third.wait()
+        assert report.failed[receiver.name].startswith(
+            "trainer rank 1 did not complete its share of version 3"), report
+        report = second.wait(timeout_s=cfg.timeout_s * 2)  # well past 3's verdict
+        assert report.delivered == (), report
+        assert report.failed[receiver.name].startswith("no acknowledgement of version 2 within"), report
+        assert receiver.update() == 2 and digest(rollout) == at_two  # 2 was whole all along
+
+        mutate(model, 4)  # rank 1 writes its share of 4 only after the report gave up: 3's verdict is not 4's
+        fourth = sender.push(4)
+        report = fourth.wait(timeout_s=cfg.timeout_s / 4)
+        assert report.failed[receiver.name].startswith("no acknowledgement of version 4 within"), report
+        assert writer.write(4)
+        assert receiver.wait_for_version(4, timeout_s=10) == 4
+        assert digest(rollout) == digest(model)
 
 
 def test_a_fleet_switches_together_to_versions_every_rank_wrote(server):

@@ -120,7 +120,7 @@ class NetSendPlane:
                 out[peer.name] = Delivery(True, link.delta_versions[version], own=True)
         return out
 
-    def failure(self, rid: int) -> str | None:
+    def failure(self, rid: int, version: int) -> str | None:
         link = self._links.get(rid)
         if link is not None and link.error is not None:
             return f"network link failed: {link.error}"

@@ -86,7 +86,7 @@ class NixlSendPlane:
             got = dict(self._delivered)
         return {p.name: Delivery(False, None, True) for p in peers if got.get(p.rid) == version}
 
-    def failure(self, rid: int) -> str | None:
+    def failure(self, rid: int, version: int) -> str | None:
         return None
 
     @property

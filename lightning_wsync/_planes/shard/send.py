@@ -36,6 +36,7 @@ _AWAY_POLL_S = 0.02  # a rank on another host is read from the store, not its ri
 # watched here) a little later. The verdict on a missing share comes this much earlier, so the
 # report names the rank instead of calling its receivers silent.
 _AHEAD_MAX_S = 0.5
+_VERDICTS_KEPT = 64  # versions whose missing share is remembered for their reports (a report waits timeout_s)
 
 
 class ShardSendPlane:
@@ -72,7 +73,7 @@ class ShardSendPlane:
         except BaseException:
             self.close(0.0)
             raise
-        self._missing: tuple[int, int] | None = None  # (version, rank) of the newest incomplete version
+        self._missing: dict[int, int] = {}  # version -> the first rank missing its share, per settled version
         self._warned: set[int] = set()  # ranks whose missing share was logged (again once they complete one)
         self._watched: dict[int, tuple[float, bool]] = {}  # version -> (deadline, publish checksums)
         self._unsummed: int | None = None  # the newest version, published while no live receiver verified
@@ -140,16 +141,15 @@ class ShardSendPlane:
         if missing and time.monotonic() < deadline:
             return False
         if missing:
-            if self._missing is None or self._missing[0] <= version:
-                self._missing = (version, missing[0])
+            self._missing[version] = missing[0]
+            while len(self._missing) > _VERDICTS_KEPT:  # the oldest first: reports of those are long settled
+                del self._missing[min(self._missing)]
             level = logging.DEBUG if missing[0] in self._warned else logging.WARNING
             self._warned.add(missing[0])
             log.log(level, "trainer rank %d did not complete its share of version %d within timeout_s=%s: no "
                     "receiver applies that version (all shares or none)", missing[0], version,
                     self._timeout_s)  # fmt: skip
             return True
-        if self._missing is not None and self._missing[0] < version:
-            self._missing = None
         self._warned.clear()
         if verify:
             sums = self._checksums(version)
@@ -239,11 +239,11 @@ class ShardSendPlane:
     def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
         return {}  # always the whole version, copied from the rings
 
-    def failure(self, rid: int) -> str | None:
-        missing = self._missing
-        if missing is None:
+    def failure(self, rid: int, version: int) -> str | None:
+        """The verdict on ``version`` alone: a report of one version never names another's missing share."""
+        rank = self._missing.get(version)
+        if rank is None:
             return None
-        version, rank = missing
         return (f"trainer rank {rank} did not complete its share of version {version} within "
                 f"timeout_s={self._timeout_s} (it died, stalled, or dropped that push): no receiver applies "
                 f"version {version}")  # fmt: skip

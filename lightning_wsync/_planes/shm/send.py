@@ -51,7 +51,7 @@ class ShmSendPlane:
     def deliveries(self, version: int, peers: Sequence[Peer]) -> dict[str, Delivery]:
         return {}  # always the whole version, copied from the ring
 
-    def failure(self, rid: int) -> str | None:
+    def failure(self, rid: int, version: int) -> str | None:
         return None
 
     @property

@@ -16,14 +16,19 @@ model is written, so the engine stays on its previous version everywhere.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import torch
 
 from lightning_wsync import errors
 from lightning_wsync.errors import WeightSyncError, WeightSyncTimeoutError
+
+log = logging.getLogger(__name__)
+
+ZeroCopy = bool | Literal["auto"]
 
 T = TypeVar("T")
 
@@ -150,13 +155,50 @@ def load(names: Sequence[str], version: int, timeout_s: float, in_use: Sequence[
     assert loaded == [version] * len(names), loaded
 
 
-def zero_copy_option(owner: str, zero_copy: bool, values: Mapping[str, Any]) -> dict[str, bool]:
-    """The worker option for ``zero_copy`` (none when off), checked against the receiver's options."""
-    if not isinstance(zero_copy, bool):
-        raise TypeError(f"{owner}: zero_copy={zero_copy!r} must be True or False")
-    if zero_copy and values.get("fleet") is not None:
+def zero_copy_option(owner: str, zero_copy: ZeroCopy, values: Mapping[str, Any]) -> dict[str, ZeroCopy]:
+    """The worker option for ``zero_copy`` (none when off), checked against the receiver's options.
+
+    ``"auto"`` (the default) is on unless ``fleet`` is set (a fleet member stages its round's version in a
+    private copy), which is said here, once; each worker says once whether its versions come from the
+    trainer host's ring (lent) or another way (copied), see ``ZeroCopyNote``."""
+    if zero_copy != "auto" and not isinstance(zero_copy, bool):
+        raise TypeError(f"{owner}: zero_copy={zero_copy!r} must be True, False or 'auto'")
+    fleet = values.get("fleet")
+    if zero_copy is True and fleet is not None:
         raise ValueError(
-            f"{owner}: zero_copy=True with fleet={values['fleet']!r}: a fleet member stages its round's "
+            f"{owner}: zero_copy=True with fleet={fleet!r}: a fleet member stages its round's "
             f"version in a private copy; leave one of them out"
         )
-    return {"zero_copy": True} if zero_copy else {}
+    if zero_copy == "auto" and fleet is not None:
+        log.info("%s: zero_copy off: with fleet=%r each worker stages its round's version in a private copy", owner,
+                 fleet)  # fmt: skip
+        return {}
+    return {"zero_copy": zero_copy} if zero_copy else {}
+
+
+class ZeroCopyNote:
+    """A worker's word on whether it loads versions out of shared memory: said when first known, and again
+    whenever it changes (a relaunched trainer on another host, a ring the worker could not map)."""
+
+    def __init__(self, name: str, mode: ZeroCopy) -> None:
+        self._name = name
+        self._mode = mode
+        self._said: bool | None = None
+
+    def saw(self, lends: bool) -> None:
+        if lends == self._said:
+            return
+        self._said = lends
+        if lends:
+            log.info(
+                "vLLM worker %r: zero_copy=%r is on: versions load straight out of the trainer host's shared "
+                "memory; while a version is lent (stage to load) a push is dropped if the ring's other slot is being "
+                "read too (WeightSender.dropped_pushes, wsync/dropped); zero_copy=False turns it off (docs/engines.md)",
+                self._name, self._mode,
+            )  # fmt: skip
+        else:
+            log.info(
+                "vLLM worker %r: zero_copy=%r is off here: versions reach this worker over the network or from a "
+                "relay host's ring (not a ring of the trainer's host it can map), so each is copied",
+                self._name, self._mode,
+            )  # fmt: skip

@@ -93,7 +93,7 @@ class RelaySendPlane:
             if p.host in receipts and receipts[p.host].delta
         }
 
-    def failure(self, rid: int) -> str | None:
+    def failure(self, rid: int, version: int) -> str | None:
         return None  # a failed hop is bypassed; the receivers behind it report through their state
 
     @property
