@@ -53,7 +53,11 @@ def main() -> None:
 
         def keep_busy() -> None:
             while not busy.is_set():
-                servers[0].generate(PROMPT, 24)
+                try:
+                    servers[0].generate(PROMPT, 24)
+                except OSError:  # requests' errors are OSErrors: the server stopping under a request
+                    if not busy.is_set():
+                        raise
 
         threading.Thread(target=keep_busy, name="busy-client", daemon=True).start()
         took = []
