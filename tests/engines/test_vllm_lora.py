@@ -182,16 +182,16 @@ def test_async_requests_keep_the_adapter_they_started_with_while_versions_land(t
                                                   lora=config, keep_adapters=1)  # fmt: skip
             try:
                 finals, held = [], []
-                streaming, progress = [True], asyncio.Event()
+                streaming, finished = [True], asyncio.Event()
 
                 async def client(c: int) -> None:
                     n = 0
                     while streaming[0]:
                         prompt = prompts[(c + n) % len(prompts)]
                         async for out in sync.generate({"prompt_token_ids": prompt}, params, f"c{c}-{n}"):
-                            progress.set()
                             last = out
                         finals.append((prompt, last, sync.version))
+                        finished.set()
                         n += 1
 
                 next_adapter(0)
@@ -199,9 +199,13 @@ def test_async_requests_keep_the_adapter_they_started_with_while_versions_land(t
                 assert await sync.wait_for_version(0) == 0
                 tasks = [asyncio.create_task(client(c)) for c in range(3)]
                 for version in range(1, 5):
-                    for _ in range(3):  # a few engine steps between versions
-                        progress.clear()
-                        await asyncio.wait_for(progress.wait(), 60)
+                    # Three requests end between versions (a step count was not enough on a quiet
+                    # machine: every request then spanned two versions, and only 0 and 3 served any):
+                    # the first client to finish starts its next request on the newest version.
+                    ended = len(finals)
+                    while len(finals) < ended + 3:
+                        finished.clear()
+                        await asyncio.wait_for(finished.wait(), 60)
                     next_adapter(version)
                     sender.push(version)
                     assert await sync.wait_for_version(version) == version
