@@ -158,23 +158,24 @@ def _digests(out: Path) -> dict[int, str]:
 
 
 @pytest.mark.timeout(420)  # six processes import torch at once: minutes at this machine's usual load
-def test_ddp_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_exact(tmp_path, port, children):
-    """DDP x 2 with no sharded= argument and cross_host='tree': sharded, each rank's share relayed down two trees
-    over 4 rollout hosts (host ids), every receiver verifying and applying every version bit-exact."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_exact(tmp_path, port, children, strategy):
+    """DDP x 2 or FSDP2 x 2 with no sharded= argument and cross_host='tree': sharded, each rank's share relayed down
+    two trees over 4 rollout hosts (host ids), every receiver verifying and applying every version bit-exact."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
     names = [f"r{h}" for h in range(4)]
     hosts = [f"rollout-{h}" for h in range(4)]  # one receiver each, all in one process
-    receiver = CTX.Process(target=receivers_main, args=(store, "ddp", hosts, results, True), daemon=True)
+    receiver = CTX.Process(target=receivers_main, args=(store, strategy, hosts, results, True), daemon=True)
     receiver.start()
     children.track(receiver.pid)
     receivers = [receiver]
     for _ in names:
         next_message(results, "ready", timeout_s=150)
 
-    trainer = _trainer(tmp_path, store, "ddp", "--every", "2", "--max-steps", "5", "--cross-host", "tree",
-                       "--log-relay-shapes")  # fmt: skip
+    trainer = _trainer(tmp_path, store, strategy, "--every", "2", "--max-steps", "5", "--cross-host", "tree",
+                       "--log-relay-shapes", "--fsdp-shards", "2")  # fmt: skip
     children.track(trainer.pid)
     output = _finish(trainer, 240)
     assert trainer.returncode == 0, output[-4000:]
@@ -200,22 +201,23 @@ def test_ddp_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_ex
 
 
 @pytest.mark.timeout(420)  # three processes import torch at once: minutes at this machine's usual load
-def test_ddp_default_fleet_on_the_trainers_host_and_another_switches_together_bit_exact(tmp_path, port, children):
-    """DDP x 2 with no sharded= argument, two receivers in fleet "g": one on the trainer's host (reading both ranks'
-    rings), one on another host id (both shares relayed). Each applies only versions the fleet switched to, each
-    bit-exact with the trainer's weights at that version, and both end on the final version."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_default_fleet_on_the_trainers_host_and_another_switches_together_bit_exact(tmp_path, port, children, strategy):
+    """DDP x 2 or FSDP2 x 2 with no sharded= argument, two receivers in fleet "g": one on the trainer's host (reading
+    both ranks' rings), one on another host id (both shares relayed). Each applies only versions the fleet switched
+    to, each bit-exact with the trainer's weights at that version, and both end on the final version."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
     names = ["r0", "r1"]
-    receiver = CTX.Process(target=receivers_main, args=(store, "ddp", [None, "rollout-0"], results, False, "g"),
+    receiver = CTX.Process(target=receivers_main, args=(store, strategy, [None, "rollout-0"], results, False, "g"),
                            daemon=True)  # fmt: skip
     receiver.start()
     children.track(receiver.pid)
     for _ in names:
         next_message(results, "ready", timeout_s=150)
 
-    trainer = _trainer(tmp_path, store, "ddp", "--every", "1", "--max-steps", "6")
+    trainer = _trainer(tmp_path, store, strategy, "--every", "1", "--max-steps", "6", "--fsdp-shards", "2")
     children.track(trainer.pid)
     output = _finish(trainer, 240)
     assert trainer.returncode == 0, output[-4000:]
