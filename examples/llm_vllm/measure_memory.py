@@ -1,13 +1,14 @@
 """Per-worker memory of a tensor-parallel engine, with and without ``zero_copy``.
 
-    python examples/llm_vllm/measure_memory.py demo 2              # copying workers (a private copy each)
-    python examples/llm_vllm/measure_memory.py demo 2 --zero-copy  # workers load out of shared memory
-    python examples/llm_vllm/measure_memory.py 124m 2 [--zero-copy]
+    python examples/llm_vllm/measure_memory.py demo 2              # the default, zero_copy="auto" (lends here)
+    python examples/llm_vllm/measure_memory.py demo 2 --copy       # zero_copy=False: a private copy each
+    python examples/llm_vllm/measure_memory.py 124m 2 [--copy]
 
 Starts a TP engine (CPU, multi-process executor, engine core in this process) and a sender
 in this process, applies a few versions, then prints each worker process's resident
 anonymous memory (``RssAnon``: its private pages; shared memory is not counted) as JSON.
-The difference between the two runs is what ``zero_copy`` saves per worker.
+The difference between the two runs is what ``zero_copy`` saves per worker (``auto`` lends
+here: the engine runs on the sender's host).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def rss_anon_mib(pid: int) -> float:
     raise RuntimeError(f"no RssAnon for pid {pid}")
 
 
-def main(size: str, tp: int, zero_copy: bool, versions: int = 3) -> None:
+def main(size: str, tp: int, zero_copy: bool | str, versions: int = 3) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_llama(Path(tmp) / "model", **SIZES[size])
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -80,4 +81,4 @@ def main(size: str, tp: int, zero_copy: bool, versions: int = 3) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    main(args[0] if args else "demo", int(args[1]) if len(args) > 1 else 2, "--zero-copy" in sys.argv)
+    main(args[0] if args else "demo", int(args[1]) if len(args) > 1 else 2, False if "--copy" in sys.argv else "auto")
