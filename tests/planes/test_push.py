@@ -237,8 +237,9 @@ def test_swap_apply_refuses_a_module_not_in_the_wire_dtype(port):
     src = build(("mixed", 0))
     dst = build(("mixed", 1))  # float32, while the sender casts to bfloat16
     store = f"127.0.0.1:{port}"
-    with WeightSender(src, store=store, job="swap-dtype", transport="gloo", dtype="bfloat16", timeout_s=5):
-        with WeightReceiver(dst, store=store, job="swap-dtype", apply="swap", timeout_s=5) as receiver:
+    # timeout_s bounds the receiver's store connect too: 5 s timed out once in the fast tier at load ~20.
+    with WeightSender(src, store=store, job="swap-dtype", transport="gloo", dtype="bfloat16", timeout_s=30):
+        with WeightReceiver(dst, store=store, job="swap-dtype", apply="swap", timeout_s=30) as receiver:
             with pytest.raises(
                 WeightSyncSchemaError,
                 match=r"apply='swap' needs every tensor as the gloo link stages it, but '[\w.]+' is float32 on cpu "
