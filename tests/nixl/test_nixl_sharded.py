@@ -115,10 +115,21 @@ class Trainer:
         pushed, bit-exact (never a torn one, nor a mix of two versions' shares)."""
         deadline = time.monotonic() + timeout_s
         while any(not self.seen[n] or self.seen[n][-1][0] < version for n in names):
+            if time.monotonic() >= deadline:
+                self.stacks(names)
             assert time.monotonic() < deadline, f"not all of {names} reached version {version}: {self.seen}"
             self.drain(0.03)
         for n, seen in self.seen.items():
             assert all(d == self.pushed[v] for v, d in seen), f"{n} applied a version unlike the one pushed: {seen}"
+
+    def stacks(self, names: tuple[str, ...]) -> None:
+        """Have each of ``names`` print every thread's stack to its stderr (kept in the test's report)."""
+        for name in names:
+            try:
+                os.kill(self.pids[name], signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+        time.sleep(2.0)  # not a sync: the stacks are a diagnosis of a failure already decided
 
     def shut(self) -> None:
         """Close rank 0's sender, then rank 1's writer (once)."""

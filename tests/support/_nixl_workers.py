@@ -87,7 +87,11 @@ def sharded_receiver_main(
     after each chunk of those versions. Then as ``receiver_main``; once the sender closed and the receiver is
     closed: ("left", name, wsync threads still running, NIXL agents still open)."""
     os.environ["WSYNC_HOST_ID"] = f"nixl-test-{name}"
+    import faulthandler
     import gc
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack when stuck
 
     from _workers import receiver_main
 
