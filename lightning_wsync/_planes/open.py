@@ -95,11 +95,20 @@ class SendSide:
 
     def _open_sharded(self, ctl: Control, layout: Manifest, spec: SenderSpec, plan: ShardPlan) -> None:
         """Rank 0 of a sharded push: a ring of its own share, and the plane watching every rank's."""
-        if spec.transport not in ("auto", "shm"):
+        if spec.transport not in ("auto", "shm", "nixl"):
             raise WeightSyncConfigError(
                 f"WeightSender: a sharded push goes through shared memory, but transport={spec.transport!r}; "
-                f"use transport='auto' or 'shm', or push unsharded (sharded=False)"
+                f"use transport='auto', 'shm' or 'nixl', or push unsharded (sharded=False)"
             )
+        if spec.transport == "nixl" and spec.cross_host == "star":
+            raise WeightSyncConfigError(
+                "WeightSender: a sharded push reaches other hosts only through one relay stream per trainer rank, "
+                "but transport='nixl' with cross_host='star' asks for one NIXL READ of the whole version per "
+                "receiver; use cross_host='chain' or 'tree' (each rank's share READ hop by hop over NIXL), or push "
+                "unsharded (sharded=False) for the star"
+            )
+        if spec.transport == "nixl" and (why := nixl_plane.unusable()) is not None:  # before anything is made
+            raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {why}; or use transport='auto'")
         shares = plan.share_layouts(layout)
         remove_stale_segments()
         segment = ShmSegment(segment_name(spec.job, spec.epoch), shares[0].total_bytes, create=True, slots=2)
@@ -110,7 +119,9 @@ class SendSide:
                                  mirror=spec.device if spec.cuda_ipc else None)  # fmt: skip
         self.shards = plan = plan.with_segments([segment.name, *plan.segments[1:]])
         relay = relays_streams(spec.transport, spec.cross_host)
-        self.deltas = DeltaStreams(shares[0]) if relay and spec.delta != "off" else None  # rank 0's share's
+        nixl = spec.transport == "nixl"  # each stream's hops are NIXL READs of whole versions (docs/nixl.md)
+        # rank 0's share's deltas (NIXL hops READ whole versions)
+        self.deltas = DeltaStreams(shares[0]) if relay and not nixl and spec.delta != "off" else None
         watch = ShardSendPlane(ctl, self.ring, plan, shares, host=spec.host, epoch=spec.epoch,
                                timeout_s=spec.timeout_s, relayed=relay)  # fmt: skip
         self.holds = watch  # a fleet round holds its target in every rank's ring on this host
@@ -119,12 +130,13 @@ class SendSide:
             planes.append(ShardStreamsPlane(
                 ctl, self.ring, plan, epoch=spec.epoch, host=spec.host, backend=self.backend, addr=spec.addr,
                 timing=self.timing, deltas=self.deltas, policy=AutoPolicy(spec.delta), topology=spec.cross_host,
+                nixl=nixl, job=spec.job,
             ))  # fmt: skip
         self.planes = tuple(planes)
         self.record = SenderRecord(
             epoch=spec.epoch, host=spec.host, pid=os.getpid(), addr=spec.addr,
             heartbeat_timeout_s=spec.heartbeat_timeout_s, timeout_s=spec.timeout_s, transport=spec.transport,
-            backend=self.backend, relay=relay, shm=segment.name, sharded=True,
+            backend=self.backend, relay=relay, shm=segment.name, sharded=True, nixl=relay and nixl,
         )  # fmt: skip
 
     def stop(self) -> None:

@@ -83,7 +83,7 @@ class ShareWriter:
 
     def relay(self, store: dist.Store | str | None, epoch: int, config: SenderConfig) -> None:
         """Relay this rank's share to other hosts (its own chain or trees, :class:`StreamHead`) for sender
-        ``epoch``, when the settings relay (``transport='auto'``, ``cross_host`` other than ``'star'``).
+        ``epoch``, when the settings relay (``transport='auto'`` or ``'nixl'``, ``cross_host`` other than ``'star'``).
 
         ``store``: the callback's, or rank 0's ``host:port`` (it may have picked the port).
         """
@@ -97,6 +97,7 @@ class ShareWriter:
             ctl, self._ring, stream=keys.relay_stream(epoch, self._shares.rank),
             written_key=keys.shard_written(epoch, self._shares.rank), backend="gloo",
             addr=local_address(handle.address), timing=self._timing, delta=config.delta, topology=config.cross_host,
+            nixl=config.transport == "nixl", job=ctl.job,
         )  # fmt: skip
         sender = ctl.get_record(keys.sender_record(epoch), SenderRecord)  # published before epoch reached us
         if sender is not None and sender.host != self._shares.host:  # rank 0 cannot read this ring: it reads

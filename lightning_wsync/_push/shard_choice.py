@@ -34,8 +34,8 @@ def why_unsharded(setting: bool | str, cfg: SenderConfig, strategy: Strategy, wo
         return None  # the sender refuses settings it cannot serve, naming them
     if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
         return f"strategy {type(strategy).__name__} is neither DDP nor ModelParallelStrategy (FSDP2)"
-    if cfg.transport not in ("auto", "shm"):
-        return f"transport={cfg.transport!r}: a sharded push goes through shared memory ('auto' or 'shm')"
+    if cfg.transport not in ("auto", "shm", "nixl"):
+        return f"transport={cfg.transport!r}: a sharded push goes through shared memory ('auto', 'shm' or 'nixl')"
     if cfg.cross_host == "star":
         return ("cross_host='star': a sharded push reaches other hosts only by relaying each rank's share, "
                 "never one link per receiver")  # fmt: skip

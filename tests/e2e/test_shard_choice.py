@@ -43,6 +43,8 @@ def test_auto_is_the_default_everywhere_the_option_lives() -> None:
         (2, DDPStrategy(), {"transport": "gloo"}, "transport='gloo': a sharded push goes through shared memory"),
         (2, DDPStrategy(), {"cross_host": "star"}, "cross_host='star': a sharded push reaches other hosts only"),
         (2, ModelParallelStrategy(), {"cross_host": "tree"}, None),  # trees per share stream
+        (2, DDPStrategy(), {"transport": "nixl"}, None),  # each share stream's hops are NIXL READs
+        (2, DDPStrategy(), {"transport": "nixl", "cross_host": "star"}, "cross_host='star': a sharded push"),
         (2, DDPStrategy(), {"sharded": False}, "sharded=False"),
         (2, DDPStrategy(), {"sharded": True, "transport": "gloo"}, None),  # forced: the sender refuses it, naming why
     ],
@@ -68,5 +70,5 @@ def test_the_reason_is_said_once_by_rank_0_only(caplog: pytest.LogCaptureFixture
     assert [(r.levelno, r.getMessage()) for r in said] == [(
         logging.WARNING,
         "WeightSyncCallback: unsharded push (rank 0 sends every version): transport='gloo': a sharded push goes "
-        "through shared memory ('auto' or 'shm')",
+        "through shared memory ('auto', 'shm' or 'nixl')",
     )]  # fmt: skip

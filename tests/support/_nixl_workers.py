@@ -75,3 +75,50 @@ def remote_sender_main(port: int, job: str, spec: tuple[str, int], commands: Any
         results.put(("pushing", "sender", version, digest(model)))
         sender.push(version)
     threading.Event().wait()
+
+
+def sharded_receiver_main(
+    store: str, job: str, name: str, spec: tuple[str, int], results: Any, options: dict[str, Any]
+) -> None:
+    """A receiver on a simulated host of its own, of a sharded sender whose ranks relay their shares over
+    NIXL (tests/nixl/test_nixl_sharded.py). Says ("hop-reading", name, version, rank, its rid, its upstream's
+    rid or None) at the first chunk of each version its hop READs of each rank's stream; with
+    ``options["slow_rank"]`` and ``options["slow_versions"]``, that rank's hops sleep ``options["delay_s"]``
+    after each chunk of those versions. Then as ``receiver_main``; once the sender closed and the receiver is
+    closed: ("left", name, wsync threads still running, NIXL agents still open)."""
+    os.environ["WSYNC_HOST_ID"] = f"nixl-test-{name}"
+    import faulthandler
+    import gc
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack when stuck
+
+    from _workers import receiver_main
+
+    from lightning_wsync._control.keys import STREAM_RANKS
+    from lightning_wsync._planes.nixl.agent import Agent
+    from lightning_wsync._planes.nixl.hop import ChainHop
+
+    slow_rank, slow_versions = options.pop("slow_rank", None), set(options.pop("slow_versions", ()))
+    delay_s = options.pop("delay_s", 0.0)
+    said: set[tuple[int, int]] = set()
+
+    def after_chunk(self: ChainHop) -> None:
+        version, rank = self.reading, self._stream % STREAM_RANKS
+        if version is None:
+            return
+        if (version, rank) not in said:
+            said.add((version, rank))
+            results.put(("hop-reading", name, version, rank, self._rid, self._upstream))
+        if rank == slow_rank and version in slow_versions:
+            time.sleep(delay_s)
+
+    ChainHop.after_chunk = after_chunk  # type: ignore[method-assign]
+    receiver_main(store, job, name, spec, results, options)  # returns once the sender closed, receiver closed
+    for t in threading.enumerate():
+        if t.name.startswith("wsync-"):
+            t.join(timeout=10)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("wsync-") and t.is_alive()]
+    gc.collect()
+    agents = [a.name for a in gc.get_objects() if type(a) is Agent and a._nixl is not None]
+    results.put(("left", name, threads, agents))

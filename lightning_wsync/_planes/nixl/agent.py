@@ -145,7 +145,11 @@ class Agent:
         except Exception as exc:  # noqa: BLE001
             raise NixlError(f"NIXL agent {self.name!r}: a READ from {peer!r} could not be set up ({exc})") from None
         self._handles.append(handle)
-        state = self._nixl.transfer(handle)
+        try:
+            state = self._nixl.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError: the peer died since set-up
+            self.release(handle)
+            raise NixlError(f"NIXL agent {self.name!r}: a READ from {peer!r} could not be posted ({exc})") from None
         if state == "ERR":
             self.release(handle)
             raise NixlError(f"NIXL agent {self.name!r}: a READ from {peer!r} failed to start")
@@ -153,7 +157,10 @@ class Agent:
 
     def done(self, handle: Any) -> bool:
         """Whether a posted READ completed; NixlError when it failed."""
-        state = self._nixl.check_xfer_state(handle)
+        try:
+            state = self._nixl.check_xfer_state(handle)
+        except Exception as exc:  # noqa: BLE001 - the binding raises its own errors for a peer gone
+            raise NixlError(f"NIXL agent {self.name!r}: a READ's state could not be read ({exc})") from None
         if state == "ERR":
             raise NixlError(f"NIXL agent {self.name!r}: a READ failed (its peer gone or unreachable)")
         return bool(state == "DONE")

@@ -108,6 +108,7 @@ class ChainHop:
             self.owner.close()
             raise
         self._up: NixlAgentRecord | None = None
+        self._source = upstream  # the upstream the current pin was asked of
         self._tag = 0
         self._inbox = _Inbox()
         self.version: int | None = have  # the newest version published here
@@ -134,13 +135,14 @@ class ChainHop:
             if self._upstream != following:  # a new chain: another upstream
                 following = self._upstream
                 self._forget_upstream()
+            self._source = following
             try:
                 if not self._fetch():
                     self._stop.wait(_IDLE_POLL_S)
                 failures = 0
             except Dropped as exc:
                 log.debug("NIXL hop rid=%d: %s", self._rid, exc)
-            except (NixlError, WeightSyncError, RuntimeError, TimeoutError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a hop thread that died would stop its stream here for good
                 failures += 1
                 failing_since = time.monotonic() if failures == 1 else failing_since
                 self.error = str(exc)
@@ -152,7 +154,7 @@ class ChainHop:
 
     def _upstream_record(self) -> NixlAgentRecord:
         if self._up is None:
-            who = "sender" if self._upstream is None else f"leader{self._upstream}"
+            who = "sender" if self._source is None else f"leader{self._source}"
             record = self._ctl.get_record(keys.nixl_agent(self._stream, who), NixlAgentRecord)
             if record is None:
                 raise NotPublished(f"the upstream ({who}) published no NIXL agent")
@@ -188,10 +190,17 @@ class ChainHop:
             elif kind in ("K", "D"):
                 box.end = kind
 
+    def _moved(self) -> None:
+        """Give the current pin up when the hop is closing or a new chain names another upstream (its READs
+        from the old one, maybe dead, would otherwise run to ``timeout_s`` before the new one is asked)."""
+        if self._stop.is_set():
+            raise Dropped("the hop is closing")
+        if self._upstream != self._source:
+            raise Dropped(f"a new chain: upstream {self._upstream} in place of {self._source}")
+
     def _wait(self, peer: str, until: Callable[[], bool], what: str, deadline: float) -> None:
         while not until():
-            if self._stop.is_set():
-                raise Dropped("the hop is closing")
+            self._moved()
             if time.monotonic() > deadline:
                 raise NixlError(f"{what} within timeout_s={self._timeout_s} (the upstream stalled or is gone)")
             self._pump(peer)
@@ -282,8 +291,8 @@ class ChainHop:
                         hasher = xxhash.xxh3_64()
                     self.owner.landed(b)
                     self.after_chunk()
-                elif self._stop.is_set():
-                    raise Dropped("the hop is closing")
+                elif self._stop.is_set() or self._upstream != self._source:
+                    self._moved()
                 elif time.monotonic() > deadline:
                     raise NixlError(f"a chunk of version {grant.version} made no progress within "
                                     f"timeout_s={self._timeout_s} (the upstream stalled or is gone)")  # fmt: skip

@@ -27,8 +27,8 @@ from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment
 from lightning_wsync.errors import WeightSyncConfigError
 
-__all__ = ["NixlReceiveParams", "NixlSendParams", "offered", "open_receive", "open_send", "receive_source",
-           "send_plane", "unusable"]
+__all__ = ["NixlReceiveParams", "NixlSendParams", "lend_share", "offered", "open_receive", "open_send",
+           "receive_source", "send_plane", "stream_shape", "unusable"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,29 @@ def send_plane(p: NixlSendParams) -> NixlSendPlane:
         return NixlSendPlane(p.ctl, p.ring, p.segment, epoch=p.epoch, name=f"wsync-s{p.epoch}-{os.getpid()}-{safe}")
     except NixlError as exc:
         raise WeightSyncConfigError(f"WeightSender: transport='nixl': {exc}") from None
+
+
+def lend_share(ctl: Control, ring: SnapshotRing, *, stream: int, job: str, who: str) -> NixlSendPlane:
+    """A trainer rank's share ring lent to the first leader of its relay stream (a sharded push with
+    ``transport='nixl'``, docs/nixl.md): the owner's record is ``nixl/<stream>/agent/sender``, and the
+    trailers it signs for hop readers name the stream, as the gloo relay's do. ``who`` names the caller
+    in the error raised when NIXL cannot be used here (WeightSyncConfigError)."""
+    why = unusable()
+    if why is not None:
+        raise WeightSyncConfigError(f"{who}: transport='nixl' (a sharded push relays each trainer rank's share "
+                                    f"over NIXL), but {why}; or use transport='auto'")  # fmt: skip
+    assert ring.segment is not None  # a share ring is in shared memory
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:32]
+    try:
+        return NixlSendPlane(ctl, ring, ring.segment, epoch=stream, name=f"wsync-s{stream}-{os.getpid()}-{safe}")
+    except NixlError as exc:
+        raise WeightSyncConfigError(f"{who}: transport='nixl': {exc}") from None
+
+
+def stream_shape(cross_host: str) -> str:
+    """The shape of a relay whose hops are NIXL READs: one tree (``cross_host='tree'``: an owner serves any
+    number of readers) or a chain (``'relay'`` and ``'chain'``; the push-time model's pick is for gloo hops)."""
+    return "tree" if cross_host == "tree" else "chain"
 
 
 def receive_source(p: NixlReceiveParams) -> NixlSource:

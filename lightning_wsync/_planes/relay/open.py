@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from lightning_wsync._planes.base import ReceiveSource
+from lightning_wsync._planes.nixl.open import stream_shape
 from lightning_wsync._planes.params import ReceiveContext, SenderSpec
 from lightning_wsync._planes.relay.head.plane import RelaySendPlane
 from lightning_wsync._planes.relay.hops import Stream
@@ -28,7 +29,7 @@ def open_send(side: SendContext) -> RelaySendPlane:
     nixl = spec.transport == "nixl"  # its hops are NIXL READs, down a chain or one tree (nixl/hop.py)
     stream = Stream(number=spec.epoch, backend=side.backend, addr=spec.addr, timeout_s=side.timing.timeout_s,
                     nixl=nixl)  # fmt: skip
-    shape = ("tree" if spec.cross_host == "tree" else "chain") if nixl else spec.cross_host  # NIXL: one tree
+    shape = stream_shape(spec.cross_host) if nixl else spec.cross_host  # NIXL: one tree, or a chain
     return RelaySendPlane(side.ctl, side.ring, stream, host=spec.host, timing=side.timing, deltas=side.deltas,
                           policy=side.policy, topology=shape,
                           previous_epoch=spec.epoch - 1 or None)  # fmt: skip

@@ -26,6 +26,7 @@ from lightning_wsync._control.records import SenderRecord
 from lightning_wsync._control.shards import ShardPlan
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
+from lightning_wsync._planes.nixl.agent import unusable
 from lightning_wsync._planes.relay.alone import alone_host, leave_alone, stand_alone
 from lightning_wsync._planes.relay.leader.member import MemberSpec, RelayMember
 from lightning_wsync._planes.relay.mate.board import Posted, read_board
@@ -33,6 +34,7 @@ from lightning_wsync._planes.relay.mate.reader import open_leader_ring
 from lightning_wsync._planes.shard.source import FixedRing, ShardedSource, ShareRing
 from lightning_wsync._planes.shm.files import SHM_DIR, pin_dir
 from lightning_wsync._planes.shm.segment import ShmReader
+from lightning_wsync.errors import WeightSyncConfigError
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class _Members:
         member = RelayMember(self._control, self._shares[rank], ring, MemberSpec(
             epoch=keys.relay_stream(self._epoch, rank), rid=self._rid, host=member_host, job=self._job,
             backend=self._record.backend, addr=self._addr,  # the sender's timeout_s: it bounds every hop
+            nixl=self._record.transport == "nixl" and self._record.nixl,  # a leader READs the stream over NIXL
             timing=timing(heartbeat_timeout_s=self._record.heartbeat_timeout_s, timeout_s=self._record.timeout_s),
             on_published=self._on_published, on_rejected=self._on_rejected,
             fall_back=lambda why: self.alone(rank, ring, why, member_host, said=True),
@@ -138,6 +141,12 @@ def open_sharded_relay(
     """The data plane of a receiver of a sharded sender whose ranks are not all on this host, or whose
     rings on this host it cannot all map (with ``fallback``, it then gets those ranks' streams relayed,
     standing alone: :mod:`~lightning_wsync._planes.relay.alone`)."""
+    if record.transport == "nixl" and record.nixl and (why := unusable()) is not None:
+        raise WeightSyncConfigError(
+            f"WeightReceiver {name!r}: the trainer relays each rank's share over NIXL (transport='nixl'), and "
+            f"every receiver on a rollout host may lead its host's hops, but {why}; install it here, or run the "
+            f"trainer with transport='auto' (gloo hops)"
+        )
     shares = plan.share_layouts(layout)
     rings: list[ShareRing] = []
     holder: list[ShardedSource] = []

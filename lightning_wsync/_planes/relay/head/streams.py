@@ -18,6 +18,11 @@ stream's live leaders (the hosts other than that rank's own) and writes them to
 ``CHAIN_POLL_S`` and re-forms its chain from them. Each stream takes the shape the unsharded relay
 would (the sender's ``cross_host``: a chain, two trees, or the push-time model's pick per stream); with
 ``delta`` on, each rank encodes its own share's deltas against the version each next leader holds.
+
+With ``transport='nixl'`` (``nixl``) nobody sends: each rank lends its share's ring over NIXL
+(:func:`~lightning_wsync._planes.nixl.open.lend_share`, the record ``nixl/<stream>/agent/sender``) and
+each stream's leaders READ it hop by hop (:mod:`~lightning_wsync._planes.nixl.hop`), down a chain or one
+tree (:func:`~lightning_wsync._planes.nixl.open.stream_shape`), whole versions only (docs/nixl.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from lightning_wsync._control.timing import Timing
 from lightning_wsync._control.untrusted import unexpected
 from lightning_wsync._planes.base import Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
+from lightning_wsync._planes.nixl.open import lend_share, stream_shape
+from lightning_wsync._planes.nixl.send import NixlSendPlane
 from lightning_wsync._planes.relay.alone import alone_leaders
 from lightning_wsync._planes.relay.head.feed import RelayHead
 from lightning_wsync._planes.relay.head.plane import RelaySendPlane, live_leaders
@@ -53,20 +60,32 @@ class ShardStreamsPlane(RelaySendPlane):
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, plan: ShardPlan, *, epoch: int, host: str, backend: str, addr: str,
-        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy, topology: str = "relay",
+        timing: Timing, deltas: DeltaStreams | None, policy: AutoPolicy, topology: str = "relay", nixl: bool = False,
+        job: str = "",
     ) -> None:  # fmt: skip
         """``topology``: the sender's ``cross_host`` (relay | chain | tree), every stream's shape as the
-        unsharded relay's would be."""
+        unsharded relay's would be; ``nixl``: the hops are NIXL READs (rank 0's ring is lent here)."""
         self._hosts = plan.rank_hosts(host)
         self._streams = [keys.relay_stream(epoch, rank) for rank in range(plan.world)]
         self._written: dict[int, dict[int, str]] = {}  # stream -> the leaders last written for it
-        stream = Stream(number=self._streams[0], backend=backend, addr=addr, timeout_s=timing.timeout_s)
-        super().__init__(ctl, ring, stream, host=self._hosts[0], timing=timing, deltas=deltas, policy=policy,
-                         topology=topology, previous_epoch=epoch - 1 or None)  # fmt: skip
+        self._owner: NixlSendPlane | None = None
+        if nixl:  # first: a sender that cannot use NIXL refuses to start, naming why
+            self._owner = lend_share(ctl, ring, stream=self._streams[0], job=job, who="WeightSender")
+            topology = stream_shape(topology)
+        stream = Stream(number=self._streams[0], backend=backend, addr=addr, timeout_s=timing.timeout_s, nixl=nixl)
+        try:
+            super().__init__(ctl, ring, stream, host=self._hosts[0], timing=timing, deltas=deltas, policy=policy,
+                             topology=topology, previous_epoch=epoch - 1 or None)  # fmt: skip
+        except BaseException:
+            if self._owner is not None:
+                self._owner.close(time.monotonic() + 5.0)
+            raise
 
     @override
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
         super().sync(live, gone, retired)
+        if self._owner is not None:  # pins of receivers that left are dropped at once
+            self._owner.sync(live, gone, retired)
         for stream, host in zip(self._streams[1:], self._hosts[1:]):
             leaders = self._leaders(stream, live, host)
             if leaders != self._written.get(stream):
@@ -79,8 +98,15 @@ class ShardStreamsPlane(RelaySendPlane):
         return {**live_leaders(self._ctl, epoch, live, own_host), **alone_leaders(self._ctl, epoch, live)}
 
     @override
+    def stop(self) -> None:
+        if self._owner is not None:
+            self._owner.stop()
+
+    @override
     def close(self, deadline: float) -> list[str]:
         stuck = super().close(deadline)
+        if self._owner is not None:
+            stuck += self._owner.close(deadline)
         try:
             for stream in self._written:
                 self._ctl.delete(keys.relay_stream_leaders(stream))
@@ -97,18 +123,22 @@ class StreamHead:
 
     def __init__(
         self, ctl: Control, ring: SnapshotRing, *, stream: int, written_key: str, backend: str, addr: str,
-        timing: Timing, delta: str = "off", topology: str = "relay",
+        timing: Timing, delta: str = "off", topology: str = "relay", nixl: bool = False, job: str = "",
     ) -> None:  # fmt: skip
         """``written_key``: where the newest version written into ``ring`` is noted for rank 0's push reports;
         ``delta``: the sender's setting, applied to this stream (this rank encodes its own share);
-        ``topology``: the sender's ``cross_host`` (relay | chain | tree), as for stream 0."""
+        ``topology``: the sender's ``cross_host`` (relay | chain | tree), as for stream 0; ``nixl``: the
+        sender's ``transport='nixl'``: ``ring`` is lent over NIXL, READ whole by the stream's leaders."""
         self.ctl = ctl
         self._stream = stream
         self._written_key = written_key
         self._written: int | None = None  # the newest version written, as noted by :meth:`wrote`
         self._noted: int | None = None  # as last set on the store
+        self._owner = lend_share(ctl, ring, stream=stream, job=job, who="WeightSyncCallback") if nixl else None
+        if nixl:
+            delta, topology = "off", stream_shape(topology)  # whole versions, READ hop by hop
         self._deltas = DeltaStreams(ring.layout) if delta != "off" else None
-        hops = Stream(number=stream, backend=backend, addr=addr, timeout_s=timing.timeout_s)
+        hops = Stream(number=stream, backend=backend, addr=addr, timeout_s=timing.timeout_s, nixl=nixl)
         self._head = RelayHead(ctl, ring, hops, timing=timing, deltas=self._deltas, policy=AutoPolicy(delta),
                                topology=topology)  # fmt: skip
         self._stop = threading.Event()
@@ -142,6 +172,10 @@ class StreamHead:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
         self._head.close(timeout_s=max(0.0, deadline - time.monotonic()))
+        if self._owner is not None:
+            for name in self._owner.close(deadline):
+                log.warning("relay stream %d: thread %s did not end within timeout_s=%s", self._stream, name,
+                            timeout_s)  # fmt: skip
         if self._deltas is not None:
             self._deltas.close(timeout_s=max(0.0, deadline - time.monotonic()))
         try:
@@ -151,5 +185,6 @@ class StreamHead:
 
 
 def relays_streams(transport: str, cross_host: str) -> bool:
-    """A sharded sender with these settings relays each rank's share to other hosts (a stream per rank)."""
-    return transport == "auto" and cross_host != "star"
+    """A sharded sender with these settings relays each rank's share to other hosts (a stream per rank):
+    over gloo hops (``transport='auto'``) or NIXL READs (``'nixl'``)."""
+    return transport in ("auto", "nixl") and cross_host != "star"
