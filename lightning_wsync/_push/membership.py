@@ -96,6 +96,7 @@ class Membership:
         self.fleet_seen = False  # a receiver named a fleet group (ReceiverConfig.fleet)
         self._gone_seen: str | None = None  # members/gone as last read through (None: absent)
         self._gone_due = 0.0  # (the first refresh reads every gone key)
+        self._rechecked: dict[int, float] = {}  # rid -> its hb_seen_at when a re-read found it silent still
 
     def refresh(self, *, members: bool = True) -> None:
         """Take in new registrations and look for members whose process exited (a local
@@ -103,7 +104,11 @@ class Membership:
         goodbye (two requests each: the sender asks for that at most once a second).
 
         The exit check runs at every call: a receiver killed mid-send is let go of (its
-        link stopped, its ring slots freed) at once, not at the next full read.
+        link stopped, its ring slots freed) at once, not at the next full read. Without
+        ``members``, a member this view newly calls silent has its heartbeat read again
+        (one batched read, once per silence): the planes take the live list from here
+        between full reads, and a view that merely aged past ``heartbeat_timeout_s`` (the
+        last full read late on a busy thread) must not re-form the relay's chain or trees.
         """
         self._take_registrations()
         if not members:
@@ -111,6 +116,7 @@ class Membership:
             for member in self.members():
                 if member.gone_reason is None and self._exited(member):
                     self._mark_gone(member, f"process {member.pid} exited", now)
+            self._recheck_newly_silent()
             return
         now = time.monotonic()
         open_ = [m for m in self.members() if m.gone_reason is None]
@@ -256,7 +262,26 @@ class Membership:
         those found beating. The view moves only at a full :meth:`refresh`, which a busy sender
         thread can leave older than ``heartbeat_timeout_s`` while receivers beat on: a push
         report asks the store before it leaves such a receiver out or fails it."""
-        silent = [m for m in self.members() if m.gone_reason is None and self._silent_reason(m) is not None]
+        return self._reread(self._silent())
+
+    def _recheck_newly_silent(self) -> None:
+        """:meth:`recheck_silent` for the members silent in this view since their last beat seen
+        and not yet re-read in this silence: a leader the store still sees beating stays live; one
+        that stopped is re-read once and left silent (its silence is then read at each full refresh)."""
+        newly = [m for m in self._silent() if self._rechecked.get(m.rid) != m.hb_seen_at]
+        if not newly:
+            return
+        beating = {m.rid for m in self._reread(newly)}
+        self._rechecked = {rid: seen for rid, seen in self._rechecked.items() if self.get(rid) is not None}
+        for member in newly:
+            if member.rid not in beating:
+                self._rechecked[member.rid] = member.hb_seen_at
+
+    def _silent(self) -> list[Member]:
+        return [m for m in self.members() if m.gone_reason is None and self._silent_reason(m) is not None]
+
+    def _reread(self, silent: list[Member]) -> list[Member]:
+        """Read the heartbeats of ``silent`` (one batched read); return those that moved."""
         if not silent:
             return []
         beats, now, beating = self._heartbeats(silent), time.monotonic(), []

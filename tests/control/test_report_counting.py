@@ -13,7 +13,6 @@ again before it leaves one out or fails it (``Membership.recheck_silent``).
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import torch.distributed as dist
@@ -91,20 +90,28 @@ def test_receivers_a_stale_view_calls_silent_at_the_push_are_counted_when_they_b
     assert len(members.live()) == N  # the report's read of their beats made them live again
 
 
-def test_targets_a_stale_view_calls_silent_are_not_failed_while_they_beat():
-    """Targets at the push that the stale view calls silent and that acknowledge a moment after
-    the report's first poll: delivered (before: failed at once with 'no heartbeat'). A target
-    that really stopped beating is still failed at once, with the reason."""
+def test_targets_a_stale_view_calls_silent_are_not_failed_while_they_beat(monkeypatch):
+    """Targets at the push that the stale view calls silent and that acknowledge right after the
+    report's first poll read their states: delivered (before: failed at that poll with 'no
+    heartbeat'). A target that really stopped beating is still failed at once, with the reason."""
     ctl, members, reporter, beat_late, beat_early = _setup()
     every = sorted(members.members(), key=lambda m: m.rid)
     handle = PushHandle(reporter, VERSION, time.perf_counter(), 0.0, targets=every)  # live when pushed
     handle.published([])
     _acknowledge(ctl, beat_early)
-    acked_late = threading.Timer(0.3, _acknowledge, (ctl, beat_late))  # after the report's first poll
-    acked_late.start()
+    read_states, polls = members.read_states, []
+
+    def poll_then_acknowledge_late(ctl_: Control, rids: list[int]) -> list[bytes]:
+        states = read_states(ctl_, rids)
+        polls.append(sorted(rids))
+        if len(polls) == 1:  # the late ones acknowledge once the report's first poll has read them
+            _acknowledge(ctl, beat_late)
+        return states
+
+    monkeypatch.setattr(members, "read_states", poll_then_acknowledge_late)
     report = handle.wait(timeout_s=5.0)
-    acked_late.join()
-    assert sorted(report.delivered) == sorted(m.label for m in every) and report.failed == {}
+    assert sorted(report.delivered) == sorted(m.label for m in every) and report.failed == {}, report.failed
+    assert polls[0] == sorted(m.rid for m in every) and len(polls) >= 2
 
     stopped = beat_late[0]  # no beat from here on: the store agrees with the view
     _after(time.monotonic() + HB_TIMEOUT_S * 1.05)

@@ -21,6 +21,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import ChainRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
+from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import FULL, Header, PeerGroup, make_group
 
@@ -226,15 +227,17 @@ def next_lease(ring: SnapshotRing, sent: int | None, superseded: Callable[[], bo
 
 
 def send_apart(
-    send: Callable[[], None], release: Callable[[], None], superseded: Callable[[], bool], name: str
-) -> None:
+    send: Callable[[], None], release: Callable[[], None], superseded: Callable[[], bool], name: str,
+    timeout_s: float,
+) -> None:  # fmt: skip
     """Run ``send`` in a thread of its own (named ``name``) and wait for it; leave it behind when
     ``superseded()`` first. ``release`` (the send's slots) runs when the send ends, wherever.
 
     The head's side of a hop: a gloo send partly written to a peer that stopped reading (it
     left for a newer chain or trees mid-version) is woken by nothing, not an interrupt, not
-    the pair's closing, until the group timeout; the head feeds the new topology meanwhile,
-    and the send left behind ends on its own within ``timeout_s`` (its group is closed).
+    the pair's closing, until the group timeout (``timeout_s``); the head feeds the new topology
+    meanwhile, and the send left behind ends on its own within ``timeout_s`` (its group is closed).
+    Until it ends, the process's exit waits for it (:mod:`~lightning_wsync._planes.relay.exits`).
 
     Raises:
         Superseded: the topology changed before the send ended.
@@ -250,10 +253,14 @@ def send_apart(
         finally:
             release()
             done.set()
+            exits.ended(threading.current_thread())
 
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    exits.running(thread, timeout_s)
     try:
-        threading.Thread(target=run, name=name, daemon=True).start()
+        thread.start()
     except BaseException:
+        exits.ended(thread)
         release()
         raise
     while not done.wait(CHAIN_POLL_S):

@@ -272,7 +272,7 @@ class RelayHead:
             lease.release()
 
         send_apart(lambda: self._send(pg, ctl, lease, delta), release, self._superseded,
-                   f"wsync-relay-head-send-v{lease.ref.version}")  # fmt: skip
+                   f"wsync-relay-head-send-v{lease.ref.version}", self._timeout_s)  # fmt: skip
 
     def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
         ring, layout = self._ring, self._ring.layout

@@ -149,7 +149,7 @@ class TreeFeed:
             lease.release()
 
         send_apart(lambda: self._send_now(lease, pgs, plans), release, self._superseded,
-                   f"wsync-relay-tree-send-v{lease.ref.version}")  # fmt: skip
+                   f"wsync-relay-tree-send-v{lease.ref.version}", self._timeout_s)  # fmt: skip
 
     def _send_now(self, lease: Lease, pgs: list[Interruptible], plans: list[tuple[DeltaStream, Lease] | None]) -> None:
         layout, buffer, (_, seq, version) = self._ring.layout, lease.buffer, lease.ref
