@@ -289,7 +289,7 @@ def _phase(
                             "cpu_s": sample.cpu_s, "cpu_s_with_bench": bench_cpu_s,
                             "digest_ok": sample.digest_ok, "failed": sample.failed,
                             "delivered": sorted(sample.delivered), "applied": sample.applied})  # fmt: skip
-        idle = _idle_store_rate(run.proxy)
+        idle, idle_by_key = _idle_store_rate(run.proxy)
     timed = [s for s in samples if not s["warmup"]]
     wire_bound_s = pushed * 8 / rate
     tree = topology == "tree" or (topology == "relay" and prefer_tree(n_hosts))
@@ -310,6 +310,7 @@ def _phase(
         # until every receiver applied and hashed it; at idle, per second over _IDLE_S after the last.
         "store_requests_per_push": statistics.median(int(s["store_requests"]) for s in timed),  # type: ignore[call-overload]
         "store_idle_requests_per_s": idle, "store_idle_requests_per_s_per_host": idle / n_hosts,
+        "store_idle_requests_by_key": idle_by_key,
         "samples": samples, "ok": all(bool(s["digest_ok"]) and not s["failed"] for s in samples),
     }  # fmt: skip
 
@@ -317,11 +318,14 @@ def _phase(
 _IDLE_S = 3.0
 
 
-def _idle_store_rate(proxy: CountingProxy) -> float:
-    """Requests per second the receivers send the store while nothing is pushed."""
-    before, started = sum(proxy.snapshot().values()), time.monotonic()
+def _idle_store_rate(proxy: CountingProxy) -> tuple[float, dict[str, int]]:
+    """Requests per second the receivers send the store while nothing is pushed, and the
+    window's requests by command and key pattern (``"compare_set /wsync/bench-#-*/news"``):
+    3 s sees each periodic request of a host once or twice, so the count says which."""
+    before, started = proxy.snapshot_keys(), time.monotonic()
     time.sleep(_IDLE_S)  # a measuring window, not synchronisation
-    return (sum(proxy.snapshot().values()) - before) / (time.monotonic() - started)
+    by_key = proxy.snapshot_keys() - before  # every request counted once, under its key
+    return sum(by_key.values()) / (time.monotonic() - started), dict(sorted(by_key.items()))
 
 
 def format_table(result: dict[str, object]) -> str:

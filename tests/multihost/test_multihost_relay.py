@@ -54,6 +54,14 @@ def test_relay_sends_one_copy_per_push_and_delivers_bit_exact() -> None:
     # (the version's records), and the idle rate is a finite figure per host.
     assert all(s["store_requests"] > 0 for s in relay["samples"]), relay["samples"]
     assert relay["store_requests_per_push"] > 0 and relay["store_idle_requests_per_s_per_host"] >= 0, relay
+    # The idle window's requests by command and key pattern: what asks at idle, counted (each a
+    # TCPStore command and a key of this job; the rate is theirs over the window).
+    by_key = relay["store_idle_requests_by_key"]
+    assert (sum(by_key.values()) > 0) == (relay["store_idle_requests_per_s"] > 0), relay
+    for pattern, n in by_key.items():
+        command, key = pattern.split(" ", 1)
+        assert command.replace("_", "").isalpha() and key.startswith("/wsync/bench-"), by_key
+        assert isinstance(n, int) and n > 0, by_key
 
 
 def _bench_hosts(args: list[str], timeout_s: float) -> dict[str, Any]:
