@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 from typing import Any
 
 import pytest
@@ -80,10 +81,11 @@ def _build(factory: Any, kwargs: dict[str, Any]) -> Any:
 
 @pytest.mark.parametrize(("what", "factory", "kwargs", "error", "match"), CASES, ids=[c[0] for c in CASES])
 def test_bad_parameter(what, factory, kwargs, error, match):
-    segments = set(glob.glob("/dev/shm/wsync-*"))
+    ours = f"/dev/shm/wsync-{os.getpid()}-*"  # this process's only: tests run side by side (pytest -n)
+    segments = set(glob.glob(ours))
     with pytest.raises(error, match=match):
         _build(factory, kwargs)
-    assert set(glob.glob("/dev/shm/wsync-*")) <= segments  # nothing created and left behind
+    assert set(glob.glob(ours)) <= segments  # nothing created and left behind
 
 
 @pytest.mark.parametrize(

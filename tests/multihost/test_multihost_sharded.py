@@ -5,7 +5,8 @@ receives each byte once and assembles whole versions, never a mix (docs/sharded.
 
 Two scenario runs serve the four tests (one set-up of hosts and receivers each, shared by
 module-scoped fixtures): full pushes then deltas, and rank 1 SIGKILLed then SIGSTOPped, each
-phase under a sender epoch of its own (``sharded_across_hosts.py``).
+phase under a sender epoch of its own (``sharded_across_hosts.py``). The tests of one run share an
+``xdist_group``: ``pytest -n 2 --dist loadgroup`` runs them in one worker, so each run happens once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def kill_then_stop(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         timeout_s=220)  # fmt: skip
 
 
+@pytest.mark.xdist_group("sharded-egress")
 @pytest.mark.timeout(240)
 def test_each_trainer_host_sends_only_its_share_and_every_receiver_is_bit_exact(egress_then_delta) -> None:
     result, phase = egress_then_delta, egress_then_delta["egress"]
@@ -56,6 +58,7 @@ def test_each_trainer_host_sends_only_its_share_and_every_receiver_is_bit_exact(
         assert tx[host] < 1.1 * model, tx
 
 
+@pytest.mark.xdist_group("sharded-egress")
 @pytest.mark.timeout(240)
 def test_each_rank_sends_its_shares_delta_and_every_receiver_is_bit_exact(egress_then_delta) -> None:
     """delta="always" on both ranks, a sparse step per version: every stream carries its share as a delta."""
@@ -74,6 +77,7 @@ def test_each_rank_sends_its_shares_delta_and_every_receiver_is_bit_exact(egress
         assert rx[host] < 0.25 * model, rx
 
 
+@pytest.mark.xdist_group("sharded-kill")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["kill", "stop"])
 def test_a_rank_killed_mid_share_is_applied_nowhere_and_receivers_follow_the_relaunch(kill_then_stop, mode) -> None:
