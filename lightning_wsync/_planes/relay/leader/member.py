@@ -190,7 +190,6 @@ class RelayMember:
         if record is not None and leading and self._own is None:
             if not self._create_ring(ctl, record.shm):
                 return
-            self._election.mark_ready(ctl)
         elif record is not None and leading and not record.ready:  # took its own record back (it was garbled)
             self._election.mark_ready(ctl)
         unreadable = None if record is None else self.segment.follow(record.shm, ready=record.ready or leading)
@@ -216,6 +215,9 @@ class RelayMember:
                                  lease_s=self._timing.host_ring_lease_s)  # fmt: skip
         self._board = Board(segment.pin_dir, self._timing.board_beat_s, self._rid)
         self._mates = MateRelay(self._control, self._board, period_s=self._timing.mates_flush_s, rid=self._rid)
+        # Ready before the bell first reads the record: marked after, the bell's next look found it
+        # changed with no ring and rang once more per leadership (~6 requests).
+        self._election.mark_ready(ctl)
         self._bell = Bell(self._control, self._election, epoch=self._epoch, rid=self._rid, timing=self._timing)
         if self._on_rung is not None:
             self._bell.listen(self._on_rung)
