@@ -34,6 +34,14 @@ send is part-written and stays so); then, per ``--case``:
     the tensor sent is a view of a plain ``mmap`` that is ``mmap.close()``d (unmapped under the
     send; what ``ShmSegment.close()`` never does).
 
+``--side recv`` turns it round, as a tree leader's half thread (``leader/treehop.py``) left
+behind on a re-form: the peer sends the 64 MiB and the child receives them on a thread of its
+own, SIGSTOPping the peer 0-3 ms in (the receive part-read). ``--thread`` says how that thread is
+made: ``library`` as the library does now (``send_apart``; for a receive ``exits.start``, the
+half threads' start), registered with the wait at exit; ``plain``, a bare daemon
+``threading.Thread`` left behind, as ``send_apart``'s before 7f42f82 and the half threads'
+before the commit that added ``--side`` (nothing waits for it at exit).
+
 The child then sleeps a random 0 to group timeout and exits with ``sys.exit(0)``: the group
 timeout (where the left-behind wait returns) falls before its exit or inside its interpreter's
 finalization (about 1 CPU-s for a process with torch loaded; the driver counts which). The
@@ -77,8 +85,9 @@ def _store(port: int) -> None:
         time.sleep(3600)
 
 
-def _peer(port: int, iters: int, group_timeout_s: float) -> int:
-    """Rank 1 of every iteration's group: posts a receive, reads until it is SIGSTOPped."""
+def _peer(port: int, iters: int, group_timeout_s: float, side: str) -> int:
+    """Rank 1 of every iteration's group: posts a receive (``side`` send) or a send (``side``
+    recv), and moves bytes until it is SIGSTOPped."""
     import torch
     import torch.distributed as dist
 
@@ -102,7 +111,7 @@ def _peer(port: int, iters: int, group_timeout_s: float) -> int:
             errors[f"connect: {_first_line(exc)}"] += 1
             store.set(f"posted{i}", "no group")
             continue
-        work = pg.recv([buf], 0, 0)
+        work = pg.recv([buf], 0, 0) if side == "send" else pg.send([buf], 0, 0)
         store.set(f"posted{i}", "1")
         try:
             work.wait()  # ends when the child's end resets the pair, or at the group timeout
@@ -115,12 +124,16 @@ def _peer(port: int, iters: int, group_timeout_s: float) -> int:
     return 0
 
 
-def _child(i: int, port: int, case: str, group_timeout_s: float, seed: int, times: Path) -> None:
-    """Rank 0 of iteration ``i``: leave a send behind, then exit through interpreter finalization."""
+def _child(
+    i: int, port: int, case: str, group_timeout_s: float, seed: int, times: Path, side: str = "send",
+    how: str = "library",
+) -> None:  # fmt: skip
+    """Rank 0 of iteration ``i``: leave a send (or a receive) behind, then exit through interpreter finalization."""
     started = time.monotonic()
     import torch
     import torch.distributed as dist
 
+    from lightning_wsync._planes.relay import exits
     from lightning_wsync._planes.relay.hops import Superseded, send_apart
     from lightning_wsync._planes.shm.segment import ShmSegment
     from lightning_wsync._planes.wire import Interruptible, close_group, make_group
@@ -160,20 +173,37 @@ def _child(i: int, port: int, case: str, group_timeout_s: float, seed: int, time
     def send(tensor: torch.Tensor = tensor) -> None:  # holds it while the send runs, as a lease does
         pg.send([tensor], 1, 0).wait()
 
+    def receive(tensor: torch.Tensor = tensor) -> None:  # as a half thread receives into the target
+        try:
+            pg.recv([tensor], 1, 0).wait()
+        except RuntimeError as exc:
+            print(f"child {i}: the receive left behind ended: {_first_line(exc)}", flush=True)
+
     def superseded() -> bool:
         if not left.is_set():
             time.sleep(rng.uniform(0, 0.003))  # part of the 64 MiB is on the wire
-            os.kill(peer_pid, signal.SIGSTOP)  # the peer stops reading (the driver SIGCONTs it)
+            os.kill(peer_pid, signal.SIGSTOP)  # the peer stops (the driver SIGCONTs it)
             left.set()
         return True
 
     sent_at = time.monotonic()
-    try:
-        send_apart(send, lambda: None, superseded, f"wsync-relay-head-send-it{i}", group_timeout_s)
-    except Superseded:
-        pass  # the send is left behind, on its own thread, as on a re-form
-    except RuntimeError as exc:
-        print(f"child {i}: the send ended at once: {_first_line(exc)}", flush=True)
+    if side == "recv":
+        name = f"wsync-relay-tree0-it{i}"
+        if how == "library":
+            exits.start(receive, name, group_timeout_s)  # as TreeHop.receive_both starts its halves
+        else:
+            threading.Thread(target=receive, name=name, daemon=True).start()
+        superseded()  # the receive is left behind, part-read, as on a re-form
+    elif how == "library":
+        try:
+            send_apart(send, lambda: None, superseded, f"wsync-relay-head-send-it{i}", group_timeout_s)
+        except Superseded:
+            pass  # the send is left behind, on its own thread, as on a re-form
+        except RuntimeError as exc:
+            print(f"child {i}: the send ended at once: {_first_line(exc)}", flush=True)
+    else:
+        threading.Thread(target=send, name=f"wsync-relay-head-send-it{i}", daemon=True).start()
+        superseded()
     if case != "stuck":
         close_group(pg, 1, "gloo")
     if case == "store_deleted":
@@ -199,13 +229,15 @@ def _driver(args: argparse.Namespace) -> None:
     os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")  # no thread at import (numpy's OpenBLAS)
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     me = [sys.executable, __file__, "--case", args.case, "--group-timeout-s", str(args.group_timeout_s),
-          "--seed", str(args.seed), "--port", str(port), "--iters", str(args.iters)]  # fmt: skip
+          "--seed", str(args.seed), "--port", str(port), "--iters", str(args.iters), "--side", args.side,
+          "--thread", args.thread]  # fmt: skip
     peer_log = open(out / "peer.log", "w")  # noqa: SIM115 - the peer's and the store's, for the whole run
     store = subprocess.Popen([*me, "--store"], env=env, stdout=peer_log, stderr=subprocess.STDOUT)
     peer = subprocess.Popen([*me, "--peer"], env=env, stdout=peer_log, stderr=subprocess.STDOUT)
     if not args.spawn:
         import torch  # noqa: F401 - imported once here, inherited by each forked child
 
+        import lightning_wsync._planes.relay.exits  # noqa: F401
         import lightning_wsync._planes.relay.hops  # noqa: F401
         import lightning_wsync._planes.shm.segment  # noqa: F401
         import lightning_wsync._planes.wire  # noqa: F401
@@ -231,7 +263,7 @@ def _driver(args: argparse.Namespace) -> None:
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
                 os.close(fd)
-                _child(i, port, args.case, args.group_timeout_s, args.seed, times)
+                _child(i, port, args.case, args.group_timeout_s, args.seed, times, args.side, args.thread)
                 sys.exit(0)
             status = _wait_child(pid, peer.pid, 120.0)
         ended = time.monotonic()
@@ -272,7 +304,8 @@ def _driver(args: argparse.Namespace) -> None:
         peer.wait()
     store.kill()
     store.wait()
-    print(json.dumps({"case": args.case, "spawn": args.spawn, "iters": args.iters, "seed": args.seed,
+    print(json.dumps({"case": args.case, "side": args.side, "thread": args.thread, "spawn": args.spawn,
+                      "iters": args.iters, "seed": args.seed,
                       "group_timeout_s": args.group_timeout_s, "wall_s": round(time.monotonic() - start, 1),
                       "exits": exits, "timeout_fell": windows, "peer": peer.returncode}), flush=True)  # fmt: skip
 
@@ -298,6 +331,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--group-timeout-s", type=float, default=1.0)
+    ap.add_argument("--side", default="send", choices=["send", "recv"], help="what the child leaves behind")
+    ap.add_argument("--thread", default="library", choices=["library", "plain"],
+                    help="library: registered with the wait at exit, as now; plain: a bare daemon thread")
     ap.add_argument("--spawn", action="store_true", help="a fresh interpreter per child (slower: imports torch)")
     ap.add_argument("--out", default="/tmp/stress_exit")
     ap.add_argument("--port", type=int)
@@ -309,9 +345,10 @@ def main() -> None:
     if args.store:
         _store(args.port)
     if args.peer:
-        sys.exit(_peer(args.port, args.iters, args.group_timeout_s))
+        sys.exit(_peer(args.port, args.iters, args.group_timeout_s, args.side))
     if args.child is not None:
-        _child(args.child, args.port, args.case, args.group_timeout_s, args.seed, Path(args.times))
+        _child(args.child, args.port, args.case, args.group_timeout_s, args.seed, Path(args.times), args.side,
+               args.thread)  # fmt: skip
         return  # the end of main
     _driver(args)
 

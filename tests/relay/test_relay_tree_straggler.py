@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ import torch
 from lightning_wsync._control.manifest import Manifest, build_manifest, checksum
 from lightning_wsync._planes.delta.encode import DeltaStreams
 from lightning_wsync._planes.delta.wire import held_of
+from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.relay.hops import Superseded, chunks, hop_header
 from lightning_wsync._planes.relay.leader.hop import HopReceiver
 from lightning_wsync._planes.relay.leader.treehop import TreeHop
@@ -85,6 +86,27 @@ def _until(what: str, condition: object, timeout_s: float = 20) -> None:
         time.sleep(0.005)
 
 
+def _superseded(hop: TreeHop, pairs: list[_Pair], what: str, halves_waiting: Callable[[], bool]) -> None:
+    """``hop.receive_both`` on ``pairs`` until ``halves_waiting()``, then the topology changes:
+    it raises ``Superseded`` and leaves its half threads behind."""
+    current = threading.Event()
+    current.set()
+    outcome: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            hop.receive_both(pairs, [[], []], current.is_set)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    one = threading.Thread(target=receive)
+    one.start()
+    _until(what, halves_waiting)
+    current.clear()  # the topology changed mid-version
+    one.join(20)
+    assert len(outcome) == 1 and isinstance(outcome[0], Superseded), outcome
+
+
 def test_a_superseded_half_thread_never_rebuilds_into_a_later_versions_target() -> None:
     layout = _layout()
     gen = torch.Generator().manual_seed(1)
@@ -111,22 +133,7 @@ def test_a_superseded_half_thread_never_rebuilds_into_a_later_versions_target() 
         pair.feed([hop_header(7, 1, layout, DELTA, len(hop.halves[t])), *steps[:2]])
         rest.append([*steps[2:], trailer])
     receiver.expect(first)  # type: ignore[arg-type]
-    current = threading.Event()
-    current.set()
-    outcome: list[BaseException] = []
-
-    def superseded() -> None:
-        try:
-            hop.receive_both(first, [[], []], current.is_set)  # type: ignore[arg-type]
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            outcome.append(exc)
-
-    seven = threading.Thread(target=superseded)
-    seven.start()
-    _until("both halves waiting for their first batch", lambda: all(p.consumed() for p in first))
-    current.clear()  # the topology changed mid-version
-    seven.join(20)
-    assert len(outcome) == 1 and isinstance(outcome[0], Superseded), outcome
+    _superseded(hop, first, "both halves waiting for their first batch", lambda: all(p.consumed() for p in first))
 
     # Version 8, in full, takes the target.
     second = [_Pair(), _Pair()]
@@ -144,3 +151,38 @@ def test_a_superseded_half_thread_never_rebuilds_into_a_later_versions_target() 
            lambda: not any(t.name.startswith("wsync-relay-tree") for t in threading.enumerate()))  # fmt: skip
     changed = int((receiver.staging != later).sum())
     assert changed == 0, f"{changed} bytes of version 8 rewritten by version 7's half-threads"
+
+
+def test_half_threads_left_behind_by_a_superseded_version_are_waited_for_at_exit() -> None:
+    """A process ending normally while a half thread left behind still waits on its pair: the exit's
+    wait (the ``atexit`` handler, called here) lasts until it ends. Without it, a gloo receive that
+    returns while the interpreter finalizes aborts the process (``stress_exit.py --side recv``)."""
+    layout = _layout()
+    pieces = chunks(layout)
+    gen = torch.Generator().manual_seed(2)
+    data = torch.randint(0, 256, (layout.total_bytes,), dtype=torch.uint8, generator=gen)
+    trailer = torch.full((trailer_words(len(layout.buckets)),), 3, dtype=torch.int64)
+    receiver = HopReceiver(layout)
+    hop = TreeHop(receiver, timeout_s=5.0)
+    pairs = [_Pair(), _Pair()]
+    for t, pair in enumerate(pairs):  # the header alone: each half waits for its first piece
+        pair.feed([hop_header(1, 1, layout, FULL, len(hop.halves[t]))])
+    receiver.expect(pairs)  # type: ignore[arg-type]
+    _superseded(hop, pairs, "both halves waiting for their first piece",
+                lambda: all(p.consumed() and p._posted for p in pairs))  # fmt: skip
+    left = [t for t in threading.enumerate() if t.name.startswith("wsync-relay-tree")]
+    assert len(left) == 2 and all(t.is_alive() for t in left), left
+
+    def the_rest() -> None:  # what the old parent still had on the wire lands 0.5 s later
+        for t, pair in enumerate(pairs):
+            pair.feed([*(data[pieces[i][0] : pieces[i][1]] for i in hop.halves[t]), trailer])
+
+    timer = threading.Timer(0.5, the_rest)
+    started = time.monotonic()
+    timer.start()
+    exits.join_at_exit()
+    waited = time.monotonic() - started
+    running = [t.name for t in left if t.is_alive()]
+    timer.join()
+    assert not running, f"the exit's wait returned after {waited:.2f} s with {running} still running"
+    assert 0.4 <= waited < 5.0 + 1.0, waited

@@ -25,6 +25,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import DeltaHeader
 from lightning_wsync._planes.delta.wire import Held, parse_ready_note
 from lightning_wsync._planes.net.notes import NoteWaiter
+from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
     Chain,
@@ -248,6 +249,7 @@ class Downstream:
             self._notes_cv.notify_all()
         if self._connector is not None:
             self._connector.join(timeout=1.0)
+            exits.left_behind(self._connector, self._timeout_s)  # maybe joining the hop (gloo): the exit waits
         # The next leader's waits on this hop end now (one of its sends already part-written: at its timeout_s).
         close_group(self._pg, 1, "")
         if self._prefix is not None:

@@ -253,14 +253,10 @@ def send_apart(
         finally:
             release()
             done.set()
-            exits.ended(threading.current_thread())
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    exits.running(thread, timeout_s)
     try:
-        thread.start()
+        exits.start(run, name, timeout_s)
     except BaseException:
-        exits.ended(thread)
         release()
         raise
     while not done.wait(CHAIN_POLL_S):

@@ -78,6 +78,7 @@ from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStream, DeltaStreams, delta_base
 from lightning_wsync._planes.delta.wire import send_delta
+from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.relay.head.treefeed import TreeFeed
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
@@ -301,6 +302,7 @@ class RelayHead:
         if (hop := self._hop) is not None:
             hop[1].interrupt()
         self._thread.join(timeout=timeout_s)
+        exits.left_behind(self._thread, self._timeout_s)  # maybe joining a hop (gloo): the exit waits for it
         try:
             for rid in sorted({*self.chain.rids, *self.leaders}):
                 ring_bell(self._control, self._epoch, rid)

@@ -28,6 +28,7 @@ from lightning_wsync._control.records import LeaderRecord, Receipt, ReceiptsReco
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import Timing
 from lightning_wsync._planes.nixl.hop import ChainHop as NixlChainHop
+from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import (
     CHAIN_POLL_S,
@@ -381,3 +382,4 @@ class RelayMember:
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
+        exits.left_behind(self._thread, self._timeout_s)  # maybe in a hop's receive: the exit waits for it

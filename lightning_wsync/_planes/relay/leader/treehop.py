@@ -18,7 +18,8 @@ only at timeout_s, keeping this leader and its subtrees out of the new topology 
 the sender resends the newest version there. Interrupting closes both pairs, but gloo does
 not wake every wait on a closed pair (seen: a receive whose data was landing waited out the
 group timeout), so the halves' threads are not waited for: what is left of them ends on its
-own, touching nothing but that call's locals and the closed groups.
+own, touching nothing but that call's locals and the closed groups (a process that ends
+normally meanwhile waits for them at exit: :mod:`~lightning_wsync._planes.relay.exits`).
 
 Longer than 300 lines: a leader's two halves (:class:`TreeHop`, which share the landed events
 and the topology watch; split, each part would reach into the other) and the hops it serves
@@ -28,6 +29,7 @@ well: :class:`~lightning_wsync._planes.relay.leader.hop.HopReceiver`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -40,6 +42,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.delta.codec import word_bytes_for
 from lightning_wsync._planes.delta.wire import DeltaStats, Held
+from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.relay.down import Downstream
 from lightning_wsync._planes.relay.hops import CHAIN_POLL_S, POLL_S, Chain, Stream, Superseded, error_text, join_hop
 from lightning_wsync._planes.relay.leader.hop import Expected, HopReceiver, Message
@@ -65,8 +68,10 @@ _WINDOW = 8  # chunk receives posted ahead in each tree
 class TreeHop:
     """A tree's shape upstream: a leader's two halves, read through its one :class:`HopReceiver`."""
 
-    def __init__(self, receiver: HopReceiver) -> None:
+    def __init__(self, receiver: HopReceiver, timeout_s: float = 10.0) -> None:
+        """``timeout_s``: the hops' group timeout (the sender's), which bounds each of a half's waits."""
         self.receiver = receiver
+        self.timeout_s = timeout_s
         layout = receiver.layout
         self.halves = [half(len(receiver.pieces), t) for t in range(TREES)]
         self._cuts = chunk_layout(layout)  # what a tree's delta records are cut by
@@ -100,10 +105,10 @@ class TreeHop:
                 for event in landed:
                     event.set()
 
-        threads = [threading.Thread(target=stream, args=(t,), name=f"wsync-relay-tree{t}", daemon=True)
+        # Waited for at the process's exit while they run: one left behind may be inside a
+        # receive until the group timeout (exits.py).
+        threads = [exits.start(functools.partial(stream, t), f"wsync-relay-tree{t}", self.timeout_s)
                    for t in range(TREES)]  # fmt: skip
-        for thread in threads:
-            thread.start()
         interrupted = False
 
         def watch() -> bool:
@@ -243,7 +248,7 @@ class TreeLead:
         links = tree_links(chain.rids, rid)
         self._ctl = ctl
         self._receiver = receiver
-        self._hop = hop = TreeHop(receiver)
+        self._hop = hop = TreeHop(receiver, stream.timeout_s)
         self._chain = chain
         epoch, self._backend, self._addr, self._timeout_s = stream.number, stream.backend, stream.addr, stream.timeout_s
         self._stop = stop
