@@ -89,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=("both", "ddp", "fsdp"), default="both",
                         help="the --trainer-ranks trainer's strategy (fsdp: FSDP2 over every rank; both: DDP, then "
                              "FSDP2, each against a one-rank run of its own; default)")
+    parser.add_argument("--profile-threads", action="store_true",
+                        help="with --trainer-ranks: each rank samples every thread of the bench's processes at its "
+                             "hook's entry and exit (/proc schedstat); reported per configuration: CPU per thread "
+                             "while each rank is in its hook, and where the other ranks are meanwhile")
     parser.add_argument("--delta", action="store_true",
                         help="measure deltas between versions made by AdamW steps on a GPT-2-sized model "
                              "(changed share, delta bytes vs full push, encode/decode time); with --hosts: "

@@ -19,7 +19,9 @@ held just before it: FSDP2's gathered copy without sharding; median
 and largest of the pushes after the first few), each rank's peak resident memory over the
 run above what it held before the callback started (snapshot rings, FSDP2's CPU mirror,
 but also the training's own gradients), and the median delivery latency (push to the last
-receiver's acknowledgement, from the push reports).
+receiver's acknowledgement, from the push reports). With ``--profile-threads``, also which
+threads of the bench's processes ran while each rank was in its hook, and where the other ranks
+were meanwhile (:mod:`~lightning_wsync.bench._threads`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError
+from lightning_wsync.bench._threads import profile, python_names
 from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
 from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
 
@@ -79,12 +82,15 @@ def _one(args: argparse.Namespace, spec: ModelSpec, strategy: str, ranks: int, s
     with tempfile.TemporaryDirectory(prefix="wsync-bench-ranks-") as out, Children() as children:
         conns = [children.start(_receiver, (f"127.0.0.1:{port}", job, spec, args.timeout_s), name=f"receiver-{i}")
                  for i in range(args.receivers)]  # fmt: skip
+        roles = {"bench": os.getpid(), **{f"receiver-{i}": pid for i, pid in enumerate(children.pids)}}
         for conn in conns:
             receive(conn, args.timeout_s, "a receiver's start")
         cmd = [sys.executable, "-m", "lightning_wsync.bench._ranks_trainer", "--d-model", str(spec.d_model),
                "--vocab", str(spec.vocab), "--ranks", str(ranks), "--strategy", strategy, "--steps", str(steps),
                "--store", f"127.0.0.1:{port}", "--job", job, "--out", out, "--timeout-s", str(args.timeout_s),
                "--sharded", sharded]  # fmt: skip
+        if args.profile_threads:
+            cmd += ["--profile-pids", ",".join(f"{role}={pid}" for role, pid in roles.items())]
         # A fixed mmap threshold: blocks of 1 MiB and more go back to the system when freed, so a
         # push's peak resident rise is what it allocates, not hidden by pages glibc kept from the last.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
@@ -100,13 +106,22 @@ def _one(args: argparse.Namespace, spec: ModelSpec, strategy: str, ranks: int, s
                 trainer.wait()
         if trainer.returncode != 0:
             raise BenchError(f"the {ranks}-rank trainer failed (exit {trainer.returncode}):\n{output[-3000:]}")
-        for conn in conns:
-            receive(conn, args.timeout_s, "a receiver's end")
+        names = {f"bench/{tid}": name for tid, name in python_names().items()}
+        for i, conn in enumerate(conns):
+            _, _, theirs = receive(conn, args.timeout_s, "a receiver's end")
+            assert isinstance(theirs, dict)
+            names.update({f"receiver-{i}/{tid}": name for tid, name in theirs.items()})
         per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
     del store
     stalls = [_median(r["stall_s"]) for r in per_rank]
     slowest = [max(s) for s in zip(*(r["stall_s"][_WARMUP:] for r in per_rank))]
     pushed_sharded = bool(per_rank[0].get("sharded_push"))
+    profiled = {}
+    if args.profile_threads:
+        for r, rec in enumerate(per_rank):
+            names.update({key: name for key, name in rec["profile"]["comms"].items() if key not in names})
+            names.update({f"rank{r}/{tid}": name for tid, name in rec["profile"]["py_names"].items()})
+        profiled = {"threads": profile([rec["profile"] for rec in per_rank], names, _WARMUP)}
     return {
         "config": f"{ranks} rank{'s' if ranks > 1 else ''}" + (f", {strategy}" if ranks > 1 else "")
         + ("" if ranks == 1 else ", sharded=False" if sharded == "false" else ", default"),
@@ -123,6 +138,7 @@ def _one(args: argparse.Namespace, spec: ModelSpec, strategy: str, ranks: int, s
         "rank_push_rise_max_mib": [max(r["push_rise_mib"][_WARMUP:] or r["push_rise_mib"]) for r in per_rank],
         "rank_peak_rise_mib": [r["peak_rise_mib"] for r in per_rank],
         "delivery_s": _median(per_rank[0]["delivery_s"], warmup=0) if per_rank[0]["delivery_s"] else None,
+        **profiled,
     }
 
 
@@ -138,12 +154,14 @@ def _receiver(conn: Connection, store: str, job: str, spec: ModelSpec, timeout_s
         with WeightReceiver(model, store=store, job=job, timeout_s=timeout_s) as receiver:
             conn.send(("ready",))
             want = 0
+            names = python_names()
             while True:
                 try:
                     want = receiver.wait_for_version(want, timeout_s=timeout_s * 4) + 1
                 except WeightSyncClosedError:
                     break
-        conn.send(("done", want - 1))
+                names.update(python_names())  # for --profile-threads: its threads by name
+        conn.send(("done", want - 1, names))
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the run
         report_failure(conn, "receiver")
 
@@ -174,4 +192,11 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {row['config']} | {row['stall_s'] * 1e3:.1f} ms | {row['vs_one_rank']:.2f} | {ranks} | "
                      f"{row['cpu_s'] * 1e3:.1f} ms | {row['cpu_vs_one_rank']:.2f} | "
                      f"{pushes} | {rises} | {delivery} |")  # fmt: skip
+    for row in rows:
+        for rank in row.get("threads", []):
+            busiest = ", ".join(f"{name} {ms:.1f}" for name, ms in rank["threads_ms"].items())
+            lines.append(f"{row['config']}, rank {rank['rank']}: hook {rank['window_ms']:.1f} ms, its thread's CPU "
+                         f"{rank['own_cpu_ms']:.1f} ms, waiting for a CPU {rank['own_wait_ms']:.1f} ms; the bench's "
+                         f"threads {rank['bench_cpu_ms']:.1f} ms, the machine {rank['machine_cpu_ms']:.1f} ms "
+                         f"of CPU per push; busiest (ms): {busiest}; other ranks: {rank['other_ranks']}")  # fmt: skip
     return "\n".join(lines)

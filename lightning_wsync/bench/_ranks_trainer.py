@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_wsync import WeightSyncCallback
 from lightning_wsync.bench._memory import MemSample, growth, reset_peak
+from lightning_wsync.bench._threads import ThreadSampler, python_names, window
 from lightning_wsync.testing.models import ModelSpec, build_model
 from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
@@ -88,16 +89,21 @@ def _rss_kib() -> tuple[int, int]:
 class _Before(pl.Callback):
     """Placed before WeightSyncCallback: the resident memory before it starts, and each push's start."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: _Profile | None) -> None:
         self.started = 0.0
         self.cpu_started = 0.0
         self.rss_kib = 0
         self.memory: MemSample | None = None  # just before this push, with the peak reset
+        self.profile = profile
 
-    def on_fit_start(self, *args: Any) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.rss_kib = _rss_kib()[0]
+        if self.profile is not None:
+            self.profile.started(trainer.global_rank)
 
     def on_train_batch_end(self, *args: Any) -> None:
+        if self.profile is not None:
+            self.profile.enter()
         self.memory = reset_peak()
         self.started = time.perf_counter()
         self.cpu_started = time.thread_time()
@@ -117,6 +123,38 @@ class _After(pl.Callback):
         self.cpu_s.append(time.thread_time() - self.before.cpu_started)
         assert self.before.memory is not None
         self.rise_mib.append(growth(self.before.memory).peak_rss / 2**20)
+        if self.before.profile is not None:
+            self.before.profile.exit()
+
+
+class _Profile:
+    """``--profile-pids``: every bench thread sampled at each hook's entry and exit, outside the timed window
+    (:mod:`~lightning_wsync.bench._threads`); this rank's pid is noted in ``out`` for the other ranks."""
+
+    def __init__(self, pids: dict[str, int], out: str, ranks: int) -> None:
+        self.pids, self.out, self.ranks = pids, out, ranks
+        self.sampler: ThreadSampler | None = None
+        self.entry: dict[str, Any] | None = None
+        self.windows: list[dict[str, Any]] = []
+        self.names: dict[int, str] = {}
+
+    def started(self, rank: int) -> None:  # before the callback's first collective: all noted by the first push
+        Path(self.out, f"pid{rank}").write_text(str(os.getpid()))
+
+    def enter(self) -> None:
+        if self.sampler is None:
+            ranks = {f"rank{r}": int(Path(self.out, f"pid{r}").read_text()) for r in range(self.ranks)}
+            self.sampler = ThreadSampler({**ranks, **self.pids})
+        self.entry = self.sampler.sample()
+
+    def exit(self) -> None:
+        assert self.sampler is not None and self.entry is not None
+        self.windows.append(window(self.entry, self.sampler.sample()))
+        self.names.update(python_names())
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "threads": self.windows, "py_names": self.names,
+                "comms": {} if self.sampler is None else self.sampler.comms}  # fmt: skip
 
 
 def main() -> None:
@@ -132,6 +170,8 @@ def main() -> None:
     parser.add_argument("--job", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--profile-pids", default=None,
+                        help="role=pid,...: also sample every thread of these processes and of the ranks at each hook")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = ModelSpec(d_model=args.d_model, vocab=args.vocab)
@@ -139,7 +179,11 @@ def main() -> None:
     sync = WeightSyncCallback(every_n_steps=1, module="policy", store=args.store, job=args.job,
                               timeout_s=args.timeout_s,
                               **({} if args.sharded == "auto" else {"sharded": args.sharded == "true"}))  # fmt: skip
-    before = _Before()
+    profile = None
+    if args.profile_pids is not None:
+        pids = {role: int(pid) for role, pid in (item.split("=") for item in args.profile_pids.split(","))}
+        profile = _Profile(pids, args.out, args.ranks)
+    before = _Before(profile)
     after = _After(before)
     metrics = RecordingLogger()
     if args.ranks == 1:
@@ -164,6 +208,7 @@ def main() -> None:
         "logged_stall_s": metrics.values("wsync/stall_s"),
         "sharded_push": sync.sharded_push,
         "unsharded_reason": sync.unsharded_reason,
+        **({} if profile is None else {"profile": profile.record()}),
     }
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -235,7 +235,7 @@ def test_bench_interval_reports_applied_fraction_and_age_per_receiver(capsys, tr
 @pytest.mark.slow
 def test_trainer_ranks_bench_reports_every_configuration(capsys):
     argv = ["bench", "--trainer-ranks", "2", "--strategy", "fsdp", "--size-mb", "2", "--pushes", "1",
-            "--receivers", "1", "--timeout-s", "60", "--json"]  # fmt: skip
+            "--receivers", "1", "--timeout-s", "60", "--json", "--profile-threads"]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["config"] for r in result["rows"]] == ["1 rank", "2 ranks, fsdp, sharded=False", "2 ranks, fsdp, default"]
@@ -251,6 +251,12 @@ def test_trainer_ranks_bench_reports_every_configuration(capsys):
         assert row["cpu_s"] >= max(row["rank_cpu_s"]), row
         assert row["cpu_vs_one_rank"] is not None and row["cpu_vs_one_rank"] > 0, row
         assert all(0 <= m <= x for m, x in zip(row["rank_push_rise_mib"], row["rank_push_rise_max_mib"])), row
+        # --profile-threads: per rank, the threads that ran in its hooks, by process and name
+        assert [p["rank"] for p in row["threads"]] == list(range(ranks)), row
+        for p in row["threads"]:
+            assert p["window_ms"] > 0 and p["own_cpu_ms"] > 0 and p["bench_cpu_ms"] >= p["own_cpu_ms"], p
+            assert f"rank{p['rank']}:MainThread" in p["threads_ms"], p  # the rank's own training thread
+            assert [o["rank"] for o in p["other_ranks"]] == [r for r in range(ranks) if r != p["rank"]], p
     assert not _children_alive()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,10 @@ from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
 from lightning_wsync._control.manifest import build_manifest, select_tensors
 from lightning_wsync._control.records import RecordShape, ShardsRecord
 from lightning_wsync._control.shards import plan_shards
+from lightning_wsync._planes.shard import source as shard_source
+from lightning_wsync._planes.shard.source import open_rank_rings
 from lightning_wsync._planes.shares import ShareWriter
+from lightning_wsync._planes.shm.segment import ShmReader
 from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.models import digest, mutate
 
@@ -298,3 +302,48 @@ def test_a_fleet_round_holds_its_target_in_every_ranks_ring_while_pushes_go_on(s
             assert digest(rollout) == digests[a.version]  # 2, or already the next round's target (5)
     finally:
         writer.close()
+
+
+def test_a_receiver_waiting_for_a_version_is_woken_by_whichever_rank_completes_it_last(monkeypatch):
+    """Every rank's own ring wakes its readers, so a receiver on the trainer's host waits on all of them at
+    once instead of reading every ring's header every few ms: with the header poll pushed past the test's
+    bound, rank 1's share landing after rank 0's still ends the wait, and the version is then complete."""
+    monkeypatch.setattr(shard_source, "_WOKEN_POLL_S", 60.0)
+    model, rollout = _model(), _zeroed()
+    cfg = SenderConfig(job="woken", timeout_s=2)
+    writers = [ShareWriter(prepare_shares(model, cfg, rank, 2), cfg) for rank in (0, 1)]
+    shares = prepare_shares(model, cfg, 0, 2)
+    plan = shares.plan.with_segments([w.name for w in writers])
+    tensors = select_tensors(rollout, cfg.include, cfg.exclude)
+    source = open_rank_rings(1, shares.layout, plan, [tensors[e.name] for e in shares.layout.entries], "r")
+    waiting = threading.Event()
+    real = ShmReader.wait_any
+
+    def wait_any(readers: list[ShmReader], timeout_s: float) -> None:
+        waiting.set()
+        real(readers, timeout_s)
+
+    monkeypatch.setattr(ShmReader, "wait_any", staticmethod(wait_any))
+    try:
+        mutate(model, 1)
+        assert writers[0].write(1)
+        elapsed: list[float] = []
+
+        def wait() -> None:
+            started = time.monotonic()
+            source.wait_change(started + 30, lambda: False)
+            elapsed.append(time.monotonic() - started)
+
+        waiter = threading.Thread(target=wait, name="test-waiter", daemon=True)
+        waiter.start()
+        assert waiting.wait(10)
+        assert writers[1].write(1)
+        waiter.join(timeout=20)
+        assert elapsed and elapsed[0] < 10, elapsed
+        assert source.newest_complete() == 1
+        assert source.apply(None, None, lambda v, why: None) == 1
+        assert digest(rollout) == digest(model)
+    finally:
+        source.close()
+        for w in writers:
+            w.close()

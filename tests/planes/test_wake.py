@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from lightning_wsync._planes.shm.wake import Waker, WakeSocket
+from lightning_wsync._planes.shm.wake import Waker, WakeSocket, wait_any
 
 
 def test_a_wake_up_ends_the_wait(tmp_path):
@@ -38,3 +38,24 @@ def test_a_descriptor_closed_between_fileno_and_select_returns_instead_of_raisin
     sock.wait(30)
     assert time.monotonic() - started < 10
     sock._sock.detach()  # the descriptor is gone already
+
+
+def test_a_wake_up_of_any_of_several_sockets_ends_the_wait_and_each_is_drained(tmp_path):
+    """A receiver of a sharded push waits on every trainer rank's ring at once (``wait_any``): the
+    second ring's writer waking it ends the wait, and what was queued is drained."""
+    dirs = [tmp_path / "rank0", tmp_path / "rank1"]
+    socks = []
+    for d in dirs:
+        d.mkdir()
+        sock = WakeSocket.bind(str(d))
+        assert sock is not None
+        socks.append(sock)
+    Waker(str(dirs[1])).wake()
+    started = time.monotonic()
+    wait_any(socks, 30)
+    assert time.monotonic() - started < 10
+    started = time.monotonic()
+    wait_any(socks, 0.05)  # nothing left queued: this one times out
+    assert time.monotonic() - started >= 0.04
+    for sock in socks:
+        sock.close()

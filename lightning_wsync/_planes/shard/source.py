@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 _ATTEMPTS = 64  # a pin fails while a push lands on that slot; each failure is a header read
 _COPIES = 8  # copies torn in a row (this process stalled past the pin lease each time) before giving up
-_POLL_S = 0.005  # ranks finish their shares at different times; each rank's writer wakes only its own readers
+_POLL_S = 0.005  # a ring its writer does not wake here (a relay's host ring swapped by its leader): read this often
+_WOKEN_POLL_S = 0.02  # rings whose writers wake this reader: their headers still read this often (a lost wake-up)
 
 
 class ShareRing(Protocol):
@@ -291,21 +292,34 @@ class ShardedSource(ReceiveSource):
             return [None] if readers is None else [r.change_marker() for r in readers]
 
     def wait_change(self, until: float, give_up: Callable[[], bool]) -> bool:
-        """Until any rank's ring moves (each ring's header is read every _POLL_S)."""
+        """Until any rank's ring moves. Every trainer rank's own ring on this host wakes its readers when its
+        share lands, so this waits on all of their wake-ups at once and reads the headers every _WOKEN_POLL_S
+        besides (a lost wake-up); with a relay's host ring, or a ring without a wake-up socket, every _POLL_S."""
         try:
             seen = self._markers()
+            poll_s = _WOKEN_POLL_S if self._all_woken() else _POLL_S
             while time.monotonic() < until and not give_up():
-                self._wait(min(_POLL_S, max(0.0, until - time.monotonic())))
+                self._wait(min(poll_s, max(0.0, until - time.monotonic())))
                 if self._markers() != seen or self._idle.is_set():
                     break
-        except (AttributeError, ValueError, IndexError):
+        except (AttributeError, ValueError, IndexError, OSError):
             pass  # closed under us (a new sender epoch): the caller looks again
         return True
 
-    def _wait(self, timeout_s: float) -> None:
-        """Rank 0's writer wakes its ring's readers; the other rings are read after it."""
+    def _all_woken(self) -> bool:
+        """Every ring is a trainer rank's own (no stream leader swaps it) and wakes this reader."""
+        if not self._lends:
+            return False
         with self._held() as readers:
-            if readers is not None:
+            return readers is not None and all(r.woken for r in readers)
+
+    def _wait(self, timeout_s: float) -> None:
+        """Until any ring's writer wakes this reader (each wakes its own ring's readers), or ``timeout_s``."""
+        with self._held() as readers:
+            if readers is not None and all(r.woken for r in readers):
+                ShmReader.wait_any(readers, timeout_s)
+                return
+            if readers is not None:  # a ring without a wake-up socket: rank 0's wakes, the others are polled
                 readers[0].wait(timeout_s)
                 return
         self._idle.wait(timeout_s)

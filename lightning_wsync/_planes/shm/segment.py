@@ -26,6 +26,7 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -38,7 +39,7 @@ from lightning_wsync._planes.shm.files import SHM_DIR, open_segment, pin_dir, re
 from lightning_wsync._planes.shm.files import remove_stale_segments as remove_stale_segments
 from lightning_wsync._planes.shm.pieces import pieces
 from lightning_wsync._planes.shm.pins import ReaderPin
-from lightning_wsync._planes.shm.wake import WakeSocket
+from lightning_wsync._planes.shm.wake import WakeSocket, wait_any
 from lightning_wsync.errors import WeightSyncConfigError, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,13 @@ class ShmReader:
 
     def newest(self, version: int | None = None) -> SlotRef | None:
         return self._segment.newest(version)
+
+    @staticmethod
+    def wait_any(readers: Sequence[ShmReader], timeout_s: float) -> None:
+        """Until the writer of any of ``readers`` wakes it, or ``timeout_s`` (every one must be :attr:`woken`)."""
+        sockets = [r._wake for r in readers if r._wake is not None]
+        assert len(sockets) == len(readers), "a reader without a wake-up socket polls (ShmReader.wait)"
+        wait_any(sockets, timeout_s)
 
     def complete(self) -> list[SlotRef]:
         return self._segment.complete()

@@ -20,6 +20,7 @@ import logging
 import os
 import select
 import socket
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,9 @@ class WakeSocket:
     def wait(self, timeout_s: float) -> None:
         """Until a wake-up or ``timeout_s``; at once when the socket was closed meanwhile
         (another thread closing the ring under a waiter): the caller reads the header again."""
-        try:
-            select.select([self._sock], [], [], timeout_s)
-        except (OSError, ValueError):  # EBADF, or fileno() -1: closed between the two
-            return
+        wait_any([self], timeout_s)
+
+    def _drain(self) -> None:
         while True:  # several versions may have landed: one look at the header covers them
             try:
                 self._sock.recv(16)
@@ -67,6 +67,17 @@ class WakeSocket:
             os.unlink(self._path)
         except OSError:
             pass
+
+
+def wait_any(sockets: Sequence[WakeSocket], timeout_s: float) -> None:
+    """Until any of ``sockets`` is woken, or ``timeout_s`` (a reader of several rings: each ring's
+    writer wakes its own readers); at once when one was closed meanwhile."""
+    try:
+        select.select([w._sock for w in sockets], [], [], timeout_s)
+    except (OSError, ValueError):  # EBADF, or fileno() -1: closed between the two
+        return
+    for w in sockets:
+        w._drain()
 
 
 class Waker:
