@@ -22,6 +22,8 @@ but also the training's own gradients), and the median delivery latency (push to
 receiver's acknowledgement, from the push reports). With ``--profile-threads``, also which
 threads of the bench's processes ran while each rank was in its hook, and where the other ranks
 were meanwhile (:mod:`~lightning_wsync.bench._threads`).
+
+Longer than 60 lines: `_one` is one run in order (receivers, the trainer, their outputs, the row).
 """
 
 from __future__ import annotations
