@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from _spawn import CTX
 
 from lightning_wsync.testing.procs import Children
 
@@ -78,5 +79,5 @@ def no_leaks() -> Iterator[None]:
 @pytest.fixture
 def children() -> Iterator[Children]:
     """Processes a test starts (``children.track(pid)``); all SIGKILLed, by PID, when it ends."""
-    with Children(join_timeout_s=0) as c:
+    with Children(join_timeout_s=0, context=CTX) as c:
         yield c

@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from types import FrameType, TracebackType
 
@@ -78,15 +79,16 @@ class Children:
     ``multiprocessing``) are registered with :meth:`track` and SIGKILLed by :meth:`stop`.
     """
 
-    def __init__(self, join_timeout_s: float = 10.0) -> None:
+    def __init__(self, join_timeout_s: float = 10.0, context: SpawnContext | ForkServerContext | None = None) -> None:
+        self._context: SpawnContext | ForkServerContext = context or CTX  # tests: a forkserver (tests/support/_spawn)
         self._procs: list[BaseProcess] = []
         self._tracked: list[int] = []
         self._join_timeout_s = join_timeout_s
 
     def start(self, target: Callable[..., None], args: tuple[object, ...], name: str) -> Connection:
         """Start ``target(conn, *args)`` in a spawned process; returns the parent's end of the pipe."""
-        parent, child = CTX.Pipe()
-        proc = CTX.Process(target=target, args=(child, *args), name=name, daemon=True)
+        parent, child = self._context.Pipe()
+        proc = self._context.Process(target=target, args=(child, *args), name=name, daemon=True)
         proc.start()
         child.close()
         self._procs.append(proc)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
+from _spawn import CTX
 from _workers import writer_main
 from torch.utils.data import DataLoader
 
@@ -57,7 +56,7 @@ def test_two_producer_processes_feed_a_dataloader(port, children):
     import torch.distributed as dist
 
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     procs = [ctx.Process(target=writer_main, args=(f"127.0.0.1:{port}", "dl", p, 10), daemon=True) for p in (0, 1)]
     for p in procs:
         p.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -11,12 +10,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from _lightning_workers import make_policy, next_message, receiver_main
+from _spawn import CTX
 from _workers import mixed_model
 
 from lightning_wsync import WeightReceiver, WeightSender
 
 pytestmark = pytest.mark.timeout(120)
-CTX = mp.get_context("spawn")
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from datetime import timedelta
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _delta_workers import sums, versions
+from _spawn import CTX
 from conftest import Children
 
 from lightning_wsync._control.manifest import Manifest, entry_views
@@ -30,7 +30,6 @@ from lightning_wsync._planes.wire import PeerGroup, make_group
 from lightning_wsync.config import CallbackConfig, SenderConfig
 
 pytestmark = pytest.mark.timeout(90)
-CTX = mp.get_context("spawn")
 
 
 def _signed(u: int) -> int:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 
 import pytest
 from _delta_workers import delta_sender
+from _spawn import CTX
 from _workers import (
     Inbox,
     build,
@@ -21,7 +21,6 @@ from _workers import (
 from lightning_wsync import WeightSender
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-CTX = mp.get_context("spawn")
 SPEC = ("big", 8)  # 8 MiB of float32 in 1024x1024 matrices: 4 buckets of 2 MiB
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 from datetime import timedelta
 
@@ -19,6 +18,7 @@ from _lightning_workers import (
     next_message,
     receiver_main,
 )
+from _spawn import CTX
 from conftest import free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -28,7 +28,6 @@ from lightning_wsync.callback import WeightSyncCallback
 from lightning_wsync.testing.trainers import RecordingLogger, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(120)
-CTX = mp.get_context("spawn")
 
 
 @pytest.fixture

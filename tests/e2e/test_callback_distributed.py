@@ -5,7 +5,6 @@ everything, after a full gather under FSDP2)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -16,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from _lightning_workers import next_message, receiver_main
+from _spawn import CTX
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
-CTX = mp.get_context("spawn")
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "_lightning_workers.py"
 
 

@@ -97,8 +97,9 @@ class Chain:
         raise AssertionError(f"leader {rid}: no {kind!r} (version {version}) within {timeout_s} s")
 
     def stop(self) -> dict[int, list[str]]:
+        alive = [rid for rid, p in self.procs.items() if p.is_alive()]  # before "stop": each then closes and exits
         self.ctl.set_text("stop", "1")
-        left = {rid: list(self.expect(rid, "closed", 30)[2]) for rid, p in self.procs.items() if p.is_alive()}
+        left = {rid: list(self.expect(rid, "closed", 30)[2]) for rid in alive}
         for p in self.procs.values():
             p.join(timeout=30)
         self.trainer.close()

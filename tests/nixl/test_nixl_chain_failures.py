@@ -6,7 +6,6 @@ everyone is current after (issue 30)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from _nixl_workers import remote_receiver_main
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate
 
 from lightning_wsync import WeightSender
@@ -26,7 +26,6 @@ from lightning_wsync._planes.relay.hops import read_chain
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,
               pytest.mark.skipif(unusable() is not None, reason=f"{unusable()}")]  # fmt: skip
-CTX = mp.get_context("spawn")
 BIG = ("big", 32)  # eight 4 MiB chunk READs a hop
 NAMES = ("h0", "h1", "h2")
 TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 4.0, 2.0

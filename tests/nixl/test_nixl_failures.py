@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -17,6 +16,7 @@ import time
 import pytest
 import torch
 from _nixl_workers import remote_receiver_main, remote_sender_main
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightSender
@@ -24,7 +24,6 @@ from lightning_wsync._planes.nixl.agent import Agent, unusable
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,
               pytest.mark.skipif(unusable() is not None, reason=f"{unusable()}")]  # fmt: skip
-CTX = mp.get_context("spawn")
 BIG = ("big", 32)  # two 16 MiB chunk READs
 
 

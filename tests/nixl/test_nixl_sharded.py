@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 from _nixl_workers import sharded_receiver_main
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate
 
 from lightning_wsync import SenderConfig, WeightSender
@@ -29,7 +29,6 @@ from lightning_wsync.errors import WeightSyncConfigError
 
 pytestmark = pytest.mark.timeout(300)
 needs_nixl = pytest.mark.skipif(unusable() is not None, reason=f"{unusable()}")
-CTX = mp.get_context("spawn")
 NAMES = ("h0", "h1", "h2")
 
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 from _nixl_workers import remote_receiver_main
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate
 
 from lightning_wsync import WeightSender
 from lightning_wsync._planes.nixl.agent import unusable
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(unusable() is not None, reason=f"{unusable()}")]
-CTX = mp.get_context("spawn")
 
 
 def start(children, store, job, name, spec, results, **options):

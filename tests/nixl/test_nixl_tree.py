@@ -4,7 +4,6 @@ the binary heap over the leaders (the first from the trainer's ring), bit-exact 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import time
 from datetime import timedelta
@@ -12,6 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from _nixl_workers import remote_receiver_main
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate
 
 from lightning_wsync import WeightSender
@@ -21,7 +21,6 @@ from lightning_wsync._planes.relay.hops import read_chain
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow,
               pytest.mark.skipif(unusable() is not None, reason=f"{unusable()}")]  # fmt: skip
-CTX = mp.get_context("spawn")
 SPEC = ("big", 8)  # two 4 MiB chunk READs a hop
 
 

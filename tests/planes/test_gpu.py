@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
+from _spawn import CTX
 from _workers import Inbox, big_model, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightReceiver, WeightSender
@@ -38,7 +37,7 @@ def test_cuda_module_through_host_shared_memory(port):
 
 @needs_two
 def test_nccl_between_two_gpus(port, children):
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     inbox = Inbox(ctx)
     src = cuda_model(0)
     store = f"127.0.0.1:{port}"
@@ -108,7 +107,7 @@ def test_pushes_overlapping_a_gpu_receivers_applies_are_each_bit_exact(port, chi
     memory, and the next receive must not start into it while the copy to the GPU runs.
     With cuda_ipc the receiver copies from the trainer's GPU slots (device to device)
     under the same pins, and says so."""
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     inbox = Inbox(ctx)
     store = f"127.0.0.1:{port}"
     src = big_model(64).cuda()
@@ -175,7 +174,7 @@ def test_sharded_shares_written_from_gpu_tensors_reach_a_gpu_receiver_bit_exact(
         shares = dataclasses.replace(mine, plan=mine.plan.with_segments(["", writer.name]))
         if cuda_ipc:
             with WeightSender(src, store=store, config=cfg, shares=shares) as sender:
-                ctx = mp.get_context("spawn")
+                ctx = CTX
                 inbox = Inbox(ctx)
                 p = ctx.Process(target=receiver_main, daemon=True, args=(
                     store, "gpu-sharded", "r", ("big-cuda0", 16), inbox.queue("r"), {"verify": True}))  # fmt: skip

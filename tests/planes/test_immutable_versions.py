@@ -6,7 +6,6 @@ module that holds another version than ``receiver.version`` says, is visible at 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _spawn import CTX
 from torch import nn
 
 from lightning_wsync import WeightReceiver, WeightSender
@@ -110,7 +110,7 @@ def test_back_to_back_pushes_never_mix_versions(children, port, mode):
     transport, options = mode
     store = f"127.0.0.1:{port}"
     job = f"stress-{transport}-{'-'.join(f'{k}{v}' for k, v in options.items())}"
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     results, stop = ctx.Queue(), ctx.Event()
     model = flat_model()
     with WeightSender(model, store=store, job=job, transport=transport, timeout_s=20) as sender:
@@ -168,7 +168,7 @@ _KILLED_SENDER = textwrap.dedent(
     """
     import os, sys, torch
     from torch import nn
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {support!r}]
     from test_immutable_versions import fill, flat_model
     from lightning_wsync import WeightSender
     model = flat_model()
@@ -189,12 +189,13 @@ def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
     store = f"127.0.0.1:{port}"
     job = "killed-mid-snapshot"
     tests = str(Path(__file__).resolve().parent)
+    support = str(Path(__file__).resolve().parents[1] / "support")  # _spawn, imported by this module
     host = WeightSender(nn.Linear(1, 1), store=store, job="store-host")  # keeps the store up across trainers
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     results, stop, started = ctx.Queue(), ctx.Event(), ctx.Queue()
     try:
-        first = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, store=store, job=job,
-                                 first=0)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        first = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, support=support, store=store,
+                                 job=job, first=0)], stdout=subprocess.PIPE, text=True)  # fmt: skip
         children.track(first.pid)
         assert first.stdout is not None and first.stdout.readline().startswith("ready")
         restart = 10**5  # the restarted trainer's first version
@@ -227,8 +228,8 @@ def test_trainer_killed_inside_a_snapshot_write(children, port, tmp_path):
             assert probe.update() in (None, probe.version) and time.monotonic() - started < 1.0
             assert before is not None and held_values(probe_module) == {float(probe.version)}
             # A restarted trainer: its versions reach every receiver at once.
-            second = subprocess.Popen([sys.executable, "-c", _KILLED_SENDER.format(tests=tests, store=store,
-                                      job=job, first=restart)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+            code = _KILLED_SENDER.format(tests=tests, support=support, store=store, job=job, first=restart)
+            second = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)  # fmt: skip
             children.track(second.pid)
             assert second.stdout is not None and second.stdout.readline().startswith("ready")
             assert probe.wait_for_version(restart, timeout_s=20) >= restart

@@ -5,17 +5,16 @@ group with it), and a retired receiver is forgotten."""
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import time
 
 import pytest
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightSender
 from lightning_wsync._push import membership as _membership
 
-CTX = mp.get_context("spawn")
 HEARTBEAT_TIMEOUT_S = 1.0
 
 

@@ -10,7 +10,6 @@ interrupt reaches (the checksum pass), which makes the order of events certain.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from datetime import timedelta
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _spawn import CTX
 from conftest import Children
 
 from lightning_wsync._control import keys
@@ -29,7 +29,6 @@ from lightning_wsync._planes.shm.ring import SnapshotRing
 from lightning_wsync._planes.wire import HEADER_WORDS, make_group
 
 pytestmark = pytest.mark.timeout(90)
-CTX = mp.get_context("spawn")
 JOB, EPOCH, RID, NUMBER = "letgo", 1, 0, 1
 PREFIX = keys.link_prefix(EPOCH, RID, NUMBER)
 GLOO_TIMEOUT_S = 60.0  # far beyond the test: only stop() can free the slot in time

@@ -3,7 +3,6 @@ every timeout (SIGSTOP) is served again when it comes back, whatever the pause's
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -11,13 +10,13 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightSender
 from lightning_wsync._push import membership as _membership
 
 pytestmark = pytest.mark.timeout(180)
-CTX = mp.get_context("spawn")
 TIMEOUT_S = 2.0
 
 

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
 import torch
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mutate, receiver_main
 
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncClosedError, WeightSyncSchemaError
 
 pytestmark = pytest.mark.timeout(240)
-CTX = mp.get_context("spawn")
 
 
 def start(children, store, job, name, spec, results, **options):

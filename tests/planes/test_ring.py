@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import threading
@@ -10,6 +9,7 @@ import time
 
 import pytest
 import torch
+from _spawn import CTX
 
 from lightning_wsync._control.manifest import build_manifest
 from lightning_wsync._planes.shm.files import check_segment_name
@@ -132,7 +132,7 @@ def test_a_dead_readers_pin_is_ignored(ring):
     v1 = ring_.write(1, _fill(1.0))
     v2 = ring_.write(2, _fill(2.0))
     assert v1 is not None and v2 is not None
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     for ref in (v1, v2):
         proc = ctx.Process(target=_pin_and_die, args=(name, layout.total_bytes, tuple(ref)))
         proc.start()
@@ -151,7 +151,7 @@ def test_segment_names_from_the_store_are_checked():
 
 
 def test_segments_of_a_dead_creator_are_reclaimed():
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     proc = ctx.Process(target=_create_named_after_self)
     proc.start()
     proc.join(60)
@@ -195,7 +195,7 @@ def test_closing_a_reader_under_a_concurrent_header_read_never_crashes(ring):
     """A host ring re-followed (new leader) closes its reader while the watcher polls the header."""
     ring_, layout, name = ring
     ring_.write(1, _fill(1.0))
-    proc = mp.get_context("spawn").Process(target=_close_under_readers, args=(name, 300))
+    proc = CTX.Process(target=_close_under_readers, args=(name, 300))
     proc.start()
     proc.join(timeout=120)
     if proc.is_alive():

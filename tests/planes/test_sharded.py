@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _sharded import sharded_model, zeroed_sharded_model
+from _spawn import CTX
 from torch import nn
 
 from lightning_wsync import SenderConfig, WeightReceiver, WeightSender
@@ -115,7 +115,7 @@ def _placement_worker(rank: int, port: int, results: Any) -> None:
 
 
 def test_a_placement_other_than_shard_0_is_refused_naming_the_tensor_and_placement(port):
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     results = ctx.Queue()
     procs = [ctx.Process(target=_placement_worker, args=(r, port, results), daemon=True) for r in (0, 1)]
     for p in procs:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from _spawn import CTX
 
 from lightning_wsync._control.manifest import build_manifest
 from lightning_wsync._planes.shm.ring import SnapshotRing
@@ -57,7 +58,7 @@ def _writer(name: str, to_test: mp.Queue, from_test: mp.Queue, kill: bool) -> No
 def test_unpin_returns_within_its_bound_when_a_marked_slot_is_never_completed(kill, children, request):
     name = f"wsync-{os.getpid()}-0-unpin{abs(hash(request.node.name)) % 10**6}"
     layout = _layout()
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     to_test, from_test = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_writer, args=(name, to_test, from_test, kill))
     proc.start()

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _spawn import CTX
 
 from lightning_wsync._control.manifest import build_manifest
 from lightning_wsync._control.store import Control
@@ -59,7 +60,7 @@ def test_a_same_host_copy_slower_than_the_lease_completes_intact(children, monke
     monkeypatch.setattr(shm_segment, "_TOUCH_BYTES", 4096, raising=False)  # renew after every tensor
     name = f"wsync-{os.getpid()}-0-slow{abs(hash(request.node.name)) % 10**6}"
     layout = _layout()
-    ctx = mp.get_context("spawn")
+    ctx = CTX
     ready, stop = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_pusher, args=(name, ready, stop))
     proc.start()

@@ -7,7 +7,6 @@ Reduced scale by default; the full run (100 pushes per transport) is
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import random
@@ -16,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+from _spawn import CTX
 from _workers import build, digest, mutate, receiver_main
 
 from lightning_wsync import WeightSender
@@ -23,7 +23,6 @@ from lightning_wsync import WeightSender
 FULL = os.environ.get("WSYNC_CHAOS_FULL") == "1"
 PUSHES = 100 if FULL else 12
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(1800 if FULL else 300)]
-CTX = mp.get_context("spawn")
 TIMEOUT_S = 3.0
 CATCH_UP_S = 90.0  # bound on a live receiver holding the newest version (includes a cold start)
 

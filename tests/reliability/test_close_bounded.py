@@ -3,7 +3,6 @@ receivers stalled mid-receive (SIGSTOP), and with the store's process killed."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -12,13 +11,13 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from _spawn import CTX
 from _workers import Inbox, build, collect, mutate, receiver_main
 
 from lightning_wsync import WeightSender
 from lightning_wsync._planes.nixl import open as nixl_plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-CTX = mp.get_context("spawn")
 SPEC = ("big", 32)  # 32 MiB: a send to a stopped receiver blocks (far more than the socket buffers)
 
 

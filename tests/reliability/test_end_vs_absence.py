@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -14,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _lightning_workers import PolicyModule, loader, make_policy
+from _spawn import CTX
 
 from lightning_wsync.callback import WeightSyncCallback
 from lightning_wsync.testing.trainers import trainer_kwargs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
-CTX = mp.get_context("spawn")
 
 
 def rollout_loop_main(store: str, job: str, results: Any) -> None:

@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 from _fleet_workers import fleet_member_main
+from _spawn import CTX
 from _workers import digest, mixed_model, mutate
 
 from lightning_wsync import WeightSender
@@ -60,7 +61,8 @@ def fleet(
 ) -> Iterator[tuple[WeightSender, object, dict[str, Connection], dict[str, int], Children]]:
     store = f"127.0.0.1:{port}"
     model = mixed_model(1)
-    with WeightSender(model, store=store, job=job, timeout_s=timeout_s) as sender, Children(join_timeout_s=5) as kids:
+    started = Children(join_timeout_s=5, context=CTX)
+    with WeightSender(model, store=store, job=job, timeout_s=timeout_s) as sender, started as kids:
         conns = {n: kids.start(fleet_member_main, (store, job, n, {"fleet": GROUP, "timeout_s": 30}), n) for n in "ab"}
         rids = {n: receive(c, 60, f"{n} ready")[1] for n, c in conns.items()}
         deadline = time.monotonic() + 30

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
 import torch
+from _spawn import CTX
 from _workers import (
     Inbox,
     build,
@@ -23,7 +23,6 @@ from _workers import (
 from lightning_wsync import WeightReceiver, WeightSender, WeightSyncStoreError
 
 pytestmark = pytest.mark.timeout(180)
-CTX = mp.get_context("spawn")
 
 
 @pytest.mark.slow

@@ -5,12 +5,12 @@ a record from another run is refused; the secret never reaches a log line."""
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from _spawn import CTX
 from _workers import Inbox, build, collect, digest, mixed_model, mutate, receiver_main
 
 from lightning_wsync import (
@@ -25,7 +25,6 @@ from lightning_wsync._control import keys, records
 from lightning_wsync._control.store import Control
 
 pytestmark = pytest.mark.timeout(180)
-CTX = mp.get_context("spawn")
 
 
 def _raw(port: int, job: str) -> dist.Store:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import struct
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _spawn import CTX
 from _workers import mixed_model
 
 from lightning_wsync import (
@@ -25,7 +25,6 @@ from lightning_wsync._control.host import host_id
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter
 
 pytestmark = pytest.mark.timeout(90)
-CTX = mp.get_context("spawn")
 
 
 def _raw(port: int, job: str) -> dist.Store:
