@@ -26,7 +26,8 @@ RATIOS = ("stall_to_memcpy", "latency_to_shm_bound", "gloo_throughput_to_tcp", "
 
 
 def _children_alive() -> list[int]:
-    """PIDs of live, non-zombie children of this process (multiprocessing's resource tracker aside)."""
+    """PIDs of live, non-zombie children of this process (multiprocessing's resource tracker and
+    the tests' forkserver, ``tests/support/_spawn.py``, aside)."""
     alive = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -40,8 +41,9 @@ def _children_alive() -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"resource_tracker" in f.read():
-                    continue
+                cmdline = f.read()
+            if b"resource_tracker" in cmdline or b"forkserver" in cmdline:
+                continue
         except OSError:
             continue
         alive.append(int(entry))
