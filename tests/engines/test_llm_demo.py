@@ -15,10 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip(
     "vllm", reason="vLLM not installed: pip install 'lightning-wsync[vllm]' (bash .ci/run tests it in .venv-vllm)"
 )
+from _vllm_only import PROCESSES  # noqa: E402  (after the skip)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@PROCESSES
 @pytest.mark.parametrize("flags", [[], ["--async"]], ids=["llm", "async-llm"])
 def test_llm_demo_reaches_the_reward_target(tmp_path, flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_") and k != "RANK"}

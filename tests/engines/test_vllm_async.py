@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
 from test_vllm_engine import PROMPTS, perturb
@@ -21,7 +21,7 @@ from lightning_wsync import WeightSender
 from lightning_wsync.engines.vllm import WORKER_EXTENSION
 from lightning_wsync.engines.vllm_async import AsyncVllmWeightSync, VersionedOutput
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), _vllm_only.PROCESSES]
 
 TOKENS = 40
 VERSIONS = range(1, 6)

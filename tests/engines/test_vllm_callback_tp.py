@@ -16,7 +16,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from tiny_llama import write_tiny_llama
 
 from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), _vllm_only.PROCESSES]
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "_llm_ddp_trainer.py"
 STEPS = 4
 

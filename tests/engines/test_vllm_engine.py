@@ -22,6 +22,7 @@ pytest.importorskip(
 pytest.importorskip("transformers", reason="transformers comes with vLLM")
 sys.path.insert(0, str(ROOT / "examples" / "llm_vllm"))
 
+from _vllm_only import PROCESSES  # noqa: E402  (after the skips)
 from tiny_llama import write_tiny_llama  # noqa: E402  (after the skips and the examples' path)
 
 from lightning_wsync import WeightSender, WeightSyncError  # noqa: E402
@@ -127,6 +128,7 @@ def test_engine_follows_pushed_versions_and_rejects_a_corrupted_one(tmp_path, po
         sync.update()
 
 
+@PROCESSES
 def test_multiprocess_engine_receives_inside_its_worker_process(tmp_path, port, monkeypatch, children):
     """vLLM's default mode: the worker (and its receiver) lives in the engine-core process."""
     import os

@@ -17,7 +17,7 @@ import json
 import threading
 import time
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
 from _vllm_server import Server
@@ -79,6 +79,7 @@ def await_versions(servers: list[Server], version: int, seen: list[tuple[str, ..
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
+@_vllm_only.PROCESSES
 @pytest.mark.parametrize("options", [pytest.param({}, id="plain"), pytest.param({"fleet": "pair"}, id="fleet")])
 def test_two_following_servers_serve_each_pushed_version_with_no_client_calls(model_dir, tmp_path, options):
     from transformers import AutoModelForCausalLM, AutoTokenizer

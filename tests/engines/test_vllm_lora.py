@@ -8,7 +8,7 @@ are dropped, the kept ones still answer as they did.
 
 from __future__ import annotations
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
 from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy
@@ -137,6 +137,7 @@ def test_lora_options_are_checked_before_any_worker_starts():
         VllmWeightSync(object(), keep_adapters=2)
 
 
+@_vllm_only.PROCESSES
 def test_async_requests_keep_the_adapter_they_started_with_while_versions_land(tmp_path, port, children):
     """AsyncLLM, clients streaming while adapter versions are pushed: no pause, each request runs
     whole on its starting version's adapter (replayed with transformers + PEFT), the newest

@@ -11,7 +11,7 @@ server holds.
 
 from __future__ import annotations
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import requests
 import torch
@@ -26,7 +26,8 @@ from lightning_wsync.engines.lora import ADAPTER_TENSORS, adapter_name
 from lightning_wsync.engines.vllm_callback import VllmServersCallback
 
 pytest.importorskip("peft", reason="peft: pip install 'lightning-wsync[vllm]' (.ci/vllm_venv.sh installs it)")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # the server alone can take minutes to start here
+# The server alone can take minutes to start here.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), _vllm_only.PROCESSES]
 
 STEPS = 3
 KEEP = 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import requests
 import torch
@@ -28,7 +28,8 @@ from tiny_llama import write_tiny_llama
 from lightning_wsync.engines.vllm_async import VersionedOutput
 from lightning_wsync.errors import WeightSyncError
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the first test also waits for the servers
+# The first test also waits for the servers.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), _vllm_only.PROCESSES]
 
 STREAM_TOKENS = 24
 START_S = 600  # both servers start at once; on two shared cores that can take minutes

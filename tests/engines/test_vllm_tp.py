@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
 from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy, perturb
@@ -22,7 +22,7 @@ from lightning_wsync._planes.shares import ShareWriter
 from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), _vllm_only.PROCESSES]
 
 BURST = range(3, 9)  # versions pushed every few ms while the engine updates
 

@@ -6,7 +6,7 @@ finish) and gets the newest verified version, greedy tokens equal to transformer
 
 from __future__ import annotations
 
-import _vllm_only  # noqa: F401  (first: skips without vLLM)
+import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
 from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy, perturb
@@ -63,6 +63,7 @@ def test_update_weights_loads_the_newest_verified_version(tmp_path, port, monkey
         llm.llm_engine.engine_core.shutdown()
 
 
+@_vllm_only.PROCESSES
 def test_tp2_update_weights_with_a_version_loads_it_in_both_workers_or_none(tmp_path, port, monkeypatch, children):
     import psutil
 
