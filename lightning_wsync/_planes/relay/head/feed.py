@@ -294,18 +294,32 @@ class RelayHead:
         pg.send([trailer], 1, 0).wait()
         log.debug("relay: version %d sent %s", version, "in full" if delta is None else "as a delta")
 
+    def _ring_bells(self, rung: set[int]) -> set[int]:
+        """Ring each leader of the chain or known to this head not in ``rung``; all rung so far.
+        A store that went first is left to the caller (close's second round says so)."""
+        for rid in sorted({*self.chain.rids, *self.leaders} - rung):
+            try:
+                ring_bell(self._control, self._epoch, rid)
+            except WeightSyncError as exc:
+                log.debug("relay: bell of leader %d unrung: %s", rid, exc)
+                continue
+            rung.add(rid)
+        return rung
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop feeding, ring every leader known (after the sender's close record and its ``news``
-        bump: their watchers find the close at once) and delete the chain's keys."""
+        bump: their watchers find the close at once) and delete the chain's keys. The bells ring
+        before the feed thread is joined (a hop it is in may hold it seconds), and again for any
+        leader it took on meanwhile."""
         self._stop.set()
         self._changed.set()
+        rung = self._ring_bells(set())
         if (hop := self._hop) is not None:
             hop[1].interrupt()
         self._thread.join(timeout=timeout_s)
         exits.left_behind(self._thread, self._timeout_s)  # maybe joining a hop (gloo): the exit waits for it
         try:
-            for rid in sorted({*self.chain.rids, *self.leaders}):
-                ring_bell(self._control, self._epoch, rid)
+            self._ring_bells(rung)
             self._sweeper.close(self._control, self.chain.number, self.chain.rids, self.chain.tree)
         except WeightSyncError as exc:  # the store went first: nothing left to keep bounded
             log.debug("relay: keys of epoch %d left on the store: %s", self._epoch, exc)
