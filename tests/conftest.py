@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from _spawn import CTX
+from _workers import thread_stacks
 
 from lightning_wsync.testing.procs import Children
 
@@ -56,22 +57,29 @@ LEFT_BEHIND = ("wsync-relay-head-send-v", "wsync-relay-tree-send-v")
 LEFT_BEHIND_S = 20.0
 
 
+_REPORTED: set[threading.Thread] = set()  # threads a leak check already failed a test for
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaves wsync threads running or changes WSYNC_* variables."""
     env_before = {k: v for k, v in os.environ.items() if k.startswith("WSYNC_")}
     yield
     for t in threading.enumerate():
-        if t.name.startswith("wsync-"):
+        if t.name.startswith("wsync-") and t not in _REPORTED:
             t.join(timeout=5)
     # A relay head's send left behind by a re-formed chain or trees (hops.send_apart) is stuck in a
     # gloo send its peer stopped reading: nothing wakes it before its group's timeout (the sender's
     # timeout_s, 20 s at most in these tests), after which it ends on its own. Held to that bound.
     for t in threading.enumerate():
-        if t.name.startswith(LEFT_BEHIND):
+        if t.name.startswith(LEFT_BEHIND) and t not in _REPORTED:
             t.join(timeout=LEFT_BEHIND_S)
-    leaked = [t.name for t in threading.enumerate() if t.name.startswith("wsync-") and t.is_alive()]
-    assert not leaked, f"threads left running: {leaked}"
+    leaked = [t for t in threading.enumerate() if t.name.startswith("wsync-") and t.is_alive()]
+    new = [t for t in leaked if t not in _REPORTED]
+    _REPORTED.update(leaked)
+    # Each leaked thread is blamed on the test that left it, with where it waits; later tests
+    # check only their own (a stuck thread once failed four tests after its own, saying nothing of why).
+    assert not new, f"threads left running: {[t.name for t in new]}\n{thread_stacks(new)}"
     env_after = {k: v for k, v in os.environ.items() if k.startswith("WSYNC_")}
     assert env_after == env_before, "test leaked WSYNC_* environment variables"
 

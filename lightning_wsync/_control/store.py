@@ -8,6 +8,7 @@ Longer than 300 lines: every store operation goes through the one class, so that
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import time
@@ -31,6 +32,8 @@ from lightning_wsync.errors import (
 )
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
+_CLONE_WARNED: list[bool] = []  # Control.clone() fell back to a shared connection (said once)
 
 # What the store boundary raises: the store itself (lost, timed out), and a record that does not
 # decode or verify (Control.get_record, decode). A caller that outlives the store catches these, no wider.
@@ -141,10 +144,24 @@ class Control:
         self._signer = Signer(keys.job_prefix(job), self.secret, self.run_id)
 
     def clone(self) -> Control:
-        """A second connection (where the store supports it) for a thread that may block."""
+        """A second connection (where the store supports it) for a thread that may block.
+
+        A TCPStore that cannot connect again within its timeout (seen under CI's load: "timed
+        out after 3000ms while trying to connect") leaves the thread on this connection, which
+        works but serialises its waits with this one's users: said once per process, as it
+        explains a stall that would otherwise look like the peer's.
+        """
+        clone = getattr(self.raw, "clone", None)
+        if clone is None:
+            return self  # a store without a second connection (HashStore, PrefixStore)
         try:
-            return Control(self.raw.clone(), self.job, self._secret, _run=self._run)  # type: ignore[attr-defined]  # missing from stubs
-        except (RuntimeError, AttributeError):
+            return Control(clone(), self.job, self._secret, _run=self._run)
+        except RuntimeError as exc:
+            if not _CLONE_WARNED:
+                _CLONE_WARNED.append(True)
+                log.warning("store: a second connection to the store failed (%s); this thread shares its "
+                            "owner's connection, so its blocking waits delay the owner's requests "
+                            "(raise timeout_s on a loaded host)", str(exc).strip().splitlines()[0][:200])  # fmt: skip
             return self
 
     # -- signed records -------------------------------------------------------------

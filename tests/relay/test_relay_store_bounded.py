@@ -23,6 +23,11 @@ from lightning_wsync._planes.shm.segment import ShmSegment, segment_name
 from lightning_wsync._push.sender import _KEEP_VERSION_RECORDS
 
 JOB = "relay-bounded"
+# Every peer shares this process and its store server. With timeout_s=3 a receiver's store
+# connection (a clone per thread) once timed out connecting under CI's load ("timed out after
+# 3000ms while trying to connect"): the visitor never registered its hop and timed out. The
+# store's keys, not latency, are what this test is about.
+TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 10.0, 2.0
 
 
 def wait_until(what: str, condition: Callable[[], bool], timeout_s: float) -> None:
@@ -52,7 +57,7 @@ def receiver_on(
 ) -> WeightReceiver:
     with monkeypatch.context() as env:
         env.setenv("WSYNC_HOST_ID", host)
-        return WeightReceiver(module or build(("mixed", 1)), store=store, job=JOB, name=name, timeout_s=3,
+        return WeightReceiver(module or build(("mixed", 1)), store=store, job=JOB, name=name, timeout_s=TIMEOUT_S,
                               heartbeat_s=0.2)  # fmt: skip
 
 
@@ -72,7 +77,7 @@ def visit(sender: WeightSender, model: torch.nn.Module, version: int, monkeypatc
         # with the sender, whose stalls (seen: > heartbeat_timeout_s now and then) can leave a
         # receiver out of a report, so delivery is checked on the visitor itself.
         assert not report.dropped, report
-        assert visitor.wait_for_version(version, timeout_s=10) == version
+        assert visitor.wait_for_version(version, timeout_s=3 * TIMEOUT_S) == version
         assert digest(held) == digest(model)
     finally:
         visitor.close()
@@ -94,7 +99,8 @@ def test_store_keys_stay_bounded_over_many_chain_changes(monkeypatch: pytest.Mon
     model = build(("mixed", 0))
     with monkeypatch.context() as env:
         env.setenv("WSYNC_HOST_ID", "trainer")
-        sender = WeightSender(model, store=f"127.0.0.1:{port}", job=JOB, timeout_s=3, heartbeat_timeout_s=2)
+        sender = WeightSender(model, store=f"127.0.0.1:{port}", job=JOB, timeout_s=TIMEOUT_S,
+                              heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)  # fmt: skip
     with sender:
         anchor = receiver_on(monkeypatch, "host-anchor", str(sender.store_address), "anchor")
         try:
@@ -108,7 +114,8 @@ def test_store_keys_stay_bounded_over_many_chain_changes(monkeypatch: pytest.Mon
             bound = first[0] + len(keys.version_keys(0)) * (_KEEP_VERSION_RECORDS - 1)
             wait_until(f"the key count to come back under {bound} (after each visit: {first})",
                        lambda: sender.store.num_keys() <= bound, 30)  # fmt: skip
-            settled = settled_count(sender, 3 + 2 + 1)  # timeout_s + heartbeat_timeout_s: nothing left to delete
+            # timeout_s + heartbeat_timeout_s: nothing left to delete
+            settled = settled_count(sender, TIMEOUT_S + HEARTBEAT_TIMEOUT_S + 1)
             second = [visit(sender, model, v, monkeypatch, v) for v in range(13, 25)]
             wait_until(f"the key count to come back to {settled} again (after each visit: {second})",
                        lambda: sender.store.num_keys() <= settled, 30)  # fmt: skip

@@ -5,7 +5,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -196,3 +199,13 @@ def corrupt_newest_slot(sender: Any, job: str, version: int, deadline: float) ->
     newest = sender._ring.newest()
     assert newest is not None and newest.version == version
     sender._ring.buffers[newest.slot][100] ^= 0x10
+
+
+def thread_stacks(threads: list[threading.Thread] | None = None) -> str:
+    """Where each of ``threads`` (default: every thread of this process) is now, for a failure's message."""
+    frames = sys._current_frames()
+    return "\n".join(
+        f"--- thread {t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+        for t in (threading.enumerate() if threads is None else threads)
+        if t.ident in frames
+    )

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from _workers import digest, mixed_model, mutate
+from _workers import digest, mixed_model, mutate, thread_stacks
 
 from lightning_wsync import WeightReceiver, WeightSender
 from lightning_wsync._control import keys, records
@@ -22,6 +22,7 @@ from lightning_wsync._control.checks import parse_counter
 from lightning_wsync._control.store import Control
 from lightning_wsync._control.timing import timing
 from lightning_wsync._pull import watcher
+from lightning_wsync.errors import WeightSyncError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -102,14 +103,17 @@ def test_garbage_in_every_key_never_stops_a_push_or_an_apply(port, monkeypatch, 
                           SECRET.encode())  # fmt: skip
             raw = ctl.store  # writes that bypass every check, as a stranger's would
 
-            def push_and_check() -> None:
+            def push_and_check(what: str = "nothing", key: str = "any key") -> None:
                 nonlocal version
                 version += 1
                 mutate(src, version)
                 handle = sender.push(version)
-                for receiver in (shm, net):
-                    assert receiver.wait_for_version(version, timeout_s=20) == version, receiver.name
-                    assert not receiver.sender_closed and not receiver.sender_left
+                try:
+                    for receiver in (shm, net):
+                        assert receiver.wait_for_version(version, timeout_s=20) == version, receiver.name
+                        assert not receiver.sender_closed and not receiver.sender_left
+                except (AssertionError, WeightSyncError) as exc:  # CI once: 'net' held 41 of 42 for 20 s
+                    raise AssertionError(f"version {version}, {what} in {key!r}: {exc}\n{thread_stacks()}") from exc
                 assert digest(shm_dst) == digest(src) == digest(net_dst)
                 assert set(handle.wait(20).delivered) <= {"shm", "net"}
 
@@ -125,10 +129,10 @@ def test_garbage_in_every_key_never_stops_a_push_or_an_apply(port, monkeypatch, 
                     if key in READ_WHILE_RUNNING:
                         said_yet = lambda k=key, n=before: len(_reports_naming(caplog, k)) > n  # noqa: E731
                         _until(f"{what} in {key!r} reported", said_yet)
-                    push_and_check()
+                    push_and_check(what, key)
                     if key in heartbeats:  # its receiver puts an integer back at its next beat
                         _until(f"{key!r} restored", lambda k=key: parse_counter(bytes(raw.get(k))) is not None)
-                    push_and_check()
+                    push_and_check(what, key)
                     said = _reports_naming(caplog, key)[before:]
                     assert len(said) == len(set(said)), f"{what} in {key!r} reported more than once: {said}"
                     assert all(len(message) < 1000 for _, message in said)
