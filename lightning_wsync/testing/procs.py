@@ -86,7 +86,8 @@ class Children:
         self._join_timeout_s = join_timeout_s
 
     def start(self, target: Callable[..., None], args: tuple[object, ...], name: str) -> Connection:
-        """Start ``target(conn, *args)`` in a spawned process; returns the parent's end of the pipe."""
+        """Start ``target(conn, *args)`` in a child of this block's context (spawned, unless a
+        forkserver's was given); returns the parent's end of the pipe."""
         parent, child = self._context.Pipe()
         proc = self._context.Process(target=target, args=(child, *args), name=name, daemon=True)
         proc.start()

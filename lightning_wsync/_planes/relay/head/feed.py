@@ -296,7 +296,7 @@ class RelayHead:
 
     def _ring_bells(self, rung: set[int]) -> set[int]:
         """Ring each leader of the chain or known to this head not in ``rung``; all rung so far.
-        A store that went first is left to the caller (close's second round says so)."""
+        A bell the store refuses is logged and left out of the answer (close's second round tries it again)."""
         for rid in sorted({*self.chain.rids, *self.leaders} - rung):
             try:
                 ring_bell(self._control, self._epoch, rid)
