@@ -59,6 +59,7 @@ from lightning_wsync._push.membership import Membership
 from lightning_wsync._push.report import PushHandle, Reporter
 from lightning_wsync.config import SenderConfig, config_values
 from lightning_wsync.errors import (
+    WeightSyncAuthError,
     WeightSyncClosedError,
     WeightSyncRecordError,
     WeightSyncStoreError,
@@ -120,6 +121,8 @@ class WeightSender:
         self._members_checked_at = 0.0  # the last full read of every member (see _refresh)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
+        self._latest_due = 0.0  # when _keep_latest next reads `latest` back
+        self._latest_said = False
         # Fleet receivers (ReceiverConfig.fleet) switch together: rounds on a thread started with the first.
         self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._side.holds, self._newest_published,
                                        spec.timing, partial=shares is not None)  # fmt: skip
@@ -244,6 +247,32 @@ class WeightSender:
         peers = [m.peer for m in live]
         for plane in self._side.planes:
             plane.published(version, peers)
+
+    def _keep_latest(self, now: float) -> None:
+        """Every ``timing.backstop_s``, read ``latest`` back and write this sender's own again
+        when something else replaced it (unreadable, absent, or an older version of this
+        epoch). TCPStore orders requests per connection only, so a store writer's value can
+        land after the sender's even when it was sent before: receivers that learn versions
+        from ``latest`` (NIXL readers) then waited for the next push. A newer epoch's record
+        is left alone (the job's newer sender wrote it)."""
+        version = self._newest_published()
+        if version is None or now < self._latest_due:
+            return
+        self._latest_due = now + self._side.timing.backstop_s
+        mine = VersionRecord(version, self.epoch)
+        try:
+            held = self._ctl.get_record(keys.LATEST, VersionRecord)
+        except (WeightSyncRecordError, WeightSyncAuthError):
+            held = None  # reported by every reader that met it
+        if held is not None and (held.epoch > self.epoch or held == mine):
+            return
+        self._ctl.put(keys.LATEST, mine)
+        self._ctl.bump(keys.NEWS)
+        log.log(logging.DEBUG if self._latest_said else logging.WARNING,
+                "sender: 'latest' of job %r held %s, not version %d it published; written again%s", self._ctl.job,
+                "an unreadable record" if held is None else f"version {held.version} of epoch {held.epoch}",
+                version, "" if self._latest_said else " (said once)")  # fmt: skip
+        self._latest_said = True
 
     def _newest_published(self) -> int | None:
         published = self._published_versions
@@ -393,6 +422,7 @@ def _background(ref: weakref.ReferenceType[WeightSender], stop: threading.Event)
                 return
             sender._publish_pending()
             now = time.monotonic()
+            sender._keep_latest(now)
             if now - last_refresh >= refresh_s:
                 sender._refresh()
                 last_refresh = now
