@@ -84,6 +84,9 @@ class WeightSender:
             other rank's ring named in its plan): the ring then holds rank 0's share only.
     """
 
+    _latest_due = 0.0  # when _keep_latest next reads `latest` back
+    _latest_said = False  # _keep_latest wrote it again once already (said at WARNING once)
+
     def __init__(
         self,
         module: nn.Module,
@@ -121,8 +124,6 @@ class WeightSender:
         self._members_checked_at = 0.0  # the last full read of every member (see _refresh)
         self._complaints = Complaints(log, "the sender's background thread")
         self._published_versions: list[int] = []
-        self._latest_due = 0.0  # when _keep_latest next reads `latest` back
-        self._latest_said = False
         # Fleet receivers (ReceiverConfig.fleet) switch together: rounds on a thread started with the first.
         self._fleet = FleetCoordinator(self._ctl.clone(), self._members, self._side.holds, self._newest_published,
                                        spec.timing, partial=shares is not None)  # fmt: skip

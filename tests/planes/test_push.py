@@ -88,7 +88,8 @@ def test_mismatched_module_gets_schema_error(port):
     model = build(("mixed", 0))
     wrong = build(("mixed", 0))
     wrong[1] = torch.nn.Linear(48, 17).to(torch.bfloat16)
-    with WeightSender(model, store=store, job="schema", timeout_s=5) as sender:
+    # timeout_s also bounds the store's own connect, which took over 5 s once at load (2026-11-29)
+    with WeightSender(model, store=store, job="schema", timeout_s=30) as sender:
         with WeightReceiver(wrong, store=store, job="schema", name="odd") as receiver:
             report = sender.push(1).wait(timeout_s=10)
             with pytest.raises(WeightSyncSchemaError, match=r"receiver 'odd': tensor '1.weight' has shape \(17, 48\)"):
