@@ -20,13 +20,6 @@ from lightning_wsync.testing.procs import Children
 # crash (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) dumps each of its threads' Python stacks to its
 # stderr. pytest enables the same in its own process.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-# torch's TCPStore looks up the peer's name at every connect, client and server side (getnameinfo on
-# the IPv4-mapped "::ffff:127.0.0.1", which /etc/hosts does not list, so it asks DNS). This sandbox's
-# resolver drops about one query in 25 and glibc waits its 5 s timeout before asking again: 4% of
-# connects and clones took 5.0 s (`strace`: a PTR query for 1.0.0.127.in-addr.arpa, then a 5000 ms
-# poll), which failed every test whose timeout_s (a connect's bound too) was 3-5 s now and then. One
-# second per lost query instead (set before any lookup; every child inherits it). docs/control-plane.md.
-os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:3")
 
 _PORTS = (20000, 32000)  # below Linux's ephemeral range (32768-60999)
 _RNG = random.SystemRandom()  # independent of any seed a test sets
