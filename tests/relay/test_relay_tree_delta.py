@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _layout() -> Manifest:
-    tensors = {f"w{i}": torch.zeros(700_000 + 999 * i, dtype=torch.float32) for i in range(3)}
+    tensors = {f"w{i}": torch.zeros(1_400_000 + 999 * i, dtype=torch.float32) for i in range(3)}  # ~8 relay chunks
     return build_manifest(tensors, torch.bfloat16, bucket_bytes=1 << 20)
 
 

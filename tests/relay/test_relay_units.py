@@ -37,12 +37,12 @@ def test_chunks_cover_every_byte_once_and_never_straddle_a_bucket() -> None:
 
 def test_chunks_grow_with_the_version_within_bounds() -> None:
     mib = 2**20
-    assert chunk_bytes(1000) == chunk_bytes(64 * mib) == CHUNK_BYTES == 512 * 1024  # as before for <= 64 MiB
-    assert chunk_bytes(256 * mib) == 2 * mib and chunk_bytes(80 * mib) == 640 * 1024
+    assert chunk_bytes(1000) == chunk_bytes(64 * mib) == chunk_bytes(128 * mib) == CHUNK_BYTES == mib
+    assert chunk_bytes(256 * mib) == 2 * mib and chunk_bytes(160 * mib) == 1280 * 1024
     assert chunk_bytes(10 * 2**30) == MAX_CHUNK_BYTES == 4 * mib
     assert all(chunk_bytes(n) % CHUNK_ALIGN == 0 for n in range(0, 1 << 30, 7_777_777))
-    # An 80 MiB layout: chunks of 640 KiB cover it once, never straddle a bucket, end in a short piece.
-    layout = build_manifest({"a": torch.zeros(3), "b": torch.zeros(80 * mib // 4 - 8), "c": torch.zeros(5)}, None,
+    # A 160 MiB layout: chunks of 1.25 MiB cover it once, never straddle a bucket, end in a short piece.
+    layout = build_manifest({"a": torch.zeros(3), "b": torch.zeros(160 * mib // 4 - 8), "c": torch.zeros(5)}, None,
                             32 * mib)  # fmt: skip
     pieces = chunks(layout)
     assert pieces[0][0] == 0 and pieces[-1][1] == layout.total_bytes

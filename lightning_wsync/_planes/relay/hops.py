@@ -25,7 +25,7 @@ from lightning_wsync._planes.relay import exits
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.wire import FULL, Header, PeerGroup, make_group
 
-CHUNK_BYTES = 1 << 19  # the smallest pipelining unit between hops (:func:`chunk_bytes`)
+CHUNK_BYTES = 1 << 20  # the smallest pipelining unit between hops (:func:`chunk_bytes`)
 MAX_CHUNK_BYTES = 1 << 22  # the largest
 CHUNKS_PER_VERSION = 128  # a version is cut into about this many chunks between those two sizes
 CHUNK_ALIGN = 1 << 16  # chunk sizes are multiples of this (whole words of any dtype)
@@ -44,9 +44,11 @@ def chunk_bytes(total_bytes: int) -> int:
     Each hop holds the version back by about one chunk's wire time, so a chunk of 1/128 of the
     version costs under 1% of the version's wire time per hop, whatever the link. Every chunk
     also costs each hop a fixed amount of CPU (a gloo message each way, a wait, a post, a
-    hash update: tens of microseconds of Python and of gloo's loop threads), which 512 KiB
-    chunks made a large share of a hop's CPU for versions of hundreds of MiB
-    (docs/benchmarks.md). A 64 MiB version keeps 512 KiB chunks; 256 MiB ones get 2 MiB.
+    hash update: tens of microseconds of Python and of gloo's loop threads). With 512 KiB
+    chunks that fixed part was a fifth of a hop's CPU at 64 MiB and more for versions of
+    hundreds of MiB (docs/benchmarks.md), so no chunk is smaller than 1 MiB: versions up to
+    128 MiB get 1 MiB chunks (about 1.2 ms of wire per hop at 10 Gbit/s, 12 ms at 700 Mbit/s),
+    256 MiB ones 2 MiB.
     """
     size = total_bytes // CHUNKS_PER_VERSION // CHUNK_ALIGN * CHUNK_ALIGN
     return max(CHUNK_BYTES, min(MAX_CHUNK_BYTES, size))
@@ -58,6 +60,7 @@ def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
     The version's last chunk is split into pieces that halve down to TAIL_BYTES: the last
     byte reaches the H-th host one wire time after the first left the trainer plus H - 1
     times the last piece's wire time, so small last pieces save ~5 ms per hop at 700 Mbit/s.
+    Every cut is on a multiple of 8 bytes from the bucket's start (the delta codec's groups).
     """
     out = []
     size = chunk_bytes(layout.total_bytes)
@@ -67,7 +70,7 @@ def chunks(layout: Manifest) -> list[tuple[int, int, int]]:
     if out:
         start, end, bucket = out.pop()
         while end - start > TAIL_BYTES:
-            half = start + (end - start) // 2
+            half = start + (end - start) // 16 * 8  # whole words: a tree's delta records are cut here
             out.append((start, half, bucket))
             start = half
         out.append((start, end, bucket))

@@ -35,9 +35,13 @@ TREES = 2
 # chain pays (H - 1) (c/B + h) and the trees (depth - 1) (2 c/B + h_t). The defaults are
 # fitted on simulated hosts (700 Mbit/s links, 512 KiB chunks: c/B ~ 6 ms; 1-16 hosts on
 # a shared 2-core machine, where a tree level cost far more than a chain hop: h = 13 ms,
-# h_t = 87 ms), so the trees take over from ~22 hosts.
+# h_t = 87 ms), so the trees take over from ~22 hosts. Not refitted for the relay's 1 MiB
+# chunks (hops.CHUNK_BYTES since 2026-11-29): at 16 hosts x 1 a chain hop then cost 14-15 ms
+# in all against 19-24 ms with 512 KiB, a tree level 91 ms against 111 ms (one run each,
+# docs/benchmarks.md "1 MiB chunks"), so the chain's lead there grew; the crossover, and
+# deltas' (whose chain pieces stay 512 KiB), were not measured again.
 CHUNK_WIRE_S = 0.006
-CHUNK_BYTES = 1 << 19  # as hops.CHUNK_BYTES (plan imports nothing of the relay)
+CHUNK_BYTES = 1 << 19  # the unit the model was fitted with; a chain's delta record pieces (plan imports nothing of the relay)
 HOP_S = 0.013
 TREE_LEVEL_S = 0.087
 
