@@ -41,7 +41,7 @@ TREES = 2
 # docs/benchmarks.md "1 MiB chunks"), so the chain's lead there grew; the crossover, and
 # deltas' (whose chain pieces stay 512 KiB), were not measured again.
 CHUNK_WIRE_S = 0.006
-CHUNK_BYTES = 1 << 19  # the unit the model was fitted with; a chain's delta record pieces (plan imports nothing of the relay)
+CHUNK_BYTES = 1 << 19  # the chunk the model was fitted with, and a chain delta record piece
 HOP_S = 0.013
 TREE_LEVEL_S = 0.087
 
