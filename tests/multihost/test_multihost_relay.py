@@ -113,9 +113,9 @@ def test_relay_delta_bench_pushes_adamw_versions_as_deltas_bit_exact() -> None:
     ("size_mb", "link"),
     [
         pytest.param(16, "300mbit", id="16MiB"),
-        # 576 KiB chunks (hops.chunk_bytes grows them past 64 MiB versions): the same failure,
-        # no torn version applied anywhere, with chunks of another size than the 512 KiB minimum.
-        pytest.param(80, "700mbit", id="80MiB-576KiB-chunks"),
+        # 1152 KiB chunks (hops.chunk_bytes grows them past 128 MiB versions): the same failure,
+        # no torn version applied anywhere, with chunks of another size than the 1 MiB minimum.
+        pytest.param(144, "700mbit", id="144MiB-1152KiB-chunks"),
     ],
 )
 def test_leader_killed_mid_version_host_mate_takes_over(tmp_path: Path, size_mb: int, link: str) -> None:
