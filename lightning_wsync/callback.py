@@ -35,8 +35,12 @@ above and rank 0 says why once in the log (:attr:`WeightSyncCallback.unsharded_r
 reports are awaited by a daemon thread (``wsync-callback-reports``). With
 ``max_version_lag=K`` rank 0 also waits after each push, at most ``timeout_s``, until
 the push K pushes back is confirmed: every receiver live at that push holds it (or a
-newer version), or was reported failed. Under DDP the other ranks then wait for rank 0
-at their next collective. When training ends, rank 0 waits at most ``2 * timeout_s``
+newer version), or was reported failed. A receiver that stages versions (its relay
+host's leader, a network link) holds one once it is staged and verified
+(:attr:`PushReport.delivered`), not once its ``update()`` applied it; ``update()`` takes
+the newest staged, so even with ``max_version_lag=0`` such a receiver skips a version when
+its ``update()`` comes after the next one was staged. Under DDP the other ranks then wait
+for rank 0 at their next collective. When training ends, rank 0 waits at most ``2 * timeout_s``
 for the report of the last push, then closes the sender for good (receivers see
 ``sender_closed``). A ``fit()`` that raises (SIGTERM included) closes it without
 waiting and not for good: receivers see ``sender_left`` and follow the next ``fit()``

@@ -47,7 +47,8 @@ def _finish(trainer: subprocess.Popen[str], timeout_s: float) -> str:
 def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
     tmp_path, port, children, strategy, monkeypatch
 ):
-    """r0 on the trainer's host reads both ranks' rings; r1, on another host id, gets both shares relayed."""
+    """r0 on the trainer's host reads both ranks' rings and applies every version; r1, on another host id, gets
+    both shares relayed and applies versions in order, the last included (see :func:`_applied_in_order`)."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
@@ -90,9 +91,10 @@ def test_every_rank_writes_its_share_and_receivers_get_every_version_bit_exact(
     assert ranks[0]["delivered"] == [2, 2, 2, 2]
     expected = {int(v): d for v, d in ranks[0]["digests"].items()}
     assert sorted(expected) == [0, 2, 4, 5]
-    for name, got in seen.items():
-        assert [v for v, _ in got] == [0, 2, 4, 5], name  # max_version_lag=0: each receiver applies each
-        assert all(d == expected[v] for v, d in got), (name, got, expected)
+    # max_version_lag=0: r0, on the trainer's host, acknowledges a version by applying it, so it applies each.
+    assert [v for v, _ in seen["r0"]] == [0, 2, 4, 5], seen["r0"]
+    assert all(d == expected[v] for v, d in seen["r0"]), (seen["r0"], expected)
+    _applied_in_order("r1", seen["r1"], expected, final=5)
     del server
 
 
@@ -160,7 +162,9 @@ def _digests(out: Path) -> dict[int, str]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_exact(tmp_path, port, children, strategy):
     """DDP x 2 or FSDP2 x 2 with no sharded= argument and cross_host='tree': sharded, each rank's share relayed down
-    two trees over 4 rollout hosts (host ids), every receiver verifying and applying every version bit-exact."""
+    two trees over 4 rollout hosts (host ids): every version staged and verified on every host (each push's report
+    names all four receivers), and every receiver, verifying, applies versions in order, bit-exact, the last
+    included (see :func:`_applied_in_order`)."""
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = f"127.0.0.1:{port}"
     results = CTX.Queue()
@@ -192,10 +196,12 @@ def test_default_relays_each_share_down_trees_to_four_verifying_hosts_bit_exact(
     assert len(trees) == 2, output[-4000:]
     assert " relay chain " not in output.replace("pid=", " "), output[-4000:]
     assert ranks[0]["versions"] == [0, 2, 4, 5]
+    # max_version_lag=0: each push waited for its own report, which counts every receiver delivered.
+    report = {k: ranks[0][k] for k in ("report_versions", "delivered", "failed")}
+    assert report == {"report_versions": [0, 2, 4, 5], "delivered": [4] * 4, "failed": [0] * 4}, output[-4000:]
     expected = {int(v): d for v, d in ranks[0]["digests"].items()}
     for name, got in seen.items():
-        assert [v for v, _ in got] == [0, 2, 4, 5], name  # max_version_lag=0: each receiver applies each
-        assert all(d == expected[v] for v, d in got), (name, got, expected)
+        _applied_in_order(name, got, expected, final=5)
     del server
 
 
@@ -233,6 +239,21 @@ def test_default_fleet_on_the_trainers_host_and_another_switches_together_bit_ex
         assert got and all(d == expected[v] for v, d in got), (name, got, expected)  # bit-exact at every version
         assert [v for v, _ in got] == sorted({v for v, _ in got}), (name, got)  # never back
     del server
+
+
+def _applied_in_order(name: str, got: list[tuple[int, str]], expected: dict[int, str], *, final: int) -> None:
+    """A receiver leading its relay host (the only one there) applied pushed versions in order, each
+    bit-exact, ``final`` included.
+
+    Not necessarily every one: it acknowledges a version (what ``max_version_lag=0`` waits for) once its
+    host's rings hold it staged and verified (docs/sharded.md), not once ``update()`` applied it, and
+    ``update()`` takes the newest version staged. A receiver whose ``update()`` (or, with ``verify``, its
+    watcher's read of the checksums) comes after the next push was staged applies that one: once in CI,
+    ``r0`` of four applied 2, 4 and 5 but not 0. Every push's delivery is checked on its report instead.
+    """
+    versions = [v for v, _ in got]
+    assert versions and versions == sorted(set(versions)) and versions[-1] == final, (name, got)
+    assert all(v in expected and d == expected[v] for v, d in got), (name, got, expected)
 
 
 def _versions_until(results, names: list[str], *, final: int, timeout_s: float) -> dict[str, list[tuple[int, str]]]:

@@ -333,6 +333,8 @@ def main() -> None:
         "had_sender": probe.had_sender,
         "versions": [int(v) for v in logger.values("wsync/version")],
         "delivered": logger.values("wsync/delivered"),
+        "failed": logger.values("wsync/failed"),
+        "report_versions": [int(v) for v in logger.values("wsync/report_version")],
         "last_pushed": sync.last_pushed_version,
         "digest": probe.digest,
         "digests": {str(v): d for v, d in probe.digests.items()},
