@@ -96,8 +96,10 @@ is in use or replaced, its ``ready/<n>``/``ann/<n>`` keys when either end leaves
 the records of sender epochs two or more behind the current one. The relay's keys (see
 :mod:`lightning_wsync._planes.relay.tidy`):
 each side of a hop deletes its ``relay/<epoch>/pg/...`` keys when it leaves; a closing
-leader deletes its leader record and ``received`` key; the sender deletes the hops of
-chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago, the ``received``,
+leader deletes its leader record and ``received`` key; the sender deletes, by the store's list of
+keys, every key of the hops of chains replaced more than ``timeout_s + heartbeat_timeout_s`` ago
+(a ``ready/<n>`` note a side left, whatever its ``n``, and again at each later such deletion what a
+side stopped meanwhile wrote back), the ``received``,
 ``broken`` and ``bell`` keys of leaders that left the chain, the leader records of hosts with no live
 leader for that long, and the ``chain`` key when it closes. What a SIGKILLed sender's epoch left
 under ``relay/<epoch>/`` (and its streams'), its successors delete by the store's list of keys
@@ -279,6 +281,11 @@ def relay_moved(epoch: int) -> str:
 
 def relay_bell(epoch: int, rid: int) -> str:
     return f"relay/{epoch}/bell/{rid}"
+
+
+def relay_hops(epoch: int) -> str:
+    """Prefix of every relay hop of ``epoch``, each chain's under ``<chain>/`` (:func:`relay_hop_prefix`)."""
+    return f"relay/{epoch}/pg/"
 
 
 def relay_hop_prefix(epoch: int, chain: int, rid: int, tree: int | None = None) -> str:

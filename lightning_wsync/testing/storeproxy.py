@@ -118,6 +118,7 @@ class CountingProxy:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pairs: dict[socket.socket, _Pair] = {}
+        self._held = False  # clients' requests are counted and kept here, not forwarded (hold())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wsync-bench-store-proxy", daemon=True)
         self._thread.start()
@@ -131,6 +132,18 @@ class CountingProxy:
         """Requests counted so far, by command and key pattern (``"get member/#/hb"``)."""
         with self._lock:
             return Counter(self._keys)
+
+    def hold(self) -> None:
+        """From now on, count what the clients send but keep it here: the store sees none of it
+        (and answers nothing sent since) until :meth:`release`, which forwards it all in order.
+        Closing a client's connection meanwhile drops what was kept for it."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held = False
+        self._wake_w.send(b"r")
 
     @property
     def connections(self) -> int:
@@ -159,6 +172,8 @@ class CountingProxy:
                     self._accept()
                 elif sock is self._wake_r:
                     sock.recv(64)
+                    for pair in {id(p): p for p in self._pairs.values()}.values():  # released: what was kept
+                        self._flush(pair, pair.upstream)
                 elif sock in self._pairs:
                     self._serve(sock, events)
 
@@ -201,6 +216,8 @@ class CountingProxy:
         self._flush(pair, other)
 
     def _flush(self, pair: _Pair, sock: socket.socket) -> None:
+        if sock is pair.upstream and self._held:
+            return
         out = pair.out[sock]
         try:
             while out:

@@ -5,6 +5,12 @@ Each side of a hop deletes its keys when it leaves the hop (:func:`forget_hop`).
 side cannot delete because it was SIGKILLed, the sender's :class:`RelaySweeper` does once
 nobody can still be using it: the hops of chains replaced ``linger_s`` ago, and the
 ``received``, ``broken`` and ``leader`` keys of leaders that left the chain.
+
+A replaced chain's hops are deleted by the store's list of keys, not by name: a leader's ``ready``
+note for its next send can reach the store after its upstream left the hop (and deleted that
+note's key, empty then), and a leader SIGKILLed before it sees the new chain leaves it there. Its
+number is the hop's count of sends, which the sender does not know: a deletion by name covers
+``ready/0`` only, and such a note stays for good (issue 32: a chaos run's ``relay/1/pg/5/4/ready/2``).
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ class RelaySweeper:
                 self._forget_leader(ctl, rid)
         self._leaders = dict(leaders)
         due = now - self._linger_s
-        while self._replaced and self._replaced[0][3] <= due:
-            gen, rids, tree, _ = self._replaced.pop(0)
-            self._forget_chain(ctl, gen, rids, tree)
+        ripe = sum(1 for *_, when in self._replaced if when <= due)  # replaced in order: the first ``ripe``
+        if ripe:
+            self._forget_chains(ctl, [(gen, rids, tree) for gen, rids, tree, _ in self._replaced[:ripe]])
+            del self._replaced[:ripe]
         hosts = set(leaders.values())
         while self._departed and self._departed[0].at <= due:
             gone = self._departed.pop(0)
@@ -83,19 +90,37 @@ class RelaySweeper:
 
     def close(self, ctl: Control, gen: int, rids: tuple[int, ...], tree: bool = False) -> None:
         """The sender leaves: everything it remembers, the current chain ``gen`` included."""
-        for old_gen, old_rids, old_tree, _ in self._replaced:
-            self._forget_chain(ctl, old_gen, old_rids, old_tree)
-        self._forget_chain(ctl, gen, rids, tree)
+        chains = [(old_gen, old_rids, old_tree) for old_gen, old_rids, old_tree, _ in self._replaced]
+        if gen:  # chain 0: there never was one
+            chains.append((gen, rids, tree))
+        if chains:
+            self._forget_chains(ctl, chains)
+        self._replaced = []
         for rid in self._leaders:
             self._forget_leader(ctl, rid)
         for gone in self._departed:
             self._forget_leader(ctl, gone.rid)
         ctl.delete(keys.relay_chain(self._epoch))
 
-    def _forget_chain(self, ctl: Control, gen: int, rids: tuple[int, ...], tree: bool = False) -> None:
-        for rid in rids:
-            for t in (0, 1) if tree else (None,):
-                forget_hop(ctl, keys.relay_hop_prefix(self._epoch, gen, rid, t), 0, spent=True, notes=(0,))
+    def _forget_chains(self, ctl: Control, chains: list[tuple[int, tuple[int, ...], bool]]) -> None:
+        """Delete every key of the hops of ``chains`` (gen, rids, tree) and of every chain numbered
+        below them: by the store's list of keys, in one request, so that a ``ready`` note of any
+        number goes, and so does what a side stopped past an earlier sweep wrote back since. A
+        store that cannot list its keys (not a ``TCPStore``) has them deleted by name: the marks,
+        gloo's keys and the first ``ready`` note of each hop."""
+        prefix = keys.relay_hops(self._epoch)
+        names = ctl.list_keys(prefix)
+        if names is None:
+            for gen, rids, tree in chains:
+                for rid in rids:
+                    for t in (0, 1) if tree else (None,):
+                        forget_hop(ctl, keys.relay_hop_prefix(self._epoch, gen, rid, t), 0, spent=True, notes=(0,))
+            return
+        newest = max(gen for gen, _, _ in chains)
+        for name in names:
+            number = name[len(prefix) :].split("/", 1)[0]
+            if number.isascii() and number.isdigit() and int(number) <= newest:
+                ctl.delete(name)
 
     def _forget_leader(self, ctl: Control, rid: int, host: str | None = None) -> None:
         ctl.delete(keys.relay_received(self._epoch, rid))
