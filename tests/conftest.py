@@ -7,7 +7,6 @@ import random
 import socket
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from _spawn import CTX
 from _workers import thread_stacks
 
 from lightning_wsync.testing.procs import Children
+from lightning_wsync.testing.stores import host_store
 
 # Every process a test starts (spawned workers, receivers, torchrun's) inherits this: a native
 # crash (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) dumps each of its threads' Python stacks to its
@@ -47,8 +47,9 @@ def port() -> int:
 
 @pytest.fixture
 def server(port: int) -> Iterator[dist.TCPStore]:
-    """A TCPStore hosted by the test itself at ``port`` (the control plane a sender joins)."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    """A TCPStore hosted by the test itself at ``port`` (the control plane a sender joins), as the
+    package hosts one: on an IPv4 socket, so that accepting a client never waits for DNS."""
+    store = host_store("127.0.0.1", port, timeout_s=30)
     yield store
     del store
 

@@ -7,10 +7,12 @@ Longer than 300 lines: every store operation goes through the one class, so that
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,17 +63,59 @@ def resolve_job(job: str | None, owner: str) -> str:
     return job
 
 
-def tcp_store(host: str, port: int, *, serve: bool, timeout_s: float) -> dist.TCPStore:
+def tcp_store(host: str, port: int, *, serve: bool, timeout_s: float, multi_tenant: bool = True) -> dist.TCPStore:
     """Host (``serve``) or join the TCPStore at ``host:port``; every TCPStore of the package is made here.
 
-    A hosted store does not wait for clients and is multi-tenant: another store object
-    of this process may host the same port and shares the server. Raises what
+    A hosted store does not wait for clients and, by default, is multi-tenant: another store
+    object of this process may host the same port and shares the server. At an IPv4 address
+    it accepts on an IPv4 socket of its own (:func:`_ipv4_listener`). Raises what
     ``TCPStore`` raises (``RuntimeError``, ``OSError``, ``ValueError``); callers say what failed.
     """
     timeout = timedelta(seconds=timeout_s)
-    if serve:
-        return dist.TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timeout)
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if not serve:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    listener = _ipv4_listener(host, port)
+    if listener is None:
+        return dist.TCPStore(host, port, is_master=True, multi_tenant=multi_tenant, wait_for_workers=False,
+                             timeout=timeout)  # fmt: skip
+    bound = listener.getsockname()[1]
+    # The server owns the descriptor from here, and closes it (on its own error too).
+    return dist.TCPStore(host, bound, is_master=True, multi_tenant=multi_tenant, wait_for_workers=False,
+                         timeout=timeout, master_listen_fd=listener.detach())  # fmt: skip
+
+
+def _ipv4_listener(host: str, port: int) -> socket.socket | None:
+    """An IPv4 socket listening on every address at ``port``, when ``host`` is an IPv4 address
+    or a name with IPv4 addresses only.
+
+    torch's own server listens on an IPv6 socket, which sees an IPv4 client as
+    ``::ffff:a.b.c.d``, and its event loop looks up the name of every client it accepts: a
+    reverse lookup that ``/etc/hosts`` does not answer in that form, so it goes to DNS, and
+    where the resolver loses the query every request of every client waits the resolver's
+    timeout (5 s) behind it. Accepted on an IPv4 socket, a client is ``a.b.c.d``, which
+    ``/etc/hosts`` answers for loopback and listed hosts (docs/control-plane.md, "Connects
+    that take 5 s"). None (torch binds as it does) for an IPv6 address, a name with one, or
+    a port this process cannot bind (another server has it).
+    """
+    try:
+        if ipaddress.ip_address(host).version != 4:
+            return None
+    except ValueError:  # a name
+        try:
+            found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return None
+        if not found or any(family != socket.AF_INET for family, *_ in found):
+            return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
+        sock.bind(("0.0.0.0", port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def connect_store(

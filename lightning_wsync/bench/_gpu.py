@@ -26,15 +26,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_wsync.bench._push import wait_registered
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
+from lightning_wsync.testing.stores import host_store
 
 _CTX = mp.get_context("spawn")
 
@@ -217,7 +216,7 @@ def lightning_run(steps: int = 8, every: int = 2, accelerator: str = "gpu") -> d
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     port = _free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = host_store("127.0.0.1", port, timeout_s=30)
     address, job = f"127.0.0.1:{port}", "gpu-lightning"
     ours, theirs = _CTX.Pipe()
     p = _CTX.Process(target=_lightning_receiver, args=(address, job, steps, theirs))

@@ -36,17 +36,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from lightning_wsync import WeightReceiver, WeightSyncClosedError
 from lightning_wsync.bench._threads import profile, python_names
 from lightning_wsync.testing.models import ModelSpec, build_model, spec_for_size
 from lightning_wsync.testing.procs import BenchError, Children, init_child, receive, report_failure
+from lightning_wsync.testing.stores import host_store
 
 _WARMUP = 2  # pushes left out of the medians: first touches of buffers and pages
 
@@ -77,8 +75,7 @@ def run_ranks(args: argparse.Namespace) -> int:
 def _one(args: argparse.Namespace, spec: ModelSpec, strategy: str, ranks: int, sharded: str) -> dict[str, Any]:
     """One trainer run and its receivers; the medians of what its ranks measured."""
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=args.timeout_s))  # fmt: skip
+    store = host_store("127.0.0.1", port, timeout_s=args.timeout_s)
     job = f"ranks{ranks}{strategy}{sharded}"
     steps = args.pushes + _WARMUP
     with tempfile.TemporaryDirectory(prefix="wsync-bench-ranks-") as out, Children() as children:

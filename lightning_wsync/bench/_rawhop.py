@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from lightning_wsync.testing.hosts import SimHosts, enter_netns
 from lightning_wsync.testing.procs import BenchError, init_child, receive
+from lightning_wsync.testing.stores import host_store
 
 _CTX = mp.get_context("spawn")
 
@@ -91,7 +92,7 @@ def raw_hop(hosts: SimHosts, transport: str, nbytes: int, reps: int, timeout_s: 
     server = pg = agent = None
     store = ""
     if transport == "gloo":
-        server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        server = host_store(addr, 0, timeout_s=timeout_s)
         store = f"{addr}:{server.port}"
     parent, child_end = _CTX.Pipe()
     child = _CTX.Process(target=_child, args=(child_end, hosts.netns_path(1), hosts.address(1), transport, nbytes,

@@ -41,6 +41,7 @@ from lightning_wsync.testing.hostproc import HostArgs, host_main
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import Children, init_child, receive
 from lightning_wsync.testing.storeproxy import CountingProxy
+from lightning_wsync.testing.stores import host_store
 
 _STORE_HOST = "127.0.0.1"
 
@@ -144,8 +145,7 @@ def run_store_load(args: argparse.Namespace) -> dict[str, object]:
     spec = spec_for_size(args.size_mb)
     model = build_model(spec, seed=args.seed)
     job = f"bench-store-{os.getpid()}-{time.monotonic_ns()}"
-    server = dist.TCPStore(_STORE_HOST, 0, is_master=True, wait_for_workers=False, multi_tenant=True,
-                           timeout=timedelta(seconds=args.timeout_s))  # fmt: skip
+    server = host_store(_STORE_HOST, 0, timeout_s=args.timeout_s, multi_tenant=True)
     groups: dict[str, tuple[str | None, list[str]]] = {f"same{i}": (None, [f"same{i}"]) for i in range(args.receivers)}
     for h in range(args.store_hosts):
         groups[f"host{h}"] = (f"simhost-{h}", [f"h{h}r{i}" for i in range(args.receivers_per_host)])

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from lightning_wsync import WeightSyncTimeoutError
 from lightning_wsync.channel import ExperienceReader, ExperienceWriter, decode, encode
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,9 +39,8 @@ def test_reserved_key_and_bad_values_are_refused():
 
 
 def test_bounded_queue_drops_or_times_out(port):
-    import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    server = host_store("127.0.0.1", port, timeout_s=300)
     writer = ExperienceWriter(store=f"127.0.0.1:{port}", job="b", capacity=2, timeout_s=0.2)
     assert writer.put({"x": torch.ones(1)}, 1) and writer.put({"x": torch.ones(1)}, 2)
     assert writer.put({"x": torch.ones(1)}, 3, block=False) is False and writer.dropped == 1
@@ -53,9 +53,8 @@ def test_bounded_queue_drops_or_times_out(port):
 
 @pytest.mark.slow
 def test_two_producer_processes_feed_a_dataloader(port, children):
-    import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    server = host_store("127.0.0.1", port, timeout_s=300)
     ctx = CTX
     procs = [ctx.Process(target=writer_main, args=(f"127.0.0.1:{port}", "dl", p, 10), daemon=True) for p in (0, 1)]
     for p in procs:

@@ -11,13 +11,14 @@ import torch.distributed as dist
 
 from lightning_wsync._control import store as store_module
 from lightning_wsync._control.store import Control
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_clone_that_cannot_connect_shares_the_connection_and_says_so_once(port, monkeypatch, caplog) -> None:
     monkeypatch.setattr(store_module, "_CLONE_WARNED", [])
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    server = host_store("127.0.0.1", port, timeout_s=5)
     ctl = Control(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1)), "clone")
     own = ctl.clone()
     assert own is not ctl

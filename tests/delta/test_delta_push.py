@@ -19,6 +19,7 @@ from _workers import (
 )
 
 from lightning_wsync import WeightSender
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 SPEC = ("big", 8)  # 8 MiB of float32 in 1024x1024 matrices: 4 buckets of 2 MiB
@@ -110,9 +111,8 @@ def test_corrupted_delta_is_rejected_previous_kept_then_full_then_deltas(childre
 
 
 def test_sender_restart_sends_full_then_deltas(children, port):
-    import torch.distributed as dist
 
-    keep = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # outlives the senders
+    keep = host_store("127.0.0.1", port, timeout_s=300)  # outlives the senders
     store = f"127.0.0.1:{port}"
     inbox = Inbox(CTX)
     _start(children, store, "again", "r", inbox)

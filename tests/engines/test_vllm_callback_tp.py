@@ -13,17 +13,16 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import _vllm_only  # first: skips without vLLM
 import pytest
 import torch
-import torch.distributed as dist
 from test_vllm_engine import NEW_TOKENS, PROMPTS, hf_greedy
 from tiny_llama import write_tiny_llama
 
 from lightning_wsync.engines.vllm import VllmWeightSync, make_llm
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), _vllm_only.PROCESSES]
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "_llm_ddp_trainer.py"
@@ -43,7 +42,7 @@ def test_a_ddp_trainers_callback_feeds_a_tp2_engine_loading_out_of_both_ranks_ri
     tok = AutoTokenizer.from_pretrained(path)
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    server = host_store("127.0.0.1", port, timeout_s=60)
     store = f"127.0.0.1:{port}"
     llm = make_llm(path, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20,
                    tensor_parallel_size=2, distributed_executor_backend="mp", seed=0)  # fmt: skip

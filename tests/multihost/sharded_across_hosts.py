@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from lightning_wsync._push.report import PushHandle
 from lightning_wsync._push.shares import prepare_shares
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size, touch
+from lightning_wsync.testing.stores import host_store
 
 HERE = Path(__file__).resolve().parent
 JOB = "xshard"
@@ -122,8 +122,7 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             hosts.shape(1, "100mbit")  # rank 1's share of a version takes ~0.7 s on its link
         os.environ["WSYNC_HOST_ID"] = hosts.name(0)
         hosts.enter(0)
-        store = dist.TCPStore(hosts.address(0), 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60))  # fmt: skip
+        store = host_store(hosts.address(0), 0, timeout_s=60)
         address = f"{hosts.address(0)}:{store.port}"
         procs = Procs(hosts, out)
         trainer = Trainer(hosts, procs, store, address, size_mb)

@@ -23,6 +23,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.hops import GONE, JOINING, TAKEN, Superseded, join_hop
 from lightning_wsync._planes.wire import Interruptible, PeerGroup, close_group, shutdown_group
+from lightning_wsync.testing.stores import host_store
 
 PREFIX = keys.relay_hop_prefix(1, 7, 3)
 TIMEOUT_S = 6.0
@@ -62,7 +63,7 @@ class Peer:
 
 @pytest.fixture
 def ctls(port: int) -> tuple[Control, Control]:
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = host_store("127.0.0.1", port, timeout_s=30)
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     return Control(server, "join"), Control(client, "join")
 

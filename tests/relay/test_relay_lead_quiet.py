@@ -15,10 +15,8 @@ import os
 import signal
 import time
 from collections import Counter
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 from _lead_quiet import receiver_main, sender_main
 from test_relay_store_load import _keys, _wait  # (the counts by key, a bounded wait)
 
@@ -29,6 +27,7 @@ from lightning_wsync._planes.relay.hops import read_chain
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import receive
 from lightning_wsync.testing.storeproxy import CountingProxy
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -44,8 +43,7 @@ _IDLE_KEYS = {"member/#/hb", "member/#/state", "news", "sender/current", "closed
 
 def _control(port: int, job: str) -> Control:
     """The job's keys on a store hosted here (the sender and the receivers are its clients)."""
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                           timeout=timedelta(seconds=30))  # fmt: skip
+    server = host_store("127.0.0.1", port, timeout_s=30, multi_tenant=True)
     return Control(server, job)
 
 

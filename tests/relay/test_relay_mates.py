@@ -9,12 +9,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from lightning_wsync._control import keys
 from lightning_wsync._control.host import pid_namespace
@@ -22,6 +20,7 @@ from lightning_wsync._control.records import MemberRecord, MemberState
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.mate.board import Board, HostNews, Posted, read_board
 from lightning_wsync._planes.relay.mate.notes import MATES, MateDesk, MateRelay, Note
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = pytest.mark.timeout(60)
 PERIOD_S = 0.2
@@ -37,7 +36,7 @@ def _wait(what: str, condition: Callable[[], Any], timeout_s: float = 20) -> Any
 
 @pytest.fixture
 def leader(tmp_path: Path, port: int) -> Iterator[tuple[Control, Board, MateRelay]]:
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = host_store("127.0.0.1", port, timeout_s=10)
     ctl = Control(store, "mates", secret=b"s3cret")
     for rid in range(8):  # the leader passes on notes of its own host's members only
         ctl.put(keys.member(rid), MemberRecord(f"r{rid}", "host", os.getpid(), pid_namespace()))

@@ -15,10 +15,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
@@ -29,6 +27,7 @@ from lightning_wsync.testing.hostproc import HostArgs, host_main
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 from lightning_wsync.testing.procs import receive
 from lightning_wsync.testing.storeproxy import CountingProxy
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -79,8 +78,7 @@ def test_host_mates_ask_the_store_almost_nothing_at_idle_and_per_push(children, 
     spec = spec_for_size(1)
     model = build_model(spec, seed=0)
     job = f"load-{port}"
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                           timeout=timedelta(seconds=30))  # fmt: skip
+    server = host_store("127.0.0.1", port, timeout_s=30, multi_tenant=True)
     with CountingProxy("127.0.0.1", port) as lead_proxy, CountingProxy("127.0.0.1", port) as mates_proxy:
         with monkeypatch.context() as env:
             env.setenv("WSYNC_HOST_ID", "trainer-host")

@@ -20,6 +20,7 @@ from lightning_wsync._planes.relay.leader.treehop import TreeHop
 from lightning_wsync._planes.relay.plan import choose_tree, delta_chunks_s, half, pipeline_s
 from lightning_wsync._planes.relay.treedelta import chunk_layout, half_messages, send_halves
 from lightning_wsync._planes.wire import DELTA, FULL, Interruptible, PeerGroup, make_group, trailer_words
+from lightning_wsync.testing.stores import host_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +49,7 @@ def _pairs(n: int) -> tuple[list[PeerGroup], list[PeerGroup]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    server = host_store("127.0.0.1", port, timeout_s=20)
     sides: dict[tuple[int, int], PeerGroup] = {}
 
     def build(t: int, rank: int) -> None:  # a store client each: a blocking get holds its client

@@ -5,17 +5,16 @@ from __future__ import annotations
 import os
 import queue
 import time
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from _lightning_workers import PolicyModule, loader, make_policy
 from _spawn import CTX
 
 from lightning_wsync.callback import WeightSyncCallback
+from lightning_wsync.testing.stores import host_store
 from lightning_wsync.testing.trainers import trainer_kwargs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -74,7 +73,7 @@ def _until(results: Any, kind: str, timeout_s: float) -> tuple[list[int], tuple[
 
 
 def test_raising_fit_leaves_receivers_following_and_relaunch_continues(tmp_path, port, children):
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = host_store("127.0.0.1", port, timeout_s=30)
     store, job = f"127.0.0.1:{port}", "absent"
     results = CTX.Queue()
     proc = CTX.Process(target=rollout_loop_main, args=(store, job, results), daemon=True)

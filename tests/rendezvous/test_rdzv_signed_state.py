@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import base64
 import pickle
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
+
+from lightning_wsync.testing.stores import host_store
 
 from ._rdzv_helpers import Events, Job, Jobs
 
@@ -30,7 +30,7 @@ class _Payload:
 
 
 def test_forged_state_is_refused_before_unpickling(jobs: Jobs, events: Events, port: int, tmp_path: Path) -> None:
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = host_store("127.0.0.1", port, timeout_s=30)
     marker = tmp_path / "unpickled"
     forged = base64.b64encode(pickle.dumps(_Payload(marker))).decode()
     server.set("torch.rendezvous.exp1.trainer.l0", forged)
