@@ -38,7 +38,12 @@ PROMPT_S = 3.0  # a close or a new sender reaches every receiver of a relay host
 # the sender pointer, the close, latest), its bell's backstop ring (the bell, the chain, its record),
 # and the last version's notes on the hops (a note that goes by as the window opens).
 _IDLE_KEYS = {"member/#/hb", "member/#/state", "news", "sender/current", "closed/#", "latest",
-              "relay/#/bell/#", "relay/#/chain", "relay/#/leader/*", "relay/#/pg/#/#/ready/#"}  # fmt: skip
+              "relay/#/bell/#", "relay/#/chain", "relay/#/leader/*", "relay/#/pg/#/#/ready/#",
+              "member/#"}  # fmt: skip
+# ``member/#``: a leader's own receiver beats through its leader's notes like any host-mate, and the
+# leader reads the signed member record of a note's writer when its notes (re)appear: once at the
+# start, and again when they resume after a lapse of two beat periods (seen in CI at -n 2, in the window).
+_MEMBER_READS = 2
 
 
 def _control(port: int, job: str) -> Control:
@@ -102,10 +107,11 @@ def test_a_relay_leader_asks_about_one_request_a_second_at_idle(children, monkey
         # news read it wakes: 6) and the watcher's (news, the sender pointer, the close, latest's
         # wait and get: 5), each at most once here, and a note going by (5). Typically the beats
         # alone; at its periods a leader asks ~0.9 requests/s (before: ~30 in this window).
-        assert set(idle) <= _IDLE_KEYS, idle
+        assert set(idle) <= _IDLE_KEYS, (idle, dict(counts))
         assert idle.get("member/#/hb", 0) <= beats, idle
         assert idle.get("news", 0) <= 3, idle
-        assert sum(idle.values()) <= beats + 6 + 5 + 5, idle
+        assert idle.get("member/#", 0) <= _MEMBER_READS, idle
+        assert sum(idle.values()) <= beats + 6 + 5 + 5 + _MEMBER_READS, idle
         # The `ready` notes are waited for, never looked at (before: a `check` every 5 s on host
         # a); at most one goes by as the window opens (its set, wait, get and delete, the next wait).
         notes: Counter[str] = Counter()
