@@ -193,15 +193,17 @@ TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 6.0, 2.0
 
 @pytest.mark.slow
 @needs_nixl
+@pytest.mark.parametrize("cross_host", ["chain", "tree"])
 def test_a_leader_killed_mid_read_of_one_stream_leaves_no_torn_version_or_mix_and_the_rest_catch_up(
-    children, server, port, monkeypatch
+    children, server, port, monkeypatch, cross_host
 ):
-    """Rank 1's stream is slowed at version 2 (about 1 s a hop), rank 0's is not: the middle leader is
-    SIGKILLed while the tail READs rank 1's share of version 2 from it (it has rank 0's share of 2 in full).
-    No receiver applies a version unlike the one pushed (so never rank 0's share of 2 with rank 1's of 1);
-    the others apply version 3 bit-exact; they close with no thread or NIXL agent left."""
+    """Rank 1's stream is slowed at version 2 (about 1 s a hop), rank 0's is not: the last leader's upstream
+    (the middle of a chain, the root of a tree) is SIGKILLed while the last leader READs rank 1's share of
+    version 2 from it (it has rank 0's share of 2 in full). No receiver applies a version unlike the one
+    pushed (so never rank 0's share of 2 with rank 1's of 1); the others apply version 3 bit-exact; they
+    close with no thread or NIXL agent left."""
     receiver = {"timeout_s": TIMEOUT_S, "slow_rank": 1, "slow_versions": [2], "delay_s": 0.25}
-    run = Trainer(children, port, monkeypatch, ("big", 32), receiver, cross_host="chain", timeout_s=TIMEOUT_S,
+    run = Trainer(children, port, monkeypatch, ("big", 32), receiver, cross_host=cross_host, timeout_s=TIMEOUT_S,
                   heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)  # fmt: skip
     try:
         chains = run.chains(120)
@@ -210,26 +212,31 @@ def test_a_leader_killed_mid_read_of_one_stream_leaves_no_torn_version_or_mix_an
         run.push(2)
         chain = run.sender._ctl.get_record(keys.relay_chain(run.streams[1]), ChainRecord)
         assert chain is not None and len(chain.rids) == 3 and chain == chains[1]
-        head, middle, tail = chain.rids
+        assert chain.tree == (cross_host == "tree"), chain
+        last = chain.rids[2]
+        victim = dict(_upstreams(chain))[last]  # the middle of the chain; the root of the tree
+        assert victim is not None
         deadline = time.monotonic() + 60
-        while not any(m[2:] == (2, 1, tail, middle) for m in run.reading):  # the tail READs rank 1's share of 2
-            assert time.monotonic() < deadline, f"the tail never READ rank 1's share of version 2: {run.reading}"
+        while not any(m[2:] == (2, 1, last, victim) for m in run.reading):  # the last READs rank 1's share of 2
+            assert time.monotonic() < deadline, f"the last leader never READ rank 1's share of version 2: {run.reading}"
             run.drain(0.03)
         names = {m[4]: m[1] for m in run.reading}
-        os.kill(run.pids[names[middle]], signal.SIGKILL)
+        os.kill(run.pids[names[victim]], signal.SIGKILL)
         killed = time.monotonic()
-        survivors = (names[head], names[tail])
+        survivors = tuple(names[r] for r in chain.rids if r != victim)
         run.push(3)
         run.until(survivors, 3, 60)
         caught_up = time.monotonic() - killed
-        print(f"\nthe survivors applied version 3 {caught_up:.2f} s after the middle leader was killed "
+        print(f"\n{cross_host}: the survivors applied version 3 {caught_up:.2f} s after the leader was killed "
               f"(timeout_s={TIMEOUT_S}, heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S})")  # fmt: skip
         assert caught_up < TIMEOUT_S + HEARTBEAT_TIMEOUT_S, caught_up
         assert {n: run.seen[n][-1] for n in survivors} == {n: (3, run.pushed[3]) for n in survivors}
-        assert [v for v, _ in run.seen[names[tail]]] in ([1, 2, 3], [1, 3]), run.seen
+        for n in survivors:  # version 2 whole or not at all: never a mix of the ranks' shares
+            assert [v for v, _ in run.seen[n]] in ([1, 2, 3], [1, 3]), run.seen
+        alive = {r for r in chain.rids if r != victim}
         for rank in (0, 1):  # both streams re-formed without the dead host's leader
             now = run.sender._ctl.get_record(keys.relay_chain(run.streams[rank]), ChainRecord)
-            assert now is not None and middle not in now.rids and set(now.rids) == {head, tail}, (rank, now)
+            assert now is not None and victim not in now.rids and set(now.rids) == alive, (rank, now)
         run.close(survivors)
     finally:
         run.shut()
