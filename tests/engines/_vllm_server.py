@@ -82,6 +82,11 @@ class Server:
         kept = [line for line in text if not line.startswith("INFO:") or "generate" not in line]
         return "\n".join(kept[-lines:])
 
+    def wsync_lines(self, lines: int = 60) -> str:
+        """The last ``lines`` of lightning_wsync's own log lines (``WSYNC_LOG_LEVEL`` in ``extra_env``)."""
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in text if " wsync[" in line or "lightning_wsync" in line][-lines:])
+
     def stop(self) -> None:
         """SIGTERM to the server's process group (API server, engine core, workers), SIGKILL after 20 s."""
         if self.proc.poll() is None:

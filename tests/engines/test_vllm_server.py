@@ -46,7 +46,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    started = [Server(model_dir, free_port(), logs / f"server{i}.log", cpus=str(i)) for i in range(2)]
+    # The receivers' INFO lines in the servers' logs: a failure shows what each server's receiver did.
+    started = [Server(model_dir, free_port(), logs / f"server{i}.log", cpus=str(i),
+                      extra_env={"WSYNC_LOG_LEVEL": "INFO"}) for i in range(2)]  # fmt: skip
     try:
         for s in started:
             s.wait_ready(START_S)
@@ -156,6 +158,10 @@ def test_two_servers_with_fleet_report_the_same_version_after_every_push(servers
             expected, _ = hf_greedy(model, ids)
             assert [s.weight_version() for s in servers] == [str(version)] * 2
             assert [s.complete(ids, NEW_TOKENS) for s in servers] == [expected] * 2, f"version {version}"
+    except BaseException:
+        for s in servers:  # shown with the failure: what each server's receiver did
+            print(f"--- {s.url}: lightning_wsync's lines\n{s.wsync_lines()}")
+        raise
     finally:
         engine.shutdown()
 
