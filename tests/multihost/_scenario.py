@@ -124,6 +124,31 @@ def wait_until(
         time.sleep(POLL_S)
 
 
+def leader_receipts(ctl: Any, epoch: int, rids: dict[str, int | None], version: int,
+                    timeout_s: float = 10.0) -> dict[str, Any]:  # fmt: skip
+    """name -> its host leader's receipt of ``version`` (``relay/<epoch>/received/<rid>``), for each
+    of ``rids`` (name -> leader rid, None: no leader, skipped) whose leader has one within ``timeout_s``.
+
+    Waited for, not read once: a leader writes its receipt before it publishes the version on its
+    host, but a TCPStore ``set`` has no reply, and it travels on the host's shaped link behind the
+    version the leader forwards, so it can land after the receivers' ``applied`` events that a
+    scenario reads from a file (seen: a restarted host's receipt absent 25 ms after it applied).
+    """
+    from lightning_wsync._control import keys
+
+    deadline = time.monotonic() + timeout_s
+    led = {name: rid for name, rid in rids.items() if rid is not None}
+    while True:
+        got: dict[str, Any] = {}
+        for name, rid in led.items():
+            note = ctl.get_json(keys.relay_received(epoch, rid))
+            if note is not None and str(version) in note:
+                got[name] = note[str(version)]
+        if len(got) == len(led) or time.monotonic() > deadline:
+            return got
+        time.sleep(POLL_S)
+
+
 def main(scenario: Callable[[list[str]], dict[str, Any]]) -> None:
     """Run ``scenario(argv)`` as the session's PID 1 and print its ``RESULT`` line."""
     relay_info()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _scenario import Procs, main, wait_until
+from _scenario import Procs, leader_receipts, main, wait_until
 
 from lightning_wsync import WeightSender
 from lightning_wsync._control import keys
@@ -89,14 +89,12 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 if all_apply:
                     wait_until(f"{sorted(names)} to apply version {version}", lambda: applied(names, version),
                                60, procs)  # fmt: skip
-                note_receipts(version)
+                note_receipts(version, hosts=tuple(sorted({int(n[1 : n.index("r")]) for n in names})))
 
-            def note_receipts(version: int, tag: str = "") -> None:
-                for host in (1, 2, 3):
-                    rid = leader(host)
-                    note = None if rid is None else ctl.get_json(keys.relay_received(sender.epoch, rid))
-                    if note is not None and str(version) in note:
-                        receipts.setdefault(f"{host}{tag}", {})[str(version)] = note[str(version)]
+            def note_receipts(version: int, tag: str = "", hosts: tuple[int, ...] = (1, 2, 3)) -> None:
+                rids = {f"{host}{tag}": leader(host) for host in hosts}
+                for name, row in leader_receipts(ctl, sender.epoch, rids, version).items():
+                    receipts.setdefault(name, {})[str(version)] = row
 
             names = {"h1r0", "h1r1", "h2r0"}
             for name in sorted(names):

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _scenario import Procs, main, wait_until
+from _scenario import Procs, leader_receipts, main, wait_until
 
 from lightning_wsync import WeightSender
-from lightning_wsync._control import keys
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head.feed import leader_record
 from lightning_wsync._planes.relay.hops import read_chain
@@ -89,11 +88,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
             names = {f"h{h}r0": h for h in range(1, n_hosts + 1)}
 
             def note_receipts(version: int) -> None:
-                for name, host in names.items():
-                    rid = leader(host)
-                    note = None if rid is None else ctl.get_json(keys.relay_received(sender.epoch, rid))
-                    if note is not None and str(version) in note:
-                        receipts.setdefault(name, {})[str(version)] = note[str(version)]
+                rids = {name: leader(host) for name, host in names.items()}
+                for name, row in leader_receipts(ctl, sender.epoch, rids, version).items():
+                    receipts.setdefault(name, {})[str(version)] = row
 
             def push(version: int, *, wait: bool = True) -> None:
                 tx0 = hosts.counters(0)[0]

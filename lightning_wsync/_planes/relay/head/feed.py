@@ -50,8 +50,9 @@ chain, checks, failures), kept beside the head that feeds the chain's first lead
   the head's sends run in a thread of their own, which it leaves behind, as gloo wakes a send
   part-written into a leader that left for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`),
   every leader rebuilds its hops and the head sends the newest version again. A dropped leader is
-  re-admitted after ``heartbeat_timeout_s`` if still live. Each side deletes a hop's keys when it
-  leaves it; the sender deletes what dead leaders and replaced chains left after ``timeout_s + heartbeat_timeout_s``.
+  re-admitted after ``heartbeat_timeout_s`` once its heartbeat has moved since the drop. Each side
+  deletes a hop's keys when it leaves it; the sender deletes what dead leaders and replaced chains
+  left after ``timeout_s + heartbeat_timeout_s``.
 
 Why a chain, and when two trees: a chain keeps every link at one copy per version (the trainer's
 and each host's egress stay one model at any host count) and costs a chunk time plus a hop latency
@@ -139,7 +140,9 @@ class RelayHead:
         self._heartbeat_timeout_s = timing.heartbeat_timeout_s
         self._deltas = deltas
         self._policy = policy or AutoPolicy("off")
-        self._excluded: dict[int, float] = {}  # rid -> until (time.monotonic())
+        # rid -> (until (time.monotonic()), its heartbeat count when dropped): re-admitted once both
+        # the time has passed and the count has moved since (see update_chain).
+        self._excluded: dict[int, tuple[float, int | None]] = {}
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._pieces = chunks(ring.layout)
@@ -157,9 +160,10 @@ class RelayHead:
         for rid in leaders if look else ():
             if rid not in self._excluded and ctl.has(keys.relay_broken(self._epoch, rid)):
                 ctl.delete(keys.relay_broken(self._epoch, rid))
-                self._excluded[rid] = now + self._heartbeat_timeout_s
+                self._excluded[rid] = (now + self._heartbeat_timeout_s, self._beats(ctl, rid))
                 log.warning("relay: leader rid=%d dropped from the chain (a hop to it failed)", rid)
-        self._excluded = {r: t for r, t in self._excluded.items() if t > now}
+        self._excluded = {r: e for r, e in self._excluded.items()
+                          if r in leaders and not self._readmit(ctl, r, *e, now)}  # fmt: skip
         wanted = {rid for rid in leaders if rid not in self._excluded}
         kept = [r for r in self.chain.rids if r in wanted]
         rids = tuple(kept + sorted(wanted - set(kept), key=lambda r: leaders[r]))
@@ -182,6 +186,26 @@ class RelayHead:
         # part-written: at timeout_s): a group nobody serves would block it for timeout_s.
         if (hop := self._hop) is not None and hop[0] != self.chain.number:
             hop[1].interrupt()
+
+    def _readmit(self, ctl: Control, rid: int, until: float, beats: int | None, now: float) -> bool:
+        """Whether dropped leader ``rid`` is back: ``heartbeat_timeout_s`` has passed since the drop
+        and its heartbeat has moved since. The time alone is not enough: the membership counts a
+        leader dead only ``heartbeat_timeout_s`` after it *saw* its last beat, which may be after the
+        hop to it failed, and a SIGKILLed leader was re-admitted in that gap (2.0 s after its drop, then
+        dropped again 0.2 s later: two re-forms, the newest version sent again, and a host behind
+        it that got a version in full from a parent that already held it; seen 2026-11-29)."""
+        if now < until:
+            return False
+        moved = self._beats(ctl, rid)
+        return moved is not None and moved != beats
+
+    def _beats(self, ctl: Control, rid: int) -> int | None:
+        """Leader ``rid``'s heartbeat count (``member/<rid>/hb``); None where it is unreadable."""
+        try:
+            return ctl.add(keys.member_heartbeat(rid), 0)
+        except WeightSyncError as exc:  # garbled by a store writer: no beat seen (its owner rewrites it)
+            log.debug("relay: leader rid=%d's heartbeat: %s", rid, exc)
+            return None
 
     def receipts(self, ctl: Control, version: int) -> dict[str, HopReceipt]:
         """host -> how its leader got ``version`` (hosts whose leader has not reported it are left out)."""
