@@ -67,11 +67,42 @@ class Lines:
         return "".join(self.out)
 
 
-def test_receivers_that_cannot_map_a_streams_ring_get_it_over_the_network_alone(server, port, monkeypatch, children):
+def _wait_for_nixl_hops(sender: WeightSender, counts: list[int], timeout_s: float = 60) -> None:
+    """Until ``counts[r]`` receivers stand alone in rank r's stream, each with its NIXL hop's agent
+    on the store (``nixl/<stream>/agent/h<rid>``: it READs that stream from upstream)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = []
+        for rank in range(len(counts)):
+            stream = keys.relay_stream(sender.epoch, rank)
+            record = sender._ctl.get_record(keys.relay_stream_alone(stream), StreamLeadersRecord)
+            rids = [] if record is None else sorted(record.leaders)
+            seen.append([rid for rid in rids if sender._ctl.has(keys.nixl_agent(stream, f"h{rid}"))])
+        if [len(s) for s in seen] == counts:
+            return
+        assert time.monotonic() < deadline, f"alone receivers with NIXL hops, by stream: {seen}, wanted {counts}"
+        time.sleep(0.05)
+
+
+def _nixl_unusable() -> str | None:
+    from lightning_wsync._planes.nixl.agent import unusable
+
+    return unusable()
+
+
+@pytest.mark.parametrize("transport", [
+    "auto",  # gloo hops
+    pytest.param("nixl", marks=pytest.mark.skipif(_nixl_unusable() is not None, reason=f"{_nixl_unusable()}")),
+])  # fmt: skip
+def test_receivers_that_cannot_map_a_streams_ring_get_it_over_the_network_alone(
+    server, port, monkeypatch, children, transport
+) -> None:
+    """``nixl``: each stream's hops are NIXL READs (docs/nixl.md), the alone receivers' included,
+    from a /dev/shm of their own, as a container on the host network would READ."""
     monkeypatch.setenv("WSYNC_HOST_ID", "trainer-a")
     address, last = f"127.0.0.1:{port}", 4
     model = sharded_model()
-    cfg = SenderConfig(job="alone", timeout_s=10, heartbeat_timeout_s=10)
+    cfg = SenderConfig(job="alone", timeout_s=10, heartbeat_timeout_s=10, transport=transport)
     mine = prepare_shares(model, cfg, 0, 2)
     theirs = dataclasses.replace(prepare_shares(model, cfg, 1, 2), host="trainer-b")
     writer = ShareWriter(theirs, cfg)
@@ -101,6 +132,8 @@ def test_receivers_that_cannot_map_a_streams_ring_get_it_over_the_network_alone(
                 version = 1
                 while any(last not in seen for seen in got.values()):
                     if version < last:
+                        if transport == "nixl" and version + 1 == last:  # the alone leaders live till then
+                            _wait_for_nixl_hops(sender, [2, 1])
                         version += 1
                         mutate(model, version)
                         assert writer.write(version)
