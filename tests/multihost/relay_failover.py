@@ -26,6 +26,7 @@ from _scenario import Procs, main, wait_until
 from lightning_wsync import WeightSender
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.relay.head.feed import leader_record
+from lightning_wsync._planes.relay.hops import read_chain
 from lightning_wsync.testing.hosts import SimHosts
 from lightning_wsync.testing.models import build_model, digest, mutate, spec_for_size
 
@@ -40,6 +41,23 @@ def read(path: Path) -> list[dict[str, Any]]:
     )
 
 
+def middle_host(ctl: Control, epoch: int, hosts: SimHosts, n_hosts: int) -> int:
+    """The host whose leader is second in the relay's chain (waited for: every host's leader in it)."""
+
+    def found() -> int | None:
+        chain = read_chain(ctl, epoch)
+        if chain is None or len(chain.rids) < n_hosts:
+            return None
+        by_rid = {}
+        for h in range(1, n_hosts + 1):
+            record = leader_record(ctl, epoch, hosts.name(h))
+            if record is not None:
+                by_rid[record.rid] = h
+        return by_rid.get(chain.rids[1])
+
+    return int(wait_until("every host's leader in the chain", found, 60))
+
+
 def scenario(argv: list[str]) -> dict[str, Any]:
     out, n_hosts, per_host, size_mb, link = (
         Path(argv[0]),
@@ -50,6 +68,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
     )
     mode = argv[5] if len(argv) > 5 else "kill"
     cross_host = argv[6] if len(argv) > 6 else "relay"
+    # "host1": host 1's leader, wherever it is in the chain; "middle": the chain's second leader
+    # (its first then stays first: the head must not leave that one's version half-sent).
+    victim = argv[7] if len(argv) > 7 else "host1"
     sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[mode]
     kill_at, pushes, timeout_s = 3, 7, 10.0
     events = out / "events.jsonl"
@@ -84,26 +105,27 @@ def scenario(argv: list[str]) -> dict[str, Any]:
                 mutate(model, version)
                 expected[version] = digest(model, None)
                 if version == kill_at:
-                    record = leader_record(ctl, sender.epoch, hosts.name(1))
-                    assert record is not None, "host 1 has no leader"
-                    rx0 = hosts.counters(1)[1]
+                    host = 1 if victim == "host1" else middle_host(ctl, sender.epoch, hosts, n_hosts)
+                    record = leader_record(ctl, sender.epoch, hosts.name(host))
+                    assert record is not None, f"host {host} has no leader"
+                    rx0 = hosts.counters(host)[1]
                     started = time.monotonic()
                     handle = sender.push(version)
                     goal = rx0 + 0.4 * sender.layout.total_bytes
                     wait_until(
-                        "40% of the version to reach host 1",
-                        lambda goal=goal: hosts.counters(1)[1] >= goal,
+                        f"40% of the version to reach host {host}",
+                        lambda goal=goal, host=host: hosts.counters(host)[1] >= goal,
                         30,
                     )
                     os.kill(record.pid, sig)
                     killed = {"rid": record.rid, "pid": record.pid, "after_s": time.monotonic() - started,
-                              "rx_bytes": hosts.counters(1)[1] - rx0}  # fmt: skip
+                              "rx_bytes": hosts.counters(host)[1] - rx0, "host": host}  # fmt: skip
                 else:
                     handle = sender.push(version)
                 report = handle.wait(timeout_s)
                 reports.append({"version": version, "delivered": sorted(report.delivered), "failed": report.failed,
                                 "latency_s": report.latency_s})  # fmt: skip
-            after = leader_record(ctl, sender.epoch, hosts.name(1))
+            after = leader_record(ctl, sender.epoch, hosts.name(killed["host"]))
             ready = {r["pid"]: r for r in read(events) if r["event"] == "ready"}
             killed["name"] = (
                 ready[killed["pid"]]["name"] if killed["pid"] in ready else None

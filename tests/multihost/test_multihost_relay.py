@@ -154,6 +154,36 @@ def test_leader_killed_mid_version_host_mate_takes_over(tmp_path: Path, size_mb:
 
 
 @pytest.mark.timeout(400)
+def test_a_middle_leader_killed_mid_version_stalls_nobody_upstream_or_down(tmp_path: Path) -> None:
+    """The chain's second leader SIGKILLed mid-version: the first stays first, and the head sends
+    it that version to the end rather than leave it half-sent (its receive would then wait out
+    ``timeout_s``, and every version with it: a flake hunt at ``-n 2`` saw versions 3 and 5 reach
+    nobody within ``timeout_s``). Versions after the kill reach every live receiver, each within
+    ``timeout_s``, and well within it."""
+    result = run_scenario(
+        "relay_failover.py", str(tmp_path), "3", "2", "16", "300mbit", "kill", "chain", "middle", timeout_s=380
+    )
+    killed, names, rids = result["killed"], result["names"], result["rids"]
+    print(json.dumps({k: result[k] for k in ("killed", "leader_after", "reports")}, indent=1))
+    host = killed["host"]
+    assert killed["name"] is not None and killed["name"].startswith(f"h{host}r")
+    assert 0 < killed["rx_bytes"] < 16 * 2**20
+    for report in result["reports"]:
+        if report["version"] >= result["kill_at"]:
+            live = set(names) - {killed["name"]}
+            if report["version"] > result["kill_at"]:
+                assert set(report["delivered"]) == live, report
+            # Not a timeout_s wait anywhere: the kill's own version reaches the hosts around the
+            # dead one too (its host-mate once it leads), and every later one, in a few seconds.
+            assert set(report["delivered"]) >= live - {n for n in names if n.startswith(f"h{host}r")}, report
+            assert report["latency_s"] is not None and report["latency_s"] < result["timeout_s"] / 2, report
+    (mate,) = [n for n in names if n.startswith(f"h{host}r") and n != killed["name"]]
+    assert result["leader_after"]["rid"] == rids[mate]
+    applied = result["applied"]
+    assert applied and all(a["exact"] for a in applied), [a for a in applied if not a["exact"]]
+
+
+@pytest.mark.timeout(400)
 def test_leader_stalled_mid_version_is_replaced_and_follows_after_resume(tmp_path: Path) -> None:
     """SIGSTOP, not SIGKILL: the stalled leader's host-mate takes over, the hosts behind are repaired."""
     result = run_scenario(

@@ -183,8 +183,10 @@ class RelayHead:
         log.info("relay %s %d: %s", "trees" if tree else "chain", self.chain.number, list(rids))
         self._changed.set()
         # A send into the old chain's first leader waiting for its receive ends now (one already
-        # part-written: at timeout_s): a group nobody serves would block it for timeout_s.
-        if (hop := self._hop) is not None and hop[0] != self.chain.number:
+        # part-written: at timeout_s): a group nobody serves would block it for timeout_s. Not when
+        # that leader is still first: it reads the version to its end before it looks at the chain,
+        # and a send ended mid-version would leave its receive partly read, waking only at timeout_s.
+        if (hop := self._hop) is not None and hop[0] != self.chain.number and old.rids[:1] != rids[:1]:
             hop[1].interrupt()
 
     def _readmit(self, ctl: Control, rid: int, until: float, beats: int | None, now: float) -> bool:
@@ -279,24 +281,34 @@ class RelayHead:
             except BaseException:
                 lease.release()
                 raise
-            self._send_apart(pg, ctl, lease, delta)
+            self._send_apart(pg, ctl, lease, delta, first)
             sent, n = lease.ref.version, n + 1
             self._notes = n
 
-    def _send_apart(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
+    def _send_apart(
+        self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None, first: int
+    ) -> None:
         """:meth:`_send` from a thread left behind (holding its slots) if the chain changes first,
         as the trees' feed does (:func:`~lightning_wsync._planes.relay.hops.send_apart`); releases the leases.
 
+        A chain that changes with ``first`` still its first leader (a leader further down died) does
+        not end the send: ``first`` reads the version to its end either way, then moves on, and a
+        send left behind mid-version would hold its receive until ``timeout_s`` (CI and a flake hunt,
+        2026-11-29: every version stalled 10 s after a middle leader's death).
+
         Raises:
-            Superseded: the chain changed before the version was sent.
+            Superseded: the chain changed before the version was sent, and ``first`` leads it no more.
         """
+
+        def first_moved() -> bool:
+            return self._stop.is_set() or self.chain.rids[:1] != (first,)
 
         def release() -> None:
             if delta is not None:
                 delta[1].release()
             lease.release()
 
-        send_apart(lambda: self._send(pg, ctl, lease, delta), release, self._superseded,
+        send_apart(lambda: self._send(pg, ctl, lease, delta), release, first_moved,
                    f"wsync-relay-head-send-v{lease.ref.version}", self._timeout_s)  # fmt: skip
 
     def _send(self, pg: PeerGroup, ctl: Control, lease: Lease, delta: tuple[DeltaStream, Lease] | None) -> None:
