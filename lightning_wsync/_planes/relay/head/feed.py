@@ -48,7 +48,8 @@ chain, checks, failures), kept beside the head that feeds the chain's first lead
   heartbeat stops) and publishes a new generation; the sending side of every hop ends a send
   under way (its peer may have left; a send into a group nobody serves blocks for ``timeout_s``;
   the head's sends run in a thread of their own, which it leaves behind, as gloo wakes a send
-  part-written into a leader that left for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`),
+  part-written into a leader that left for nothing: :func:`~lightning_wsync._planes.relay.hops.send_apart`;
+  but not the head's send to a first leader that stays first, which reads that version to its end),
   every leader rebuilds its hops and the head sends the newest version again. A dropped leader is
   re-admitted after ``heartbeat_timeout_s`` once its heartbeat has moved since the drop. Each side
   deletes a hop's keys when it leaves it; the sender deletes what dead leaders and replaced chains
