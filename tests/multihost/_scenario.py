@@ -15,6 +15,7 @@ from typing import Any
 
 from _relaylog import relay_info
 
+from lightning_wsync._control import keys
 from lightning_wsync.testing.hosts import SimHosts, prepare_session
 
 POLL_S = 0.05
@@ -134,8 +135,6 @@ def leader_receipts(ctl: Any, epoch: int, rids: dict[str, int | None], version: 
     version the leader forwards, so it can land after the receivers' ``applied`` events that a
     scenario reads from a file (seen: a restarted host's receipt absent 25 ms after it applied).
     """
-    from lightning_wsync._control import keys
-
     deadline = time.monotonic() + timeout_s
     led = {name: rid for name, rid in rids.items() if rid is not None}
     while True:

@@ -294,8 +294,8 @@ class RelayHead:
 
         A chain that changes with ``first`` still its first leader (a leader further down died) does
         not end the send: ``first`` reads the version to its end either way, then moves on, and a
-        send left behind mid-version would hold its receive until ``timeout_s`` (CI and a flake hunt,
-        2026-11-29: every version stalled 10 s after a middle leader's death).
+        send left behind mid-version would hold its receive until ``timeout_s`` (a flake hunt,
+        2026-11-29: versions stalled 10 s after a middle leader's death).
 
         Raises:
             Superseded: the chain changed before the version was sent, and ``first`` leads it no more.
