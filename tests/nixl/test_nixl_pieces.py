@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch
@@ -100,11 +99,16 @@ def test_hop_chunks_cover_every_bucket_without_straddling():
     assert all(layout.buckets[k][0] <= a < b <= layout.buckets[k][1] for a, b, k in got)
 
 
-def test_a_peer_not_published_yet_is_debug_until_it_lasts_timeout_s():
-    from lightning_wsync._planes.nixl.agent import NixlError, NotPublished, failure_level
+def test_a_peer_not_published_yet_is_debug_until_it_lasts_timeout_s_and_a_failure_is_said_once():
+    from lightning_wsync._planes.nixl.agent import Failures, NixlError, NotPublished
 
-    now = time.monotonic()
     forming = NotPublished("the upstream (leader3) published no NIXL agent")
-    assert failure_level(forming, now, timeout_s=10) == logging.DEBUG  # a chain forming: not news
-    assert failure_level(forming, now - 11, timeout_s=10) == logging.WARNING  # past timeout_s: it is
-    assert failure_level(NixlError("a transfer in error"), now, timeout_s=10) == logging.WARNING
+    assert Failures(timeout_s=10).failed(forming) == logging.DEBUG  # a chain forming: not news
+    assert Failures(timeout_s=0).failed(forming) == logging.WARNING  # past timeout_s: it is
+    failures = Failures(timeout_s=10)
+    garbled = NixlError("record 'nixl/1/agent/leader2' ... holds '\\x00garbage'")
+    levels = [failures.failed(garbled) for _ in range(3)]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG] and failures.count == 3  # said once
+    assert failures.failed(NixlError("a transfer in error")) == logging.WARNING  # something else: news
+    failures.cleared()
+    assert failures.failed(garbled) == logging.WARNING and failures.count == 1  # once more after a success

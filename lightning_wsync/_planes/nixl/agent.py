@@ -36,12 +36,65 @@ class NotPublished(NixlError):
     or a sender starts, so its readers say it at DEBUG until it lasts ``timeout_s``."""
 
 
-def failure_level(exc: Exception, failing_since: float, timeout_s: float) -> int:
-    """The log level of a reader's failed attempt: DEBUG for a peer not published yet (until
-    that has lasted ``timeout_s``), WARNING for anything else."""
-    if isinstance(exc, NotPublished) and time.monotonic() - failing_since < timeout_s:
-        return logging.DEBUG
-    return logging.WARNING
+class Failures:
+    """A reader's failed attempts in a row (a hop's thread, a receiver's): each failure said once.
+
+    The first attempt that fails saying something is a WARNING (a peer not published yet only once
+    that has lasted ``timeout_s``: usual while a chain forms or a sender starts); the same failure
+    again, attempt after attempt while it lasts (a garbled record, a peer that does not answer), is
+    DEBUG, so a reader that waits on a bad record says so once, not once a second.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.count = 0
+        self.last: str | None = None  # the last failure, for describe()
+        self._timeout_s = timeout_s
+        self._since = 0.0
+        self._said: str | None = None
+
+    def failed(self, exc: Exception) -> int:
+        """Count a failed attempt; the level to log it at."""
+        self.count += 1
+        self._since = time.monotonic() if self.count == 1 else self._since
+        self.last = text = str(exc)
+        if isinstance(exc, NotPublished) and time.monotonic() - self._since < self._timeout_s:
+            return logging.DEBUG
+        if text == self._said:
+            return logging.DEBUG
+        self._said = text
+        return logging.WARNING
+
+    def cleared(self) -> None:
+        """An attempt went through: the next failure is news again."""
+        self.count = 0
+        self._said = None
+
+
+class Refusals:
+    """Reader agents an owner ignores because their record did not load (garbled, or NIXL refused its
+    metadata): each refusal said once per reason, and the reader's record read again at most every
+    ``retry_s`` when it asks (its writer may put it back; it is then answered).
+    """
+
+    def __init__(self, retry_s: float = 1.0) -> None:
+        self._retry_s = retry_s
+        self._refused: dict[str, tuple[str, float]] = {}  # agent -> (why, when its record may be read again)
+
+    def resting(self, peer: str) -> bool:
+        """Whether ``peer`` was refused less than ``retry_s`` ago: ignore it without reading its record."""
+        got = self._refused.get(peer)
+        return got is not None and time.monotonic() < got[1]
+
+    def refuse(self, peer: str, why: str) -> int:
+        """Note a refusal; the level to log it at (WARNING the first time for this reason, then DEBUG)."""
+        said = self._refused.get(peer)
+        if len(self._refused) > 1024:  # bounded, whatever agent names ask
+            self._refused.clear()
+        self._refused[peer] = (why, time.monotonic() + self._retry_s)
+        return logging.DEBUG if said is not None and said[0] == why else logging.WARNING
+
+    def accepted(self, peer: str) -> None:
+        self._refused.pop(peer, None)
 
 
 @functools.lru_cache(maxsize=1)

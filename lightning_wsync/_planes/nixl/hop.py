@@ -35,7 +35,7 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.records import NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl import messages
-from lightning_wsync._planes.nixl.agent import Agent, NixlError, NotPublished, failure_level
+from lightning_wsync._planes.nixl.agent import Agent, Failures, NixlError, NotPublished
 from lightning_wsync._planes.nixl.lend import HopOwner
 from lightning_wsync._planes.shm.ring import Draft, SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef, seq_word_offset
@@ -129,7 +129,7 @@ class ChainHop:
 
     # -- the hop's thread ---------------------------------------------------------------
     def _run(self) -> None:
-        failures, failing_since = 0, 0.0
+        failures = Failures(self._timeout_s)
         following = self._upstream
         while not self._stop.is_set():
             if self._upstream != following:  # a new chain: another upstream
@@ -139,18 +139,16 @@ class ChainHop:
             try:
                 if not self._fetch():
                     self._stop.wait(_IDLE_POLL_S)
-                failures = 0
+                failures.cleared()
             except Dropped as exc:
                 log.debug("NIXL hop rid=%d: %s", self._rid, exc)
             except Exception as exc:  # noqa: BLE001 - a hop thread that died would stop its stream here for good
-                failures += 1
-                failing_since = time.monotonic() if failures == 1 else failing_since
-                self.error = str(exc)
+                level = failures.failed(exc)
+                self.error = failures.last
                 if not self._stop.is_set():
-                    level = failure_level(exc, failing_since, self._timeout_s)
                     log.log(level, "NIXL hop rid=%d (stream %d): %s", self._rid, self._stream, exc)
                 self._forget_upstream()
-                self._stop.wait(min(1.0, 0.05 * 2**failures))
+                self._stop.wait(min(1.0, 0.05 * 2**failures.count))
 
     def _upstream_record(self) -> NixlAgentRecord:
         if self._up is None:

@@ -20,7 +20,7 @@ from lightning_wsync._control import keys
 from lightning_wsync._control.records import NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl import messages
-from lightning_wsync._planes.nixl.agent import Agent, NixlError
+from lightning_wsync._planes.nixl.agent import Agent, NixlError, Refusals
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment, SlotRef
 from lightning_wsync.errors import WeightSyncError
@@ -77,6 +77,7 @@ class HopOwner:
         self._published: dict[tuple[int, int], tuple[int, list[int]]] = {}  # (slot, seq) -> origin seq, trailer
         self._pins: dict[tuple[str, int], _Pin] = {}
         self._known: set[str] = set()
+        self._refused = Refusals()  # reader agents whose record did not load: asked again when they pin
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"wsync-nixl-hop-owner-{rid}", daemon=True)
         self._thread.start()
@@ -176,6 +177,8 @@ class HopOwner:
         """Whether ``peer`` is the next leader's hop reader, its metadata loaded (so it can be answered)."""
         if peer in self._known:
             return True
+        if self._refused.resting(peer):
+            return False
         parts = peer.split("-")
         if len(parts) != 4 or parts[0] != "wsync" or not parts[1].startswith("h") or not parts[1][1:].isdigit():
             return False
@@ -186,8 +189,9 @@ class HopOwner:
             with self._agent.lock:
                 self._agent.add_remote(record)
         except (WeightSyncError, NixlError) as exc:
-            log.warning("NIXL hop owner: ignoring agent %r: %s", peer, exc)
+            log.log(self._refused.refuse(peer, str(exc)), "NIXL hop owner: ignoring agent %r: %s", peer, exc)
             return False
+        self._refused.accepted(peer)
         self._known.add(peer)
         return True
 

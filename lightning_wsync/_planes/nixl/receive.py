@@ -27,7 +27,7 @@ from lightning_wsync._control.records import NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import ReceiveSource, Reject, SumsLookup
 from lightning_wsync._planes.nixl import messages
-from lightning_wsync._planes.nixl.agent import Agent, NixlError, NotPublished, failure_level
+from lightning_wsync._planes.nixl.agent import Agent, Failures, NixlError, NotPublished
 from lightning_wsync._planes.nixl.send import reader_name
 from lightning_wsync._planes.shm.ring import bucket_checksums
 from lightning_wsync._planes.shm.segment import seq_word_offset
@@ -78,15 +78,13 @@ class NixlReader:
         self.ready: int | None = None  # the half holding the newest verified version
         self.version: int | None = None
         self._rejected: int | None = None  # the newest version that failed verification: not READ again
-        self.failures = 0
-        self.error: str | None = None  # the last failure, for describe()
+        self.failures = Failures(timeout_s)  # in a row; the last one's text, for describe()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wsync-nixl-read-{rid}", daemon=True)
         self._thread.start()
 
     # -- the reader's thread ----------------------------------------------------------
     def _run(self) -> None:
-        failing_since = 0.0
         while not self._stop.is_set():
             newest = self._newest()
             have = max((v for v in (self.version, self._rejected) if v is not None), default=None)
@@ -95,17 +93,14 @@ class NixlReader:
                 continue
             try:
                 self._fetch(have)
-                self.failures = 0
+                self.failures.cleared()
             except Torn as exc:
                 log.debug("NIXL reader %d: %s; reading again", self._rid, exc)
             except (NixlError, WeightSyncError, RuntimeError) as exc:
-                self.failures += 1
-                failing_since = time.monotonic() if self.failures == 1 else failing_since
-                self.error = str(exc)
-                level = failure_level(exc, failing_since, self._timeout_s)
+                level = self.failures.failed(exc)
                 log.log(level, "NIXL reader %d (sender epoch %d): %s", self._rid, self._epoch, exc)
                 self._forget_owner()
-                self._stop.wait(min(1.0, 0.05 * 2**self.failures))
+                self._stop.wait(min(1.0, 0.05 * 2**self.failures.count))
 
     def _owner_record(self) -> NixlAgentRecord:
         if self._owner is None:
@@ -214,7 +209,8 @@ class NixlReader:
 
     # -- for the source -------------------------------------------------------------
     def describe(self) -> str:
-        return "NIXL" if self.error is None or self.failures == 0 else f"NIXL (last failure: {self.error})"
+        failures = self.failures
+        return "NIXL" if failures.count == 0 else f"NIXL (last failure: {failures.last})"
 
     def close(self) -> None:
         self._stop.set()

@@ -23,7 +23,7 @@ from lightning_wsync._control.records import NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.nixl import messages
-from lightning_wsync._planes.nixl.agent import Agent, NixlError
+from lightning_wsync._planes.nixl.agent import Agent, NixlError, Refusals
 from lightning_wsync._planes.shm.ring import Lease, SnapshotRing
 from lightning_wsync._planes.shm.segment import ShmSegment
 from lightning_wsync._planes.wire import signed_trailer
@@ -60,7 +60,7 @@ class NixlSendPlane:
         self._leases: dict[tuple[str, int], Lease] = {}  # (reader agent, tag) -> its pin
         self._readers: dict[str, int] = {}  # reader agent -> rid
         self._relayed: set[str] = set()  # reader agents of relay hops: trailers signed for RELAY_RID, forwarded
-        self._refused: set[str] = set()  # agents whose record did not load: ignored
+        self._refused = Refusals()  # agents whose record did not load: ignored until it is replaced
         self._delivered: dict[int, int] = {}  # rid -> newest version it unpinned
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -130,7 +130,7 @@ class NixlSendPlane:
 
     def _handle(self, peer: str, note: bytes) -> None:
         parsed = messages.parse(note)
-        if parsed is None or peer in self._refused:
+        if parsed is None:
             return
         kind, numbers = parsed
         tag = numbers[0]
@@ -178,6 +178,8 @@ class NixlSendPlane:
         rid = self._readers.get(peer)
         if rid is not None:
             return rid
+        if self._refused.resting(peer):
+            return None
         match = _READER.match(peer)
         if match is None:
             self._refuse(peer, "not a wsync reader's agent name")
@@ -191,6 +193,7 @@ class NixlSendPlane:
         except (WeightSyncError, NixlError) as exc:
             self._refuse(peer, str(exc))
             return None
+        self._refused.accepted(peer)
         with self._lock:
             self._readers[peer] = rid
             if kind == "h":
@@ -198,8 +201,8 @@ class NixlSendPlane:
         return rid
 
     def _refuse(self, peer: str, why: str) -> None:
-        self._refused.add(peer)
-        log.warning("NIXL owner of epoch %d: ignoring agent %r: %s", self._epoch, peer, why)
+        level = self._refused.refuse(peer, why)
+        log.log(level, "NIXL owner of epoch %d: ignoring agent %r: %s", self._epoch, peer, why)
 
     def _expire(self) -> None:
         """Drop pins idle for twice the lease (the ring stopped honouring them after one)."""
