@@ -142,7 +142,10 @@ class SenderConfig(_PeerConfig):
         cuda_ipc: with the module on a GPU, also keep the snapshot slots on that GPU and let
             same-host receivers whose modules are on a GPU copy from there by CUDA IPC (device
             to device) instead of from host memory. Costs two copies of the pushed bytes in
-            the trainer GPU's memory. Other receivers are served as without it.
+            the trainer GPU's memory. Where NIXL serves other hosts (``transport='nixl'``, or
+            ``'auto'`` with ``cross_host='star'``), the mirror is lent to NIXL readers too, and
+            a reader whose module is on a GPU READs from it (docs/nixl.md). Other receivers are
+            served as without it.
     """
 
     OWNER: ClassVar[str] = "WeightSender"
@@ -159,10 +162,10 @@ class SenderConfig(_PeerConfig):
         super().__post_init__()
         owner = self.OWNER
         _delta_mode(owner, self.delta)
-        if self.cuda_ipc and self.transport not in ("auto", "shm"):
+        if self.cuda_ipc and self.transport not in ("auto", "shm", "nixl"):
             raise ValueError(
                 f"{owner}: cuda_ipc=True serves same-host receivers beside the shared-memory ring, but "
-                f"transport={self.transport!r}; use transport='auto' or 'shm', or cuda_ipc=False"
+                f"transport={self.transport!r}; use transport='auto', 'shm' or 'nixl', or cuda_ipc=False"
             )
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in WIRE_DTYPES:
             raise ValueError(f"{owner}: dtype={self.dtype!r} is not supported; choose one of {WIRE_DTYPES} or None")

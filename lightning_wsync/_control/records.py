@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
 from typing_extensions import Self
 
@@ -33,9 +33,9 @@ from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.shards import ShardPlan
 
 __all__ = [
-    "ChainRecord", "ClosedRecord", "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState", "MembersLow",
-    "NixlAgentRecord", "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection", "SenderPointer",
-    "SenderRecord", "ShardsRecord", "SumsRecord", "VersionRecord",
+    "ChainRecord", "ClosedRecord", "DeviceRegion", "LeaderRecord", "ManifestRecord", "MemberRecord", "MemberState",
+    "MembersLow", "NixlAgentRecord", "R", "Receipt", "ReceiptsRecord", "Record", "RecordShape", "Rejection",
+    "SenderPointer", "SenderRecord", "ShardsRecord", "SumsRecord", "VersionRecord",
 ]  # fmt: skip
 
 
@@ -110,23 +110,46 @@ class SenderRecord:
         )  # fmt: skip
 
 
+class DeviceRegion(NamedTuple):
+    """A registered region in GPU memory: NIXL's memory kind ``VRAM`` on CUDA device ``device``
+    (its index in the owner's process, as the owner registered it)."""
+
+    address: int
+    size: int
+    device: int
+
+
+MEMORY_KINDS = ("VRAM",)  # what a record's "mirror" regions may be; host regions are "regions"
+
+
 @dataclass(frozen=True)
 class NixlAgentRecord:
     """``nixl/<epoch>/agent/<who>``: a NIXL agent (hook: the NIXL plane, docs/nixl.md).
 
     ``regions``: the (address, bytes) ranges the agent registered for remote READs, in
     the owner's order: the ring's header, then each slot (empty for a receiver's agent).
+    ``mirror``: the ring's GPU mirror (``cuda_ipc=True``), one region per slot in slot order,
+    with its memory kind and device; empty when there is none. It is a key of its own, not
+    wider ``regions`` entries, so a reader from before it loads a new owner's record (and
+    an old owner's record, without the key, loads here with no mirror).
     """
 
-    EXPECTED: ClassVar[str] = '{"name", "pid", "metadata": <base64>, "regions": [[address, bytes], ...]}'
+    EXPECTED: ClassVar[str] = (
+        '{"name", "pid", "metadata": <base64>, "regions": [[address, bytes], ...], '
+        '"mirror" (optional): [[address, bytes, "VRAM", device], ...]}'
+    )
     name: str
     pid: int
     metadata: str  # base64 of nixl_agent.get_agent_metadata()
     regions: tuple[tuple[int, int], ...] = ()
+    mirror: tuple[DeviceRegion, ...] = ()
 
     def encode(self) -> object:
         regions = [list(r) for r in self.regions]
-        return {"name": self.name, "pid": self.pid, "metadata": self.metadata, "regions": regions}
+        value: dict[str, object] = {"name": self.name, "pid": self.pid, "metadata": self.metadata, "regions": regions}
+        if self.mirror:
+            value["mirror"] = [[m.address, m.size, "VRAM", m.device] for m in self.mirror]
+        return value
 
     @classmethod
     def decode(cls, value: object) -> Self:
@@ -136,12 +159,27 @@ class NixlAgentRecord:
             pair = as_list(r, "regions[]")
             if len(pair) != 2:
                 raise RecordShape(f"regions[] entry {pair!r:.40} is not [address, bytes]")
-            address, size = as_int(pair[0], "regions[][0]"), as_int(pair[1], "regions[][1]")
-            if address <= 0 or size <= 0:
-                raise RecordShape(f"region [{address}, {size}] is not a positive address and size")
-            regions.append((address, size))
+            regions.append(_region(pair[0], pair[1], "regions"))
+        mirror: list[DeviceRegion] = []
+        for r in as_list(v.get("mirror", []), "mirror"):
+            entry = as_list(r, "mirror[]")
+            if len(entry) != 4:
+                raise RecordShape(f"mirror[] entry {entry!r:.60} is not [address, bytes, kind, device]")
+            kind, device = as_str(entry[2], "mirror[][2]"), as_int(entry[3], "mirror[][3]")
+            if kind not in MEMORY_KINDS:
+                raise RecordShape(f"mirror[] memory kind {kind!r:.20} is not one of {MEMORY_KINDS}")
+            if device < 0:
+                raise RecordShape(f"mirror[] device {device} is not a CUDA device index (0 or more)")
+            mirror.append(DeviceRegion(*_region(entry[0], entry[1], "mirror"), device))
         return cls(as_str(v["name"], "name"), as_int(v["pid"], "pid"), as_str(v["metadata"], "metadata"),
-                   tuple(regions))  # fmt: skip
+                   tuple(regions), tuple(mirror))  # fmt: skip
+
+
+def _region(address: object, size: object, what: str) -> tuple[int, int]:
+    a, n = as_int(address, f"{what}[][0]"), as_int(size, f"{what}[][1]")
+    if a <= 0 or n <= 0:
+        raise RecordShape(f"region [{a}, {n}] is not a positive address and size")
+    return a, n
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ CASES: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("sender cuda_ipc on cpu", WeightSender, {"cuda_ipc": True}, ValueError,
      r"cuda_ipc=True shares snapshot slots on the module's GPU, but its tensors are on \['cpu'\]"),
     ("sender cuda_ipc over gloo", WeightSender, {"cuda_ipc": True, "transport": "gloo"}, ValueError,
-     r"cuda_ipc=True serves same-host receivers .* transport='gloo'; use transport='auto' or 'shm'"),
+     r"cuda_ipc=True serves same-host receivers .* transport='gloo'; use transport='auto', 'shm' or 'nixl'"),
     ("sender unknown option", WeightSender, {"bucket_size": 3}, TypeError, r"unexpected keyword argument 'bucket_size'"),  # noqa: E501  (a table: one case per line)
     ("sender store", WeightSender, {"store": "localhost"}, ValueError, r"store='localhost' is not 'host:port'"),
     ("sender store port", WeightSender, {"store": "h:99999"}, ValueError, r"store='h:99999' is not 'host:port'"),

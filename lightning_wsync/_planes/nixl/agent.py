@@ -16,15 +16,25 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from lightning_wsync._control.records import NixlAgentRecord
+from lightning_wsync._control.records import DeviceRegion, NixlAgentRecord
 
 log = logging.getLogger(__name__)
 
 _BACKEND = "UCX"
+
+
+class Memory(NamedTuple):
+    """NIXL's memory kind of a transfer's ranges (``DRAM``: host; ``VRAM``: CUDA device ``device``)."""
+
+    kind: str
+    device: int
+
+
+DRAM = Memory("DRAM", 0)
 
 
 class NixlError(RuntimeError):
@@ -134,17 +144,29 @@ class Agent:
         self.lock = threading.RLock()  # one thread at a time through the agent (close from another)
 
     # -- memory -------------------------------------------------------------------------
-    def register(self, tensors: Sequence[torch.Tensor]) -> None:
+    def register(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Register contiguous tensors, all on one device (host: ``DRAM``; a GPU: ``VRAM`` with its
+        index, as ``nixl_agent.get_reg_descs`` reads them); a handle for :meth:`deregister`."""
         try:
-            self._registered.append(self._nixl.register_memory(list(tensors)))
+            handle = self._nixl.register_memory(list(tensors))
         except Exception as exc:  # noqa: BLE001
             raise NixlError(f"NIXL agent {self.name!r} could not register memory: {exc}") from None
+        self._registered.append(handle)
+        return handle
+
+    def deregister(self, handle: Any) -> None:
+        if any(h is handle for h in self._registered):  # by identity: descriptor lists may compare by content
+            self._registered = [h for h in self._registered if h is not handle]
+            try:
+                self._nixl.deregister_memory(handle)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("NIXL agent %r: deregistering: %s", self.name, exc)
 
     def metadata(self) -> str:
         return base64.b64encode(self._nixl.get_agent_metadata()).decode("ascii")
 
-    def record(self, regions: Sequence[tuple[int, int]] = ()) -> NixlAgentRecord:
-        return NixlAgentRecord(self.name, os.getpid(), self.metadata(), tuple(regions))
+    def record(self, regions: Sequence[tuple[int, int]] = (), mirror: Sequence[DeviceRegion] = ()) -> NixlAgentRecord:
+        return NixlAgentRecord(self.name, os.getpid(), self.metadata(), tuple(regions), tuple(mirror))
 
     # -- peers --------------------------------------------------------------------------
     def add_remote(self, record: NixlAgentRecord) -> None:
@@ -189,11 +211,14 @@ class Agent:
 
     # -- transfers ----------------------------------------------------------------------
     def post_read(self, peer: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
-                  note: bytes = b"") -> Any:  # fmt: skip
-        """Post a one-sided READ of ``remote`` (address, bytes) ranges of ``peer`` into ``local``; a handle."""
+                  note: bytes = b"", *, local_mem: Memory = DRAM, remote_mem: Memory = DRAM) -> Any:  # fmt: skip
+        """Post a one-sided READ of ``remote`` (address, bytes) ranges of ``peer`` into ``local``; a handle.
+
+        ``local_mem``/``remote_mem``: the ranges' memory kind and device, as each side registered them
+        (NIXL matches a descriptor to a registration by kind, device and address range)."""
         try:
-            ld = self._nixl.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
-            rd = self._nixl.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            ld = self._nixl.get_xfer_descs([(a, n, local_mem.device) for a, n in local], local_mem.kind)
+            rd = self._nixl.get_xfer_descs([(a, n, remote_mem.device) for a, n in remote], remote_mem.kind)
             handle = self._nixl.initialize_xfer("READ", ld, rd, peer, note)
         except Exception as exc:  # noqa: BLE001
             raise NixlError(f"NIXL agent {self.name!r}: a READ from {peer!r} could not be set up ({exc})") from None

@@ -19,7 +19,7 @@ import torch
 from lightning_wsync._control.manifest import Manifest
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.nixl.agent import NixlError, unusable
-from lightning_wsync._planes.nixl.receive import NixlReader, NixlSource
+from lightning_wsync._planes.nixl.receive import NixlReader, NixlSource, module_device
 from lightning_wsync._planes.nixl.send import NixlSendPlane
 from lightning_wsync._planes.params import ReceiveContext, SenderSpec
 from lightning_wsync._planes.sending import SendContext
@@ -42,6 +42,7 @@ class NixlSendParams:
     segment: ShmSegment  # the ring's slots: registered as they are, READ in place
     epoch: int
     job: str
+    mirror: tuple[torch.Tensor, ...] = ()  # the ring's GPU mirror (cuda_ipc=True): lent too, as VRAM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +81,7 @@ def offered(spec: SenderSpec, from_device: bool) -> bool:
 def open_send(side: SendContext) -> NixlSendPlane:
     assert side.segment is not None  # offered only with the shared-memory row
     return send_plane(NixlSendParams(ctl=side.ctl, ring=side.ring, segment=side.segment, epoch=side.spec.epoch,
-                                     job=side.spec.job))  # fmt: skip
+                                     job=side.spec.job, mirror=tuple(side.ring.mirror or ())))  # fmt: skip
 
 
 def open_receive(side: ReceiveContext) -> NixlSource | None:
@@ -106,7 +107,8 @@ def send_plane(p: NixlSendParams) -> NixlSendPlane:
         raise WeightSyncConfigError(f"WeightSender: transport='nixl', but {why}; or use transport='auto' or 'gloo'")
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", p.job)[:32]
     try:
-        return NixlSendPlane(p.ctl, p.ring, p.segment, epoch=p.epoch, name=f"wsync-s{p.epoch}-{os.getpid()}-{safe}")
+        return NixlSendPlane(p.ctl, p.ring, p.segment, epoch=p.epoch, name=f"wsync-s{p.epoch}-{os.getpid()}-{safe}",
+                             mirror=p.mirror)  # fmt: skip
     except NixlError as exc:
         raise WeightSyncConfigError(f"WeightSender: transport='nixl': {exc}") from None
 
@@ -142,7 +144,7 @@ def receive_source(p: NixlReceiveParams) -> NixlSource:
     try:
         reader = NixlReader(p.ctl, p.layout, epoch=p.epoch, rid=p.rid, timeout_s=p.timeout_s,
                             chunk_bytes=p.chunk_bytes, newest=p.newest, on_staged=p.on_staged,
-                            on_rejected=p.on_rejected)  # fmt: skip
+                            on_rejected=p.on_rejected, device=module_device(p.ordered))  # fmt: skip
     except NixlError as exc:
         raise WeightSyncConfigError(f"WeightReceiver {p.name!r}: {exc}") from None
     return NixlSource(p.epoch, p.ordered, reader)

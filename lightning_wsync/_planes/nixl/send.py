@@ -18,8 +18,10 @@ import threading
 import time
 from collections.abc import Sequence
 
+import torch
+
 from lightning_wsync._control import keys
-from lightning_wsync._control.records import NixlAgentRecord
+from lightning_wsync._control.records import DeviceRegion, NixlAgentRecord
 from lightning_wsync._control.store import Control
 from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.nixl import messages
@@ -41,19 +43,27 @@ def reader_name(rid: int, pid: int, token: str) -> str:
 
 
 class NixlSendPlane:
-    """Lends the ring's slots to receivers on other hosts that READ them through NIXL."""
+    """Lends the ring's slots to receivers on other hosts that READ them through NIXL.
 
-    def __init__(self, ctl: Control, ring: SnapshotRing, segment: ShmSegment, *, epoch: int, name: str) -> None:
+    ``mirror``: the ring's GPU mirror (``cuda_ipc=True``), registered too (``VRAM``) and
+    listed in the record, so a reader whose module is on a GPU READs device to device. A
+    mirror slot holds the same version as its host slot under the same sequence word and
+    pins, so one grant serves either. NIXL refusing it leaves host memory only, said once.
+    """
+
+    def __init__(self, ctl: Control, ring: SnapshotRing, segment: ShmSegment, *, epoch: int, name: str,
+                 mirror: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
         self._ctl = ctl
         self._ring = ring
         self._epoch = epoch
         self._agent = Agent(name)
+        self._mirror = list(mirror)  # held until the agent deregisters it (the ring may close first)
         try:
             self._agent.register([segment.header, *segment.data])
             regions = [(segment.header.data_ptr(), segment.header.numel() * 8)]
             regions += [(d.data_ptr(), d.numel()) for d in segment.data]
             self._key = keys.nixl_agent(epoch, "sender")
-            ctl.put(self._key, self._agent.record(regions))
+            ctl.put(self._key, self._agent.record(regions, self._register_mirror()))
         except BaseException:
             self._agent.close()
             raise
@@ -66,6 +76,19 @@ class NixlSendPlane:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"wsync-nixl-owner-{epoch}", daemon=True)
         self._thread.start()
+
+    def _register_mirror(self) -> list[DeviceRegion]:
+        if not self._mirror:
+            return []
+        try:
+            self._agent.register(self._mirror)
+        except NixlError as exc:
+            log.warning("NIXL owner of epoch %d: the ring's GPU mirror is not lent (%s); readers READ host "
+                        "memory", self._epoch, exc)  # fmt: skip
+            self._mirror = []
+            return []
+        log.info("NIXL owner of epoch %d: lending the ring's GPU mirror on %s too", self._epoch, self._mirror[0].device)
+        return [DeviceRegion(t.data_ptr(), t.numel(), t.get_device()) for t in self._mirror]
 
     # -- SendPlane --------------------------------------------------------------------
     def sync(self, live: Sequence[Peer], gone: Sequence[Peer], retired: Sequence[Peer]) -> None:
@@ -110,6 +133,7 @@ class NixlSendPlane:
         except (WeightSyncError, RuntimeError) as exc:
             log.debug("NIXL owner: deleting %r: %s", self._key, exc)
         self._agent.close()
+        self._mirror = []  # deregistered: the ring's GPU memory may go
         return []
 
     # -- the owner's thread -----------------------------------------------------------

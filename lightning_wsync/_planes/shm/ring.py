@@ -113,6 +113,11 @@ class SnapshotRing:
             self._mirror_views = [entry_views(layout, b) for b in self._mirror]
             cuda_ipc.export(self._mirror, segment.pin_dir)
 
+    @property
+    def mirror(self) -> list[torch.Tensor] | None:
+        """The slots' GPU mirror (``cuda_ipc=True``), one flat buffer per slot; None without one."""
+        return self._mirror
+
     # -- slot words -------------------------------------------------------------------
     def seq(self, slot: int) -> int:
         return self._slots.seq(slot)
