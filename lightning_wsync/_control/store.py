@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from lightning_wsync._control import keys
+from lightning_wsync._control import inflight, keys
 from lightning_wsync._control.checks import RecordShape, parse_counter
 from lightning_wsync._control.keys import ENV_JOB, ENV_STORE
 from lightning_wsync._control.records import R, Record
@@ -184,6 +184,7 @@ class Control:
         self.secret = None if secret is None else derive_key(secret, job)  # the HMAC key, never the raw secret
         self._secret = secret
         self.store = dist.PrefixStore(keys.job_prefix(job), store)  # PrefixStore adds the "/"
+        self._timeout_s: float = self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from stubs
         self._run = _run if _run is not None else []  # shared with clones: read once per process
         self._signer = Signer(keys.job_prefix(job), self.secret, self.run_id)
 
@@ -250,9 +251,17 @@ class Control:
         return self._signer.mac_bytes(message)
 
     # -- primitives ---------------------------------------------------------------
-    def _call(self, op: str, key: str, call: Callable[[], _T]) -> _T:
+    def _call(
+        self, op: str, key: str, call: Callable[[], _T], bound_s: float | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> _T:  # fmt: skip
+        """``call`` (one store operation bounded by ``bound_s``, the store's timeout by default),
+        with its ``RuntimeError`` named; the process's exit waits for it (:mod:`.inflight`)."""
+        if bound_s is None:
+            bound_s = self._timeout_s
         try:
-            return call()
+            with inflight.store_call(bound_s, wake):
+                return call()
         except WeightSyncError:
             raise
         except RuntimeError as exc:
@@ -282,15 +291,35 @@ class Control:
 
         The store answers when the key is set, so a waiter costs no polls; keep ``timeout_s``
         short enough for the caller's own deadlines, and call it on a :meth:`clone` only: the
-        connection is busy for the whole wait.
+        connection is busy for the whole wait. ``key`` must be one only the waiter reads: the
+        process's exit ends a wait by writing it (:meth:`_waker`).
         """
+        wait_s = max(0.001, timeout_s)
         try:
-            self._call("wait for", key, lambda: self.store.wait([key], timedelta(seconds=max(0.001, timeout_s))))
+            self._call("wait for", key, lambda: self.store.wait([key], timedelta(seconds=wait_s)),
+                       bound_s=wait_s + 1.0, wake=self._waker(key))  # fmt: skip
         except WeightSyncStoreError as exc:
             if isinstance(exc.__cause__, dist.DistStoreError):  # the wait's own timeout; a lost store is another error
                 return False
             raise
         return True
+
+    def _waker(self, key: str) -> Callable[[], None] | None:
+        """What ends a wait for ``key`` from another thread (the exit's: :mod:`.inflight`): ``key``
+        written on a connection of its own (a TCPStore's, made then) or on an in-process store;
+        None where the only connection could be the one waiting (a ``PrefixStore`` over another)."""
+        raw = self.raw
+        if not isinstance(raw, (dist.TCPStore, dist.HashStore, dist.FileStore)):
+            return None
+        prefix = keys.job_prefix(self.job)
+
+        def wake() -> None:
+            store = raw
+            if isinstance(raw, dist.TCPStore):  # connects within WOKEN_S, or raises
+                store = tcp_store(raw.host, raw.port, serve=False, timeout_s=inflight.WOKEN_S)
+            dist.PrefixStore(prefix, store).set(key, _EXIT_WAKE)
+
+        return wake
 
     def get_text(self, key: str) -> str | None:
         """The value at ``key``, or None, in one request that never waits (``has`` then ``get``
@@ -415,7 +444,8 @@ class Control:
 
     def delete(self, key: str) -> None:
         try:
-            self.store.delete_key(key)
+            with inflight.store_call(self._timeout_s):
+                self.store.delete_key(key)
         except RuntimeError:
             pass  # stores without delete (FileStore on old torch) keep the key; harmless
 
@@ -425,6 +455,7 @@ class Control:
 
 _ADD_TRIES = 10_000  # compare-and-sets lost in a row before add gives up
 _PROBE = "\x00wsync-probe"  # never a value: compare_set(key, _PROBE, _PROBE) only reads
+_EXIT_WAKE = "wake"  # what the process's exit writes into a key a thread of it waits for
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,5 +1,6 @@
-"""Try to crash a process at its exit while a gloo send it left behind still runs (a script, not a CI
-test; issue 32's exit -11, docs/reliability.md "the segfault at exit").
+"""Try to crash a process at its exit while a gloo send it left behind still runs, or a receive, or
+a store wait (a script, not a CI test; issue 32's exit -11, docs/reliability.md "the segfault at
+exit").
 
 ::
 
@@ -42,6 +43,13 @@ half threads' start), registered with the wait at exit; ``plain``, a bare daemon
 ``threading.Thread`` left behind, as ``send_apart``'s before 7f42f82 and the half threads'
 before the commit that added ``--side`` (nothing waits for it at exit).
 
+``--side store`` leaves no gloo work behind but a daemon thread in a blocking store wait, as a
+relay leader's bell waits (``Control.wait_for`` on a connection of its own, in a loop: a wait,
+then the key deleted, as ``leader/bell.py``). The child picks a moment ``due`` 0 to 1 s after
+its ``sys.exit`` plus a further 0 to 1.5 s (its finalization); per ``--case``, the peer sets
+the awaited key then (``rung``) or the wait's own timeout falls then (``timed_out``). No group
+is made. ``--thread`` does not apply.
+
 The child then sleeps a random 0 to group timeout and exits with ``sys.exit(0)``: the group
 timeout (where the left-behind wait returns) falls before its exit or inside its interpreter's
 finalization (about 1 CPU-s for a process with torch loaded; the driver counts which). The
@@ -71,6 +79,8 @@ from stress_native import _first_line, _free_port  # this script's neighbour (te
 
 _SIZE = 64 << 20
 _CASES = ["stuck", "aborted", "store_deleted", "shm_closed", "mmap_closed"]
+_STORE_CASES = ["rung", "timed_out"]  # --side store: what ends the wait left behind
+_FINALIZE_S = 1.5  # how far past sys.exit a store wait may end (finalizing takes ~1 CPU-s)
 _CONNECT_S = 60.0  # the store's timeout (a child or the peer late under load)
 
 
@@ -96,6 +106,8 @@ def _peer(port: int, iters: int, group_timeout_s: float, side: str) -> int:
     faulthandler.enable()
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=_CONNECT_S))
     store.set("peer/pid", str(os.getpid()))
+    if side == "store":
+        return _ringer(store, iters)
     buf = torch.empty(_SIZE, dtype=torch.uint8)
     errors: Counter[str] = Counter()
     for i in range(iters):
@@ -124,11 +136,66 @@ def _peer(port: int, iters: int, group_timeout_s: float, side: str) -> int:
     return 0
 
 
+def _ringer(store: object, iters: int) -> int:
+    """The peer of ``--side store``: sets each child's awaited key at the moment it asked for."""
+    from lightning_wsync._control.store import Control
+
+    ctl = Control(store, "stress")  # type: ignore[arg-type]
+    for i in range(iters):
+        if not ctl.wait_for(f"begin{i}", 600.0):
+            print(f"peer: no child {i} within 600 s", flush=True)
+            return 3
+        due = ctl.get_text(f"due{i}")
+        if due is None or due == "none":
+            continue
+        time.sleep(max(0.0, float(due) - time.monotonic()))  # CLOCK_MONOTONIC: one clock for every process
+        ctl.set_text(f"bell{i}", "1")
+    print(json.dumps({"peer_errors": {}}), flush=True)
+    return 0
+
+
+def _store_child(i: int, port: int, case: str, seed: int, times: Path) -> None:
+    """``--side store``: leave a daemon thread in a blocking store wait that ends (rung, or at
+    its own timeout) 0 to 1.5 s after ``sys.exit``, then exit through finalization."""
+    started = time.monotonic()
+    import torch.distributed as dist
+
+    from lightning_wsync._control.store import Control
+
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(60)
+    rng = random.Random(seed * 100_003 + i)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=_CONNECT_S))
+    ctl = Control(store, "stress")
+    waiter = ctl.clone()  # its waits block this connection, as the bell's
+    sleep_s = rng.uniform(0, 1.0)
+    due = time.monotonic() + sleep_s + rng.uniform(0, _FINALIZE_S)
+    key = f"bell{i}"
+
+    def bell() -> None:  # as leader/bell.py's thread: wait, delete, read, wait again
+        while True:
+            left = due - time.monotonic() if case == "timed_out" else 60.0
+            if waiter.wait_for(key, max(0.001, left)):
+                waiter.delete(key)
+            waiter.get_text(f"due{i}")  # the bell's reads after a wake-up
+
+    ctl.set_text(f"due{i}", repr(due) if case == "rung" else "none")
+    threading.Thread(target=bell, name=f"wsync-relay-bell-it{i}", daemon=True).start()
+    ctl.set_text(f"begin{i}", "1")
+    joined_at = time.monotonic()
+    time.sleep(sleep_s)
+    times.write_text(json.dumps({"started": started, "joined_at": joined_at, "due": due,
+                                 "exit_at": time.monotonic()}))  # fmt: skip
+    sys.exit(0)
+
+
 def _child(
     i: int, port: int, case: str, group_timeout_s: float, seed: int, times: Path, side: str = "send",
     how: str = "library",
 ) -> None:  # fmt: skip
     """Rank 0 of iteration ``i``: leave a send (or a receive) behind, then exit through interpreter finalization."""
+    if side == "store":
+        _store_child(i, port, case, seed, times)
     started = time.monotonic()
     import torch
     import torch.distributed as dist
@@ -237,6 +304,7 @@ def _driver(args: argparse.Namespace) -> None:
     if not args.spawn:
         import torch  # noqa: F401 - imported once here, inherited by each forked child
 
+        import lightning_wsync._control.store  # noqa: F401
         import lightning_wsync._planes.relay.exits  # noqa: F401
         import lightning_wsync._planes.relay.hops  # noqa: F401
         import lightning_wsync._planes.shm.segment  # noqa: F401
@@ -277,7 +345,7 @@ def _driver(args: argparse.Namespace) -> None:
         window = "no times"
         if times.exists():
             t = json.loads(times.read_text())
-            due = t["sent_at"] + args.group_timeout_s
+            due = t["due"] if "due" in t else t["sent_at"] + args.group_timeout_s
             window = "before exit" if due < t["exit_at"] else "in finalization" if due <= ended else "after end"
             windows[window] += 1
             if os.environ.get("STRESS_VERBOSE"):
@@ -294,9 +362,11 @@ def _driver(args: argparse.Namespace) -> None:
         else:
             log_path.unlink()
         if peer.poll() is not None:
-            print(f"the peer ended ({peer.returncode}) at iteration {i}", flush=True)
+            if i < args.iters - 1:  # a peer of --side store ends after the last child's moment
+                print(f"the peer ended ({peer.returncode}) at iteration {i}", flush=True)
             break
-    os.kill(peer.pid, signal.SIGCONT)
+    if peer.poll() is None:
+        os.kill(peer.pid, signal.SIGCONT)
     try:
         peer.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -327,11 +397,12 @@ def _wait_child(pid: int, peer_pid: int, bound_s: float) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", default="stuck", choices=_CASES)
+    ap.add_argument("--case", default="stuck", choices=_CASES + _STORE_CASES)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--group-timeout-s", type=float, default=1.0)
-    ap.add_argument("--side", default="send", choices=["send", "recv"], help="what the child leaves behind")
+    ap.add_argument("--side", default="send", choices=["send", "recv", "store"],
+                    help="what the child leaves behind: a gloo send, a gloo receive, a blocking store wait")
     ap.add_argument("--thread", default="library", choices=["library", "plain"],
                     help="library: registered with the wait at exit, as now; plain: a bare daemon thread")
     ap.add_argument("--spawn", action="store_true", help="a fresh interpreter per child (slower: imports torch)")
@@ -342,6 +413,8 @@ def main() -> None:
     ap.add_argument("--child", type=int)
     ap.add_argument("--times")
     args = ap.parse_args()
+    if (args.side == "store") != (args.case in _STORE_CASES):
+        ap.error(f"--case {args.case!r} does not go with --side {args.side!r}; --side store takes {_STORE_CASES}")
     if args.store:
         _store(args.port)
     if args.peer:

@@ -47,7 +47,7 @@ from lightning_wsync._planes.wire import (
     trailer_words,
     verify,
 )
-from lightning_wsync.errors import WeightSyncStoreError
+from lightning_wsync.errors import WeightSyncRecordError, WeightSyncStoreError
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class NetReceiveLink:
         self._newest = newest  # the newest version published, as the watcher last read it
         self._seen: int | None = None  # the newest version whose header arrived, on any generation
         self._n = 0  # the announcement the current generation waits for
+        self._number = 0  # the last link number taken (member/<rid>/net)
         self._pg: Interruptible | None = None
         self._stop = threading.Event()
         self._notes = NoteWaiter(control, self._stop)
@@ -153,9 +154,18 @@ class NetReceiveLink:
         ctl = self._control.clone()
         while not self._stop.is_set():
             try:
-                number = ctl.add(keys.member_link(self._rid), 1)
+                number = self._number = ctl.add(keys.member_link(self._rid), 1)
                 ctl.bump(keys.LINKS_ASKED)  # the sender looks at link numbers when this moves
             except WeightSyncStoreError:  # the watcher reports it; the link comes back with the store
+                self._stop.wait(_STORE_RETRY_S)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a link thread that died would bring no version again
+                unexpected(log, self._thread.name, exc)
+                if isinstance(exc, WeightSyncRecordError):  # its own counter garbled (a store writer): renumbered
+                    try:
+                        ctl.set_text(keys.member_link(self._rid), str(self._number))
+                    except WeightSyncStoreError:
+                        pass  # the store is gone: the next add says so
                 self._stop.wait(_STORE_RETRY_S)
                 continue
             prefix = keys.link_prefix(self.epoch, self._rid, number)

@@ -22,6 +22,7 @@ from lightning_wsync._planes.base import Delivery, Peer
 from lightning_wsync._planes.delta.encode import AutoPolicy, DeltaStreams
 from lightning_wsync._planes.net.sendlink import NetSendLink
 from lightning_wsync._planes.shm.ring import SnapshotRing
+from lightning_wsync.errors import WeightSyncRecordError
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +62,26 @@ class NetSendPlane:
             self._reap()
             return
         self._followed, self._follow_all_at = (asked, rids), now + self._follow_all_s
+        garbled: list[WeightSyncRecordError] = []  # one receiver's counter never stops the others' links
         for peer in gone:
             self._drop(peer.rid)
         for peer in retired:
             self._drop(peer.rid)
-            self._delete_groups(peer.rid, self._ctl.add(keys.member_link(peer.rid), 0))
+            try:
+                self._delete_groups(peer.rid, self._ctl.add(keys.member_link(peer.rid), 0))
+            except WeightSyncRecordError as exc:
+                garbled.append(exc)
             self._ctl.delete(keys.member_link(peer.rid))
             self._cleaned.pop(peer.rid, None)
         for peer in live:
-            self._follow(peer.rid)
+            try:
+                self._follow(peer.rid)
+            except WeightSyncRecordError as exc:
+                garbled.append(exc)
         self._reap()
+        if garbled:
+            self._followed = None  # looked at again next time, the counter maybe rewritten by its receiver
+            raise garbled[0]  # the sender's thread says it once (a bad record)
 
     def _follow(self, rid: int) -> None:
         """Make the link ``rid`` asked for; once both ends used it, its group's keys are spent."""

@@ -12,16 +12,19 @@ interpreter finalizes, the thread is ended by ``pthread_exit`` inside pybind11's
 without an active exception"; counted by ``tests/relay/stress_exit.py``, docs/reliability.md).
 Waiting at ``atexit`` lets it return while Python still runs. ``os._exit`` and signals skip this;
 they need not wait (the threads end with the process). The same abort was counted for a receive
-left behind (a half thread's, ``stress_exit.py --side recv``), so these wait too.
+left behind (a half thread's, ``stress_exit.py --side recv``), so these wait too. The wait runs
+before the store closes to threads at exit (:mod:`~lightning_wsync._control.inflight`): a thread
+waited for here may make store calls on its way out.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
 from collections.abc import Callable
+
+from lightning_wsync._control import inflight
 
 log = logging.getLogger(__name__)
 
@@ -87,4 +90,4 @@ def join_at_exit() -> None:
         log.warning("relay: %s still running at exit after %.1f s; the process may abort as it ends", stuck, bound)
 
 
-atexit.register(join_at_exit)
+inflight.before_close(join_at_exit)  # at exit, before the store closes to threads
