@@ -286,18 +286,19 @@ class Control:
         """Whether every one of ``keys`` exists, in one request."""
         return self._call("check", keys[0] if keys else "", lambda: bool(self.store.check(keys)))
 
-    def wait_for(self, key: str, timeout_s: float) -> bool:
+    def wait_for(self, key: str, timeout_s: float, *, private: bool = True) -> bool:
         """Block until ``key`` exists (True) or ``timeout_s`` passes (False), in one request.
 
         The store answers when the key is set, so a waiter costs no polls; keep ``timeout_s``
         short enough for the caller's own deadlines, and call it on a :meth:`clone` only: the
-        connection is busy for the whole wait. ``key`` must be one only the waiter reads: the
-        process's exit ends a wait by writing it (:meth:`_waker`).
+        connection is busy for the whole wait. ``private``: only the waiter reads ``key``, so
+        the process's exit may end the wait by writing it (:meth:`_waker`); a key others read
+        (a record) is never written so, and its wait is waited for at exit, up to its bound.
         """
         wait_s = max(0.001, timeout_s)
         try:
             self._call("wait for", key, lambda: self.store.wait([key], timedelta(seconds=wait_s)),
-                       bound_s=wait_s + 1.0, wake=self._waker(key))  # fmt: skip
+                       bound_s=wait_s + 1.0, wake=self._waker(key) if private else None)  # fmt: skip
         except WeightSyncStoreError as exc:
             if isinstance(exc.__cause__, dist.DistStoreError):  # the wait's own timeout; a lost store is another error
                 return False

@@ -119,7 +119,7 @@ class ShareWriter:
         if stream is not None:
             if flush_timeout_s > 0 and self._closed_key is not None:
                 try:
-                    stream.ctl.clone().wait_for(self._closed_key, flush_timeout_s)
+                    stream.ctl.clone().wait_for(self._closed_key, flush_timeout_s, private=False)  # rank 0's record
                 except WeightSyncError as exc:  # the store went with rank 0: nothing left to wait for
                     log.debug("trainer rank %d: %s", self._shares.rank, exc)
             stream.close(max(0.0, timeout_s - spent))
