@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the report; return the exit status."""
     args.transports = args.transport or ["auto"]  # hook (the NIXL plane): several only with --hosts
+    if args.json:  # NIXL prints each agent's start on stdout, here and in every process started from here
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     args.transport = args.transports[-1]
     if len(args.transports) > 1 and args.hosts is None:
         print("lightning-wsync bench: --transport more than once needs --hosts", file=sys.stderr)
