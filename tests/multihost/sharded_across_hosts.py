@@ -119,7 +119,9 @@ def scenario(argv: list[str]) -> dict[str, Any]:
     events = out / "events.jsonl"
     with SimHosts(2 + len(ROLLOUT)) as hosts:
         if mode == "kill+stop":
-            hosts.shape(1, "100mbit")  # rank 1's share of a version takes ~0.7 s on its link
+            # rank 1's share of a version takes ~1.7 s on its link: the kill, once 30% of it left, lands
+            # mid-share even when polling the host's counters (a subprocess each) is slow under load
+            hosts.shape(1, "40mbit")
         os.environ["WSYNC_HOST_ID"] = hosts.name(0)
         hosts.enter(0)
         store = host_store(hosts.address(0), 0, timeout_s=60)

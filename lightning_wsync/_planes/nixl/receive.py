@@ -16,6 +16,9 @@ into a page-locked host buffer and hashed: one device-to-host copy of the versio
 of GB/s) besides the hashing the host path does anyway. Where that path cannot be used
 (the module not on one GPU, no mirror lent, NIXL refusing the device buffer, or the first
 READ from the mirror failing), versions are READ through host memory, said once.
+
+Longer than 300 lines: one reader's protocol (pin, READ, the words read again, verify, stage)
+with its two kinds of buffer, host and device, which share every step but where the bytes land.
 """
 
 from __future__ import annotations
